@@ -1,0 +1,21 @@
+"""ZeRO stages 0-3 (and ZeRO++) for any nn.Module."""
+from zeropp.config import ConfigError, DeepSpeedConfig, ZeroConfig
+from zeropp.engine import DDPEngine, Engine, OptimizerSettings, StepResult
+
+
+def initialize(module, config: DeepSpeedConfig, comm, device, optim: OptimizerSettings,
+               gradient_accumulation_steps: int = 1) -> Engine:
+    """Wrap `module` in the engine for `config.zero_optimization.stage`."""
+    zero = config.zero_optimization
+    zero.validate_topology(comm.topology.ranks_per_node, comm.topology.world_size)
+    if zero.stage == 0:
+        cls = DDPEngine
+    elif zero.stage in (1, 2):
+        from zeropp.stage12 import ShardedOptimizerEngine as cls
+    else:
+        from zeropp.stage3 import Stage3Engine as cls
+    return cls(module, config, comm, device, optim, gradient_accumulation_steps)
+
+
+__all__ = ["initialize", "ConfigError", "DeepSpeedConfig", "ZeroConfig", "Engine", "DDPEngine",
+           "OptimizerSettings", "StepResult"]

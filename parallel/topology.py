@@ -1,0 +1,77 @@
+"""Which ranks share a node, and the process groups that follow from it.
+
+Ranks are laid out node-major, as torchrun does: global rank = node * L + local,
+for L ranks per node. `ranks_per_node` normally comes from torchrun's
+LOCAL_WORLD_SIZE; overriding it (``--ranks-per-node``) lets one machine emulate
+several nodes so that the hierarchical ZeRO++ paths run and are tested on CPU.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+
+@dataclass
+class Topology:
+    world_size: int
+    rank: int
+    ranks_per_node: int
+    # Process groups, created by `build_groups` once torch.distributed is up.
+    intra_node_group: object = field(default=None, repr=False)
+    inter_node_group: object = field(default=None, repr=False)
+
+    def __post_init__(self):
+        if self.ranks_per_node < 1 or self.world_size % self.ranks_per_node:
+            raise ValueError(
+                f"--ranks-per-node {self.ranks_per_node} must divide the world size "
+                f"{self.world_size}; pass a divisor of {self.world_size}")
+
+    @property
+    def num_nodes(self) -> int:
+        return self.world_size // self.ranks_per_node
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
+    @property
+    def node(self) -> int:
+        return self.node_of(self.rank)
+
+    @property
+    def local_rank(self) -> int:
+        return self.rank % self.ranks_per_node
+
+    def node_ranks(self, node: int) -> list[int]:
+        """Global ranks on `node`."""
+        return list(range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node))
+
+    def peer_ranks(self, local_rank: int) -> list[int]:
+        """Global ranks with the same local index on every node."""
+        return [n * self.ranks_per_node + local_rank for n in range(self.num_nodes)]
+
+    def build_groups(self) -> "Topology":
+        """Create the intra-node and inter-node groups (collective on all ranks)."""
+        if not dist.is_initialized():
+            return self
+        # Every rank must call new_group for every group, in the same order.
+        for node in range(self.num_nodes):
+            g = dist.new_group(self.node_ranks(node))
+            if node == self.node:
+                self.intra_node_group = g
+        for local in range(self.ranks_per_node):
+            g = dist.new_group(self.peer_ranks(local))
+            if local == self.local_rank:
+                self.inter_node_group = g
+        return self
+
+
+def topology_from_env(ranks_per_node: int | None = None) -> Topology:
+    """The topology of the running job. With no override, torchrun's
+    LOCAL_WORLD_SIZE says how many ranks share a node."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if ranks_per_node is None:
+        ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return Topology(world_size=world, rank=rank, ranks_per_node=ranks_per_node).build_groups()

@@ -1,0 +1,66 @@
+"""Run a function on N real processes joined by gloo, as torchrun would.
+
+    results = run_distributed(fn, world_size=4, args=(...))   # one result per rank
+
+`fn(rank, world_size, *args)` runs in a fresh process with torch.distributed
+initialised; its return value (picklable) comes back in rank order. An
+exception on any rank fails the call with that rank's traceback.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, queue, env):
+    os.environ.update(env)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)  # N ranks share 2 cores
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        # Plain pickle: tensors travel by value, not as shared-memory handles
+        # that die with this process.
+        queue.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
+    except BaseException:
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, args: tuple = (), env: dict | None = None, timeout: float = 300):
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, env or {}))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results, errors = {}, []
+    for _ in range(world_size):
+        rank, status, value = queue.get()
+        if status == "ok":
+            results[rank] = pickle.loads(value)
+        else:
+            errors.append(f"rank {rank}:\n{value}")
+            break  # the other ranks may now hang in a collective; stop them
+    for p in procs:
+        p.join(timeout=5 if errors else timeout)
+        if p.is_alive():
+            p.kill()
+    if errors:
+        raise RuntimeError("distributed run failed\n" + "\n".join(errors))
+    return [results[r] for r in range(world_size)]

@@ -1,0 +1,250 @@
+"""The training engine: it owns the model's precision, backward, gradient
+communication and the optimizer step, so the training loop stays plain:
+
+    engine = zeropp.initialize(model, ds_config, comm, device, optim, grad_accum)
+    for micro_batch in range(grad_accum):
+        loss = engine(tokens, labels)
+        engine.backward(loss)
+    result = engine.step()          # StepResult(skipped, grad_norm, loss_scale)
+
+`Engine` holds what every ZeRO stage shares (loss scaling, accumulation,
+clipping, learning rate). `DDPEngine` is stage 0: replicated model states and
+gradients all-reduced by torch's DistributedDataParallel. The sharded stages
+live in their own modules and subclass `Engine`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from parallel.comm import Communicator
+from zeropp.config import DeepSpeedConfig
+from zeropp.loss_scaler import LossScaler
+
+
+@dataclass
+class OptimizerSettings:
+    lr: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+
+
+@dataclass
+class StepResult:
+    skipped: bool          # an fp16 overflow was found on some rank: no update anywhere
+    grad_norm: float       # global norm of the unscaled gradient before clipping (nan if skipped)
+    loss_scale: float      # the scale the step's gradients were computed with
+
+
+def split_decay(module: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """Weight decay applies to matrices; biases and norm gains are exempt.
+    Tied parameters appear once."""
+    decay, no_decay = [], []
+    for p in module.parameters():  # parameters() already de-duplicates shared tensors
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    return decay, no_decay
+
+
+def compute_dtype(config: DeepSpeedConfig) -> torch.dtype:
+    if config.fp16.enabled:
+        return torch.float16
+    if config.bf16.enabled:
+        return torch.bfloat16
+    return torch.float32
+
+
+class Engine:
+    """Shared machinery; subclasses implement `_reduce_gradients`,
+    `_grad_norm_sq`, `_apply_update` and the state-dict methods."""
+
+    def __init__(self, module: nn.Module, config: DeepSpeedConfig, comm: Communicator,
+                 device: torch.device, optim: OptimizerSettings, gradient_accumulation_steps: int = 1):
+        self.module = module
+        self.config = config
+        self.comm = comm
+        self.device = device
+        self.optim_settings = optim
+        self.dtype = compute_dtype(config)
+        self.loss_scaler = LossScaler(config.fp16)
+        self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.clip = config.gradient_clipping
+        self.micro_step = 0        # micro-batches seen since the last optimizer step
+        self.global_step = 0       # optimizer steps taken (skipped ones included)
+        self.lr = optim.lr
+
+    # -- training loop interface -----------------------------------------
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True while running the last micro-batch before an optimizer step."""
+        return self.micro_step + 1 == self.gradient_accumulation_steps
+
+    def backward(self, loss: torch.Tensor):
+        # Average over micro-batches and apply the fp16 loss scale in one multiply.
+        (loss * (self.loss_scaler.scale / self.gradient_accumulation_steps)).backward()
+        self.micro_step += 1
+
+    def step(self) -> StepResult:
+        if self.micro_step != self.gradient_accumulation_steps:
+            raise RuntimeError(f"step() after {self.micro_step} backward() calls; expected "
+                               f"{self.gradient_accumulation_steps} (gradient accumulation steps)")
+        scale = self.loss_scaler.scale
+        self._reduce_gradients()
+        norm_sq = self._grad_norm_sq()  # of the scaled gradient; inf/nan on overflow
+        norm = math.sqrt(norm_sq) / scale if math.isfinite(norm_sq) else float("nan")
+        overflow = not math.isfinite(norm)
+        if not overflow:
+            coef = 1.0 / scale
+            if self.clip > 0 and norm > self.clip:
+                coef *= self.clip / (norm + 1e-6)
+            self._apply_update(coef)
+        self._zero_grad()
+        self.loss_scaler.update(overflow)
+        self.micro_step = 0
+        self.global_step += 1
+        return StepResult(skipped=overflow, grad_norm=norm, loss_scale=scale)
+
+    def set_lr(self, lr: float):
+        self.lr = lr
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def train(self, mode: bool = True):
+        self.module.train(mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    # -- helpers for subclasses -------------------------------------------
+    def _make_optimizer(self, decay: list[torch.Tensor], no_decay: list[torch.Tensor]):
+        s = self.optim_settings
+        groups = [{"params": decay, "weight_decay": s.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        groups = [g for g in groups if g["params"]]
+        # foreach=True: one fused pass over all tensors, also on CPU.
+        return torch.optim.AdamW(groups, lr=s.lr, betas=s.betas, eps=s.eps, foreach=True)
+
+    def _all_reduce_max_overflow(self, value: float) -> float:
+        """Every rank must agree on skipping the step."""
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        self.comm.all_reduce(t, op=dist.ReduceOp.MAX, tag="overflow_check")
+        return t.item()
+
+
+class DDPEngine(Engine):
+    """ZeRO stage 0: every rank holds the whole model, its gradients and the
+    optimizer state. Gradients are all-reduced by torch DDP (bucketed and
+    overlapped with backward) through our Communicator, so bytes are counted.
+    With 16-bit training the model runs in fp16/bf16 and fp32 master weights
+    are kept for the optimizer."""
+
+    def __init__(self, module, config, comm, device, optim, gradient_accumulation_steps=1):
+        module = module.to(device=device, dtype=compute_dtype(config))
+        super().__init__(module, config, comm, device, optim, gradient_accumulation_steps)
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        if self.dtype == torch.float32:
+            self.master = self.params
+        else:
+            self.master = [p.detach().float().clone().requires_grad_(True) for p in self.params]
+        decay, no_decay = split_decay(module)
+        index = {id(p): i for i, p in enumerate(self.params)}
+        self.optimizer = self._make_optimizer([self.master[index[id(p)]] for p in decay],
+                                              [self.master[index[id(p)]] for p in no_decay])
+        self.ddp = None
+        if comm.topology.world_size > 1:
+            self.ddp = nn.parallel.DistributedDataParallel(
+                module, device_ids=[device.index] if device.type == "cuda" else None,
+                bucket_cap_mb=25)
+            self.ddp.register_comm_hook(comm, _counted_allreduce_hook)
+
+    def forward(self, *args, **kwargs):
+        if self.ddp is None:
+            return self.module(*args, **kwargs)
+        if self.is_gradient_accumulation_boundary():
+            return self.ddp(*args, **kwargs)
+        with self.ddp.no_sync():  # accumulate locally; all-reduce only on the last micro-batch
+            return self.ddp(*args, **kwargs)
+
+    def _reduce_gradients(self):
+        pass  # DDP already all-reduced during the last backward
+
+    def _grad_norm_sq(self) -> float:
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if not grads:
+            return 0.0
+        norms = torch._foreach_norm(grads, 2.0)
+        total = torch.stack([n.float() for n in norms]).pow(2).sum().item()
+        return self._all_reduce_max_overflow(total)  # identical on all ranks; MAX is just agreement
+
+    def _apply_update(self, coef: float):
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        if self.master is self.params:
+            torch._foreach_mul_(grads, coef)
+        else:
+            for m, g in zip(self.master, grads):
+                m.grad = g.float().mul_(coef)
+        self.optimizer.step()
+        if self.master is not self.params:
+            with torch.no_grad():
+                torch._foreach_copy_([p.data for p in self.params], self.master)
+
+    def _zero_grad(self):
+        for p in self.params:
+            p.grad = None
+        if self.master is not self.params:
+            for m in self.master:
+                m.grad = None
+
+    # -- checkpoint state ---------------------------------------------------
+    def module_state_dict(self) -> dict:
+        """Full model weights (fp32 masters when training in 16-bit)."""
+        sd = self.module.state_dict()
+        if self.master is not self.params:
+            name = {id(p): n for n, p in self.module.named_parameters()}
+            for p, m in zip(self.params, self.master):
+                sd[name[id(p)]] = m.detach().clone()
+        return {k: v.detach().cpu() for k, v in sd.items()}
+
+    def load_module_state_dict(self, sd: dict):
+        self.module.load_state_dict({k: v.to(self.dtype) if v.is_floating_point() else v
+                                     for k, v in sd.items()})
+        if self.master is not self.params:
+            name = {id(p): n for n, p in self.module.named_parameters()}
+            with torch.no_grad():
+                for p, m in zip(self.params, self.master):
+                    m.copy_(sd[name[id(p)]])
+
+    def optimizer_state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "loss_scaler": self.loss_scaler.state_dict(),
+                "global_step": self.global_step}
+
+    def load_optimizer_state_dict(self, sd: dict):
+        self.optimizer.load_state_dict(sd["optimizer"])
+        self.loss_scaler.load_state_dict(sd["loss_scaler"])
+        self.global_step = sd["global_step"]
+
+    def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """What this rank holds, by kind, for memory_report()."""
+        opt = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+        return {"parameters": list(self.params),
+                "gradients": [p.grad for p in self.params if p.grad is not None],
+                "optimizer": opt + ([] if self.master is self.params else list(self.master))}
+
+
+def _counted_allreduce_hook(comm: Communicator, bucket):
+    """DDP communication hook: average the bucket through our Communicator."""
+    tensor = bucket.buffer()
+    tensor.div_(comm.topology.world_size)
+    work = comm.all_reduce(tensor, async_op=True, tag="ddp_all_reduce")
+    return work.get_future().then(lambda fut: fut.value()[0])
