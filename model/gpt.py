@@ -22,7 +22,8 @@ class GPTConfig:
     num_attention_heads: int = 12
     max_position_embeddings: int = 1024
     ffn_hidden_size: int | None = None   # default 4 * hidden_size
-    dropout: float = 0.1                 # hidden and attention dropout
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
     layernorm_epsilon: float = 1e-5
     init_method_std: float = 0.02
     make_vocab_size_divisible_by: int = 128
@@ -48,7 +49,7 @@ class SelfAttention(nn.Module):
         self.heads = cfg.num_attention_heads
         self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
         self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
-        self.dropout = cfg.dropout
+        self.dropout = cfg.attention_dropout
 
     def forward(self, x):
         b, s, h = x.shape
@@ -75,7 +76,7 @@ class Block(nn.Module):
         self.attn = SelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
         self.mlp = MLP(cfg)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = nn.Dropout(cfg.hidden_dropout)
 
     def forward(self, x):
         x = x + self.drop(self.attn(self.ln1(x)))
@@ -88,7 +89,7 @@ class GPT(nn.Module):
         self.config = cfg
         self.wte = nn.Embedding(cfg.padded_vocab_size, cfg.hidden_size)
         self.wpe = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = nn.Dropout(cfg.hidden_dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
         self.reset_parameters()

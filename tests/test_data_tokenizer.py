@@ -1,0 +1,68 @@
+"""Tokenizers: round trips, end-of-document ids, training, and helpful errors."""
+
+import json
+
+import pytest
+import tokenizers
+
+from data import train_tokenizer
+from data.tokenizer import GPT2_EOD_TOKEN, build_tokenizer, train_sentencepiece
+
+TEXTS = [
+    "In the beginning God created the heaven and the earth.",
+    "And the earth was without form, and void; and darkness was upon the face of the deep.",
+    "And God said, Let there be light: and there was light.\nAnd God saw the light, that it was good.",
+    "The quick brown fox jumps over the lazy dog 1234567890 times.",
+] * 20
+SAMPLE = "And God said, Let there be light:  and there was light.\n\nNumbers 42 & naïve café ☃"
+
+
+@pytest.fixture(scope="module")
+def sp_model(tmp_path_factory):
+    return train_sentencepiece(TEXTS, str(tmp_path_factory.mktemp("sp") / "tiny"), vocab_size=320)
+
+
+def test_sentencepiece_round_trip(sp_model):
+    tok = build_tokenizer("SentencePieceTokenizer", tokenizer_model=sp_model)
+    assert tok.name == "SentencePieceTokenizer" and tok.vocab_size == 320
+    ids = tok.tokenize(SAMPLE)
+    assert all(0 <= i < tok.vocab_size for i in ids)
+    assert tok.detokenize(ids) == SAMPLE  # exact, including double spaces, newlines, unseen characters
+    assert len(tok.tokenize("the earth")) < len("the earth")  # learned merges, not bytes
+    assert 0 <= tok.eod < tok.vocab_size and tok.eod not in tok.tokenize(" ".join(TEXTS))
+
+
+def test_train_tokenizer_cli_on_jsonl(tmp_path, capsys):
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text("".join(json.dumps({"body": t}) + "\n" for t in TEXTS))
+    train_tokenizer.main(["--input", str(corpus), "--json-keys", "body", "--vocab-size", "340",
+                          "--model-prefix", str(tmp_path / "cli")])
+    assert "vocab 340" in capsys.readouterr().out
+    tok = build_tokenizer("SentencePieceTokenizer", tokenizer_model=str(tmp_path / "cli.model"))
+    assert tok.detokenize(tok.tokenize(TEXTS[0])) == TEXTS[0]
+
+
+def test_gpt2_bpe_round_trip(tmp_path):
+    trainer = tokenizers.ByteLevelBPETokenizer()
+    trainer.train_from_iterator(TEXTS, vocab_size=400, special_tokens=[GPT2_EOD_TOKEN], show_progress=False)
+    vocab_file, merge_file = trainer.save_model(str(tmp_path))
+    tok = build_tokenizer("GPT2BPETokenizer", vocab_file=vocab_file, merge_file=merge_file)
+    assert tok.name == "GPT2BPETokenizer"
+    assert tok.eod == json.load(open(vocab_file))[GPT2_EOD_TOKEN]
+    ids = tok.tokenize(SAMPLE)
+    assert tok.detokenize(ids) == SAMPLE
+    assert max(ids) < tok.vocab_size and tok.eod not in ids
+
+
+def test_errors_name_the_flag(tmp_path):
+    with pytest.raises(FileNotFoundError, match="--tokenizer-model.*data.train_tokenizer"):
+        build_tokenizer("SentencePieceTokenizer", tokenizer_model=str(tmp_path / "nope.model"))
+    with pytest.raises(FileNotFoundError, match="--tokenizer-model is required"):
+        build_tokenizer("SentencePieceTokenizer")
+    with pytest.raises(FileNotFoundError, match="--vocab-file"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=str(tmp_path / "vocab.json"), merge_file="m.txt")
+    (tmp_path / "vocab.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="--merge-file"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=str(tmp_path / "vocab.json"), merge_file=str(tmp_path / "m.txt"))
+    with pytest.raises(ValueError, match="SentencePieceTokenizer, GPT2BPETokenizer"):
+        build_tokenizer("BertWordPieceLowerCase")

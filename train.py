@@ -1,0 +1,192 @@
+"""Pretrain a GPT-2 with ZeRO / ZeRO++ sharding.
+
+    torchrun --nproc-per-node 4 train.py --config configs/demo.yaml
+    torchrun ... train.py --num-layers 40 --hidden-size 6144 ... --deepspeed_config ds.json
+
+Flags follow Megatron-LM (see training/args.py). The loop is plain: the engine
+owns precision, gradient communication and the optimizer step.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import zeropp
+from data.gpt_dataset import build_train_valid_test_datasets
+from data.sampler import build_data_loader
+from data.stats import unigram_entropy
+from data.tokenizer import build_tokenizer
+from model import GPT, GPTConfig, flops_per_iteration, num_parameters
+from parallel.comm import Communicator
+from parallel.launch import init_distributed, print_rank0
+from parallel.topology import topology_from_env
+from training.args import parse_args, resolve_batch
+from training.checkpoint import load_checkpoint, save_checkpoint
+from training.logger import TrainingLogger, peak_memory_mb
+from training.lr_schedule import learning_rate
+
+
+def model_config(args, vocab_size: int) -> GPTConfig:
+    return GPTConfig(
+        vocab_size=vocab_size, num_layers=args.num_layers, hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
+        max_position_embeddings=args.max_position_embeddings, hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
+        layernorm_epsilon=args.layernorm_epsilon,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        checkpoint_activations=args.checkpoint_activations)
+
+
+def mean_over_ranks(comm: Communicator, value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    comm.all_reduce(t, tag="metrics")
+    return t.item() / comm.topology.world_size
+
+
+def evaluate(engine, dataset, args, comm, device) -> float:
+    """Mean loss over `eval_iters` global batches, always the same ones."""
+    engine.eval()
+    loader = iter(build_data_loader(dataset, 0, args.micro_batch_size, comm.topology.rank,
+                                    comm.topology.world_size))
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for _ in range(args.eval_iters * args.gradient_accumulation_steps):
+            batch = next(loader, None)
+            if batch is None:
+                break
+            batch = batch.to(device)
+            total += engine(batch[:, :-1], batch[:, 1:]).item()
+            count += 1
+    engine.train()
+    return mean_over_ranks(comm, total / max(count, 1))
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    device = init_distributed(args.distributed_backend)
+    topology = topology_from_env(args.ranks_per_node)
+    comm = Communicator(topology)
+    world = topology.world_size
+    resolve_batch(args, world)
+    torch.manual_seed(args.seed)
+
+    tokenizer = build_tokenizer(args.tokenizer_type, tokenizer_model=args.tokenizer_model,
+                                vocab_file=args.vocab_file, merge_file=args.merge_file)
+    eval_runs = args.train_iters // args.eval_interval + 1
+    num_samples = (args.train_iters * args.global_batch_size,
+                   eval_runs * args.eval_iters * args.global_batch_size,
+                   args.eval_iters * args.global_batch_size)
+    train_ds, valid_ds, test_ds = build_train_valid_test_datasets(
+        args.data_path, args.split, args.seq_length, num_samples, args.seed, args.data_cache_path)
+
+    cfg = model_config(args, tokenizer.vocab_size)
+    model = GPT(cfg)
+    optim = zeropp.OptimizerSettings(lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
+                                     eps=args.adam_eps, weight_decay=args.weight_decay)
+    engine = zeropp.initialize(model, args.ds_config, comm, device, optim, args.gradient_accumulation_steps)
+
+    print_rank0(f"> {world} ranks on {topology.num_nodes} node(s) x {topology.ranks_per_node}, "
+                f"ZeRO stage {args.zero_stage}, {engine.dtype}, device {device}")
+    print_rank0(f"> GPT: {num_parameters(cfg):,} parameters, vocab {tokenizer.vocab_size} "
+                f"(padded {cfg.padded_vocab_size}); global batch {args.global_batch_size} = micro "
+                f"{args.micro_batch_size} x {world} ranks x {args.gradient_accumulation_steps} accumulation")
+    if len(args.data_path) == 1:
+        print_rank0(f"> unigram entropy of the corpus: {unigram_entropy(args.data_path[0]):.4f} nats "
+                    f"(the loss of a context-free model)")
+
+    iteration, consumed = 0, 0
+    if args.load:
+        meta = load_checkpoint(args.load, engine, not args.no_load_optim, not args.no_load_rng)
+        if meta is not None:
+            iteration, consumed = meta["iteration"], meta["consumed_train_samples"]
+            print_rank0(f"> resumed from {args.load} at iteration {iteration}, {consumed} samples consumed")
+        else:
+            print_rank0(f"> no checkpoint in {args.load}; starting from scratch")
+
+    meta = {"model_config": dataclasses.asdict(cfg), "tokenizer_type": args.tokenizer_type,
+            "tokenizer_model": args.tokenizer_model, "vocab_file": args.vocab_file,
+            "merge_file": args.merge_file, "zero_stage": args.zero_stage, "argv": sys.argv[1:]}
+    logger = TrainingLogger(args.tensorboard_dir)
+    loader = iter(build_data_loader(train_ds, consumed, args.micro_batch_size, topology.rank, world,
+                                    args.num_workers))
+    flops = flops_per_iteration(cfg, args.global_batch_size, args.seq_length, args.checkpoint_activations)
+    def new_window():  # what the next log line averages over
+        return {"loss": 0.0, "steps": 0, "iters": 0, "skipped": 0, "nan": 0, "start": time.time()}
+
+    window = new_window()
+    total_skipped = total_nan = 0
+    comm.reset_stats()
+    engine.train()
+    while iteration < args.train_iters:
+        lr = learning_rate(iteration, lr=args.lr, min_lr=args.min_lr, warmup_iters=args.lr_warmup_iters,
+                           decay_iters=args.lr_decay_iters, style=args.lr_decay_style)
+        engine.set_lr(lr)
+        step_loss = 0.0
+        for _ in range(args.gradient_accumulation_steps):
+            batch = next(loader).to(device)
+            loss = engine(batch[:, :-1], batch[:, 1:])
+            engine.backward(loss)
+            step_loss += loss.item() / args.gradient_accumulation_steps
+        result = engine.step()
+        iteration += 1
+        consumed += args.global_batch_size
+        if result.skipped:
+            window["skipped"] += 1
+        elif not math.isfinite(step_loss):
+            window["nan"] += 1
+        else:
+            window["loss"] += step_loss
+            window["steps"] += 1
+
+        window["iters"] += 1
+
+        if iteration % args.log_interval == 0 or iteration == args.train_iters:
+            elapsed = (time.time() - window["start"]) / window["iters"]
+            total_skipped += window["skipped"]
+            total_nan += window["nan"]
+            stats = comm.reset_stats()
+            loss_avg = mean_over_ranks(comm, window["loss"] / max(window["steps"], 1))
+            samples_per_s = args.global_batch_size / elapsed
+            logger.training_line(iteration, args.train_iters, {
+                "consumed": consumed, "iter_ms": elapsed * 1000, "lr": lr,
+                "global_batch": args.global_batch_size, "loss": loss_avg,
+                "loss_scale": result.loss_scale, "grad_norm": result.grad_norm,
+                "skipped": total_skipped, "nan": total_nan, "samples_per_s": samples_per_s,
+                "tokens_per_s": samples_per_s * args.seq_length,
+                "tflops": flops / elapsed / world / 1e12,
+                "intra_mb": stats.intra_node_bytes / window["iters"] / 2**20,
+                "inter_mb": stats.inter_node_bytes / window["iters"] / 2**20})
+            window = new_window()
+
+        if valid_ds is not None and args.eval_interval and iteration % args.eval_interval == 0:
+            logger.validation_line(iteration, "validation", evaluate(engine, valid_ds, args, comm, device))
+        if args.save and args.save_interval and iteration % args.save_interval == 0:
+            save_checkpoint(args.save, iteration, engine, consumed, meta)
+            print_rank0(f"> saved checkpoint at iteration {iteration} to {args.save}")
+        if window["iters"] == 0:
+            window["start"] = time.time()  # evaluation and saving are not training time
+
+    if valid_ds is not None and iteration % args.eval_interval != 0:
+        logger.validation_line(iteration, "validation", evaluate(engine, valid_ds, args, comm, device))
+    if test_ds is not None:
+        logger.validation_line(iteration, "test", evaluate(engine, test_ds, args, comm, device))
+    if args.save and not (args.save_interval and iteration % args.save_interval == 0):
+        save_checkpoint(args.save, iteration, engine, consumed, meta)
+        print_rank0(f"> saved checkpoint at iteration {iteration} to {args.save}")
+    print_rank0(f"> peak memory per rank: {peak_memory_mb():.0f} MB")
+    logger.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except zeropp.ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,315 @@
+"""Command line: Megatron-LM's flags, a YAML file (`--config`), and a
+DeepSpeed JSON (`--deepspeed_config`).
+
+Precedence: flags given on the command line > YAML > DeepSpeed JSON > defaults.
+When a flag and the JSON disagree the flag wins and the conflict is reported.
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import math
+import warnings
+
+import yaml
+
+from data.tokenizer import TOKENIZER_TYPES
+from zeropp.config import ConfigError, DeepSpeedConfig, parse_int
+
+
+def _int(text: str) -> int:
+    """Integers, also written as 5e8."""
+    try:
+        return parse_int(text, "value")
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="GPT-2 pretraining with ZeRO / ZeRO++", allow_abbrev=False)
+    p.add_argument("--config", help="YAML file of flag values (keys as flag names); flags override it")
+
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, default=12)
+    g.add_argument("--hidden-size", type=int, default=768)
+    g.add_argument("--num-attention-heads", type=int, default=12)
+    g.add_argument("--ffn-hidden-size", type=int, default=None)
+    g.add_argument("--seq-length", type=int, default=1024)
+    g.add_argument("--max-position-embeddings", type=int, default=None,
+                   help="default: --seq-length")
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--layernorm-epsilon", type=float, default=1e-5)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--checkpoint-activations", action="store_true",
+                   help="recompute each transformer block in backward")
+    g.add_argument("--deepspeed-activation-checkpointing", action="store_true",
+                   help="same as --checkpoint-activations (DeepSpeed's name)")
+    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
+    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
+    g.add_argument("--recompute-num-layers", type=int, default=None)
+
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
+                   help="default: nccl with GPUs, gloo on CPU")
+    g.add_argument("--ranks-per-node", type=int, default=None,
+                   help="emulate nodes of this many ranks (default: torchrun's LOCAL_WORLD_SIZE)")
+    g.add_argument("--local_rank", "--local-rank", type=int, default=None,
+                   help="set by the deepspeed launcher; torchrun's LOCAL_RANK is used instead")
+
+    g = p.add_argument_group("ZeRO (DeepSpeed-compatible)")
+    g.add_argument("--deepspeed", action="store_true", help="accepted for compatibility; always on")
+    g.add_argument("--deepspeed_config", "--deepspeed-config", default=None,
+                   help="DeepSpeed-style JSON (.json or .config)")
+    g.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2, 3])
+    g.add_argument("--zero-hpz-size", type=int, default=None, help="zero_hpz_partition_size")
+    g.add_argument("--zero-quantized-weights", action="store_true", default=None)
+    g.add_argument("--zero-quantized-gradients", action="store_true", default=None)
+    g.add_argument("--zero-reduce-bucket-size", type=_int, default=None)
+
+    g = p.add_argument_group("batch and schedule")
+    g.add_argument("--micro-batch-size", "--batch-size", dest="micro_batch_size", type=int, default=None,
+                   help="per rank (--batch-size is Megatron's old name)")
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="default: micro-batch-size x data-parallel size (no accumulation)")
+    g.add_argument("--train-iters", type=int, default=None)
+    g.add_argument("--lr", type=float, default=None)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="linear")
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-fraction", type=float, default=None)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--clip-grad", type=float, default=None, help="global gradient norm; 0 = off (default 1.0)")
+    g.add_argument("--optimizer", choices=["adam", "adamw"], default="adam",
+                   help="Adam with decoupled weight decay in both cases, as Megatron")
+
+    g = p.add_argument_group("mixed precision")
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--loss-scale", type=float, default=None, help="static fp16 loss scale")
+    g.add_argument("--initial-loss-scale", type=float, default=None, help="default 2**16")
+    g.add_argument("--min-loss-scale", type=float, default=None)
+    g.add_argument("--loss-scale-window", type=int, default=None)
+    g.add_argument("--hysteresis", type=int, default=None)
+
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", nargs="+", default=None,
+                   help="PREFIX, or a blend: W1 PREFIX1 W2 PREFIX2 ...")
+    g.add_argument("--split", default="969,30,1")
+    g.add_argument("--data-cache-path", default=None, help="where index .npy files go (default: beside the data)")
+    g.add_argument("--num-workers", type=int, default=0)
+    g.add_argument("--tokenizer-type", default="SentencePieceTokenizer",
+                   choices=list(TOKENIZER_TYPES))
+    g.add_argument("--tokenizer-model", default=None)
+    g.add_argument("--vocab-file", default=None)
+    g.add_argument("--merge-file", default=None)
+
+    g = p.add_argument_group("checkpointing, evaluation, logging")
+    g.add_argument("--save", default=None)
+    g.add_argument("--load", default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--eval-iters", type=int, default=100)
+    g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--seed", type=int, default=1234)
+    return p
+
+
+# Megatron flags that describe features this product does not have: refuse
+# values other than the one that means "off".
+_MUST_BE = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    explicit = _explicit_dests(parser, argv)
+    if args.config:
+        _apply_yaml(parser, args, explicit)
+    args.explicit = explicit
+    _check_supported(args)
+    args.ds_config = _merge_deepspeed_config(args, explicit)
+    _derive(args)
+    return args
+
+
+def _explicit_dests(parser: argparse.ArgumentParser, argv) -> set[str]:
+    """Which options the command line set (so that they win over files)."""
+    shadow = argparse.ArgumentParser(argument_default=argparse.SUPPRESS, add_help=False, allow_abbrev=False)
+    for action in parser._actions:
+        if action.option_strings and not isinstance(action, argparse._HelpAction):
+            kwargs = {"dest": action.dest, "nargs": action.nargs} if action.nargs is not None else {"dest": action.dest}
+            if isinstance(action, (argparse._StoreTrueAction,)):
+                kwargs = {"dest": action.dest, "action": "store_true"}
+            shadow.add_argument(*action.option_strings, **kwargs)
+    return set(vars(shadow.parse_known_args(argv)[0]))
+
+
+def _apply_yaml(parser, args, explicit: set[str]):
+    try:
+        with open(args.config) as f:
+            values = yaml.safe_load(f) or {}
+    except FileNotFoundError:
+        parser.error(f"--config: no such file {args.config}")
+    if not isinstance(values, dict):
+        parser.error(f"--config {args.config} must be a mapping of flag names to values")
+    known = {a.dest: a for a in parser._actions if a.option_strings}
+    for key, value in values.items():
+        dest = key.replace("-", "_")
+        if dest not in known or dest == "config":
+            close = difflib.get_close_matches(dest, list(known), n=1)
+            hint = f"; did you mean '{close[0].replace('_', '-')}'?" if close else ""
+            parser.error(f"--config {args.config}: unknown key '{key}'{hint}")
+        if dest in explicit:
+            continue  # the command line wins
+        action = known[dest]
+        if action.type is not None and isinstance(value, str):
+            value = action.type(value)  # e.g. "5e8" for an integer flag
+        if action.choices is not None and value not in action.choices:
+            parser.error(f"--config {args.config}: {key} must be one of {list(action.choices)}, got {value!r}")
+        if action.nargs == "+" and not isinstance(value, list):
+            value = str(value).split()
+        setattr(args, dest, value)
+        explicit.add(dest)
+
+
+def _check_supported(args):
+    for name, value in _MUST_BE.items():
+        if getattr(args, name) != value:
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(f"{flag} {getattr(args, name)} is not supported: this product does data "
+                              f"parallelism with ZeRO sharding only; use {flag} {value}")
+    if args.recompute_granularity == "selective":
+        raise ConfigError("--recompute-granularity selective is not supported; use full "
+                          "(or --checkpoint-activations)")
+    if args.fp16 and args.bf16:
+        raise ConfigError("--fp16 and --bf16 are both set; pick one")
+    if args.hidden_size % args.num_attention_heads:
+        raise ConfigError(f"--num-attention-heads {args.num_attention_heads} must divide "
+                          f"--hidden-size {args.hidden_size}")
+
+
+def _merge_deepspeed_config(args, explicit: set[str]) -> DeepSpeedConfig:
+    """One DeepSpeedConfig from the JSON and the flags; flags win and conflicts are reported."""
+    ds = DeepSpeedConfig.from_file(args.deepspeed_config) if args.deepspeed_config else DeepSpeedConfig()
+    in_file = _file_keys(args.deepspeed_config)
+    zero = ds.zero_optimization
+
+    def merge(flag_dest, flag_value, json_key, obj, attr):
+        if flag_value is None:
+            return
+        if json_key in in_file and getattr(obj, attr) != flag_value and flag_dest in explicit:
+            warnings.warn(f"--{flag_dest.replace('_', '-')} {flag_value} conflicts with {json_key}="
+                          f"{getattr(obj, attr)} in {args.deepspeed_config}; using the flag", stacklevel=2)
+        if flag_dest in explicit or json_key not in in_file:
+            setattr(obj, attr, flag_value)
+
+    merge("zero_stage", args.zero_stage, "zero_optimization.stage", zero, "stage")
+    merge("zero_hpz_size", args.zero_hpz_size, "zero_optimization.zero_hpz_partition_size", zero,
+          "zero_hpz_partition_size")
+    merge("zero_quantized_weights", args.zero_quantized_weights, "zero_optimization.zero_quantized_weights",
+          zero, "zero_quantized_weights")
+    merge("zero_quantized_gradients", args.zero_quantized_gradients,
+          "zero_optimization.zero_quantized_gradients", zero, "zero_quantized_gradients")
+    merge("zero_reduce_bucket_size", args.zero_reduce_bucket_size, "zero_optimization.reduce_bucket_size",
+          zero, "reduce_bucket_size")
+    merge("fp16", True if args.fp16 else None, "fp16.enabled", ds.fp16, "enabled")
+    merge("bf16", True if args.bf16 else None, "bf16.enabled", ds.bf16, "enabled")
+    merge("loss_scale", args.loss_scale, "fp16.loss_scale", ds.fp16, "loss_scale")
+    if args.initial_loss_scale is not None:
+        merge("initial_loss_scale", int(math.log2(args.initial_loss_scale)), "fp16.initial_scale_power",
+              ds.fp16, "initial_scale_power")
+    merge("min_loss_scale", args.min_loss_scale, "fp16.min_loss_scale", ds.fp16, "min_loss_scale")
+    merge("loss_scale_window", args.loss_scale_window, "fp16.loss_scale_window", ds.fp16, "loss_scale_window")
+    merge("hysteresis", args.hysteresis, "fp16.hysteresis", ds.fp16, "hysteresis")
+    merge("clip_grad", args.clip_grad, "gradient_clipping", ds, "gradient_clipping")
+    if "gradient_clipping" not in in_file and args.clip_grad is None:
+        ds.gradient_clipping = 1.0  # Megatron's default
+    merge("micro_batch_size", args.micro_batch_size, "train_micro_batch_size_per_gpu", ds,
+          "train_micro_batch_size_per_gpu")
+    merge("global_batch_size", args.global_batch_size, "train_batch_size", ds, "train_batch_size")
+    if ds.optimizer is not None:
+        params = ds.optimizer.params
+        for key, dest in (("lr", "lr"), ("weight_decay", "weight_decay"), ("eps", "adam_eps")):
+            if key in params and dest not in explicit:
+                setattr(args, dest, params[key])
+        if "betas" in params:
+            for i, dest in enumerate(("adam_beta1", "adam_beta2")):
+                if dest not in explicit:
+                    setattr(args, dest, params["betas"][i])
+    # The flags now mirror the merged config.
+    args.fp16, args.bf16 = ds.fp16.enabled, ds.bf16.enabled
+    args.zero_stage = zero.stage
+    args.micro_batch_size = ds.train_micro_batch_size_per_gpu
+    args.global_batch_size = ds.train_batch_size
+    args.clip_grad = ds.gradient_clipping
+    ds.validate("flags and --deepspeed_config")
+    return ds
+
+
+def _file_keys(path: str | None) -> set[str]:
+    """Dotted names of the keys a JSON file sets (to tell file values from defaults)."""
+    if not path:
+        return set()
+    import json
+
+    with open(path) as f:
+        raw = json.load(f)
+    keys = set()
+
+    def walk(d, prefix):
+        for k, v in d.items():
+            keys.add(prefix + k)
+            if isinstance(v, dict):
+                walk(v, prefix + k + ".")
+    walk(raw, "")
+    return keys
+
+
+def _derive(args):
+    if args.deepspeed_activation_checkpointing or args.recompute_granularity == "full":
+        args.checkpoint_activations = True
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.seq_length > args.max_position_embeddings:
+        raise ConfigError(f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
+                          f"{args.max_position_embeddings}")
+    if args.micro_batch_size is None:
+        args.micro_batch_size = 1
+    for name in ("train_iters", "lr", "data_path"):
+        if getattr(args, name) is None:
+            raise ConfigError(f"--{name.replace('_', '-')} is required")
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.lr_warmup_fraction is not None:
+        args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
+
+
+def resolve_batch(args, data_parallel_size: int):
+    """Gradient accumulation steps that reach the global batch on this many ranks."""
+    per_step = args.micro_batch_size * data_parallel_size
+    if args.global_batch_size is None:
+        args.global_batch_size = per_step
+    if args.global_batch_size % per_step:
+        raise ConfigError(
+            f"--global-batch-size {args.global_batch_size} must be a multiple of --micro-batch-size "
+            f"{args.micro_batch_size} x data-parallel size {data_parallel_size} = {per_step}")
+    args.gradient_accumulation_steps = args.global_batch_size // per_step
+    accum = args.ds_config.gradient_accumulation_steps
+    if accum is not None and accum != args.gradient_accumulation_steps:
+        raise ConfigError(
+            f"gradient_accumulation_steps {accum} in {args.deepspeed_config} disagrees with "
+            f"global batch {args.global_batch_size} / (micro batch {args.micro_batch_size} x "
+            f"{data_parallel_size} ranks) = {args.gradient_accumulation_steps}")
+    args.ds_config.train_batch_size = args.global_batch_size
+    args.ds_config.gradient_accumulation_steps = args.gradient_accumulation_steps

@@ -1,0 +1,62 @@
+"""Megatron-style log lines and TensorBoard scalars (rank 0 writes both)."""
+from __future__ import annotations
+
+import math
+import resource
+
+import torch
+
+from parallel.launch import print_rank0, rank
+
+
+def peak_memory_mb() -> float:
+    """Peak GPU memory allocated, or peak resident memory of this process on CPU."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+class TrainingLogger:
+    def __init__(self, tensorboard_dir: str | None):
+        self.writer = None
+        if tensorboard_dir and rank() == 0:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=tensorboard_dir, max_queue=1000)
+
+    def scalars(self, iteration: int, values: dict):
+        if self.writer is None:
+            return
+        for name, value in values.items():
+            if value is not None and math.isfinite(value):
+                self.writer.add_scalar(name, value, iteration)
+
+    def training_line(self, it: int, train_iters: int, s: dict):
+        print_rank0(
+            f" iteration {it:8d}/{train_iters:8d} | consumed samples: {s['consumed']:12d} "
+            f"| elapsed time per iteration (ms): {s['iter_ms']:.1f} | learning rate: {s['lr']:.6E} "
+            f"| global batch size: {s['global_batch']:5d} | lm loss: {s['loss']:.6E} "
+            f"| loss scale: {s['loss_scale']:.1f} | grad norm: {s['grad_norm']:.3f} "
+            f"| number of skipped iterations: {s['skipped']:3d} | number of nan iterations: {s['nan']:3d} "
+            f"| samples per second: {s['samples_per_s']:.1f} | tokens per second: {s['tokens_per_s']:.0f} "
+            f"| TFLOPs: {s['tflops']:.3f} | intra-node MB: {s['intra_mb']:.1f} "
+            f"| inter-node MB: {s['inter_mb']:.1f} |")
+        self.scalars(it, {
+            "lm-loss": s["loss"], "learning-rate": s["lr"], "loss-scale": s["loss_scale"],
+            "grad-norm": s["grad_norm"], "batch-size": s["global_batch"],
+            "iteration-time": s["iter_ms"] / 1000, "samples-per-second": s["samples_per_s"],
+            "tokens-per-second": s["tokens_per_s"], "TFLOPs": s["tflops"],
+            "comm/intra-node-MB-per-iteration": s["intra_mb"],
+            "comm/inter-node-MB-per-iteration": s["inter_mb"],
+            "memory/peak-MB": peak_memory_mb()})
+
+    def validation_line(self, it: int, name: str, loss: float):
+        ppl = math.exp(min(20.0, loss))
+        text = (f" {name} loss at iteration {it} | lm loss value: {loss:.6E} "
+                f"| lm loss PPL: {ppl:.6E} | ")
+        print_rank0("-" * len(text) + "\n" + text + "\n" + "-" * len(text))
+        self.scalars(it, {f"{name}/lm-loss": loss, f"{name}/lm-loss-ppl": ppl})
+
+    def close(self):
+        if self.writer is not None:
+            self.writer.close()
