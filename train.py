@@ -135,13 +135,12 @@ def main(argv=None):
         result = engine.step()
         iteration += 1
         consumed += args.global_batch_size
-        if result.skipped:
-            window["skipped"] += 1
-        elif not math.isfinite(step_loss):
-            window["nan"] += 1
-        else:
+        window["skipped"] += int(result.skipped)
+        if math.isfinite(step_loss):
             window["loss"] += step_loss
             window["steps"] += 1
+        else:
+            window["nan"] += 1
 
         window["iters"] += 1
 

@@ -61,3 +61,20 @@ def test_resume_continues_exactly(corpus, tmp_path):
     a, b = final_weights(straight / "ckpt"), final_weights(split / "ckpt")
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)
+
+
+@pytest.mark.parametrize("precision, scale", [(["--fp16", "--initial-loss-scale", "1024"], "loss scale: 1024.0"),
+                                              (["--bf16"], "loss scale: 1.0")])
+def test_16bit_training(corpus, tmp_path, capsys, precision, scale):
+    train.main(flags(corpus, tmp_path, 8, precision))
+    out = capsys.readouterr().out
+    losses = [float(line.split("lm loss:")[1].split("|")[0]) for line in out.splitlines() if "lm loss:" in line]
+    assert scale in out and "number of skipped iterations:   0" in out
+    assert losses[-1] < losses[0] - 0.3
+
+
+def test_missing_data_path_names_the_file(corpus, tmp_path):
+    args = flags(corpus, tmp_path, 2)
+    args[args.index("--data-path") + 1] = str(tmp_path / "nope_text_document")
+    with pytest.raises(ValueError, match="nope_text_document"):
+        train.main(args)
