@@ -22,6 +22,17 @@ import torch.distributed as dist
 from parallel.topology import Topology
 
 
+
+# torch 2.13 renamed the flat-tensor collectives; older releases have only the old
+# names. Looked up at call time, so tools that wrap torch.distributed see the calls.
+def _all_gather_flat(*args, **kwargs):
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(*args, **kwargs)
+
+
+def _reduce_scatter_flat(*args, **kwargs):
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(*args, **kwargs)
+
+
 @dataclass
 class CommStats:
     intra_node_bytes: int = 0
@@ -101,7 +112,7 @@ class Communicator:
             output.copy_(input.view_as(output))
             return _Done()
         self._charge(tag, group, self._nbytes(input))
-        return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op) or _Done()
+        return _all_gather_flat(output, input, group=group, async_op=async_op) or _Done()
 
     def reduce_scatter(self, output, input, op=dist.ReduceOp.SUM, group=None, async_op=False,
                        tag="reduce_scatter"):
@@ -110,7 +121,7 @@ class Communicator:
             output.copy_(input.view_as(output))
             return _Done()
         self._charge(tag, group, self._nbytes(output))
-        return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op) or _Done()
+        return _reduce_scatter_flat(output, input, op=op, group=group, async_op=async_op) or _Done()
 
     def all_to_all(self, output, input, group=None, async_op=False, tag="all_to_all"):
         """Chunk j of flat `input` goes to member j; chunk j of `output` comes from it."""

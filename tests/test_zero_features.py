@@ -39,11 +39,11 @@ class SharedMLP(nn.Module):
         return F.mse_loss(self.out(h), y)
 
 
-def make_engine(model, stage, world_size, accum=1, comm=None, **extra):
+def make_engine(model, stage, world_size, accum=1, comm=None, zero=None, **extra):
     cfg = {"gradient_clipping": 1.0,
            "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000,
                                  "stage3_param_persistence_threshold": 0,
-                                 "stage3_prefetch_bucket_size": 5000}}
+                                 "stage3_prefetch_bucket_size": 5000, **(zero or {})}}
     for k, v in extra.items():
         cfg[k] = v
     comm = comm or Communicator(topology_from_env() if world_size > 1 else Topology(1, 0, 1))
@@ -71,19 +71,27 @@ def mlp_run(rank, world_size, stage):
     return losses, engine.module_state_dict()
 
 
-def gpt_stage3_checks(rank, world_size):
-    """Eval/no_grad logits and the communication volume of one stage 3 step."""
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(**CFG))
-    comm = Communicator(topology_from_env())
-    engine = make_engine(model, 3, world_size, comm=comm)
-    x = torch.randint(0, 96, (2, 17), generator=torch.Generator().manual_seed(rank))
+def comm_per_step(engine, comm, x, steps=3):
     stats = []
-    for step in range(3):
+    for _ in range(steps):
         comm.reset_stats()
         engine.backward(engine(x[:, :-1], x[:, 1:]))
         engine.step()
         stats.append({k: list(v) for k, v in comm.stats.by_op.items()})
+    return stats
+
+
+def gpt_stage3_checks(rank, world_size):
+    """Eval/no_grad logits and the communication volume of stage 3 steps, with
+    weights re-gathered in backward (reuse distance 0) and held (DeepSpeed's default)."""
+    x = torch.randint(0, 96, (2, 17), generator=torch.Generator().manual_seed(rank))
+    comm = Communicator(topology_from_env())
+    torch.manual_seed(0)
+    held = comm_per_step(make_engine(GPT(GPTConfig(**CFG)), 3, world_size, comm=comm), comm, x)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**CFG))
+    engine = make_engine(model, 3, world_size, comm=comm, zero={"stage3_max_reuse_distance": 0})
+    stats = comm_per_step(engine, comm, x)
     weights = engine.module_state_dict()
     engine.eval()
     probe = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(9))
@@ -92,7 +100,7 @@ def gpt_stage3_checks(rank, world_size):
     logits_grad_mode = engine(probe).detach()  # eval forward with grad enabled, no backward
     engine.train()
     psi = sum(s.numel for s in engine.shards)
-    return weights, logits, logits_grad_mode, stats, psi
+    return weights, logits, logits_grad_mode, stats, held, psi
 
 
 def fp16_overflow_run(rank, world_size, stage):
@@ -141,7 +149,7 @@ def test_shared_weight_mlp_stage3_matches_reference():
 
 def test_stage3_eval_logits_and_comm_volume():
     results = run_distributed(gpt_stage3_checks, world_size=WORLD)
-    for weights, logits, logits_grad_mode, stats, psi in results:
+    for weights, logits, logits_grad_mode, stats, held, psi in results:
         ref = GPT(GPTConfig(**CFG))
         ref.load_state_dict(weights)
         ref.eval()
@@ -161,6 +169,12 @@ def test_stage3_eval_logits_and_comm_volume():
         assert 1.85 <= gathered <= 2.02, gathered
         # Gradients: one reduce-scatter of every weight (+ padding).
         assert 0.99 <= reduced <= 1.02, reduced
+        # stage3_max_reuse_distance 1e9 (default): every weight of this small model is
+        # held from forward to backward, so only the forward gathers (the first step
+        # has no recorded order yet and gathers again in backward).
+        assert sum(held[0]["all_gather_params"]) / unit >= 1.85
+        assert 0.99 <= sum(held[2]["all_gather_params"]) / unit <= 1.01
+        assert 0.99 <= sum(held[2]["reduce_scatter_grads"]) / unit <= 1.02
 
 
 def fp16_overflow_all(rank, world_size):

@@ -35,6 +35,12 @@ When weights are live:
   not-yet-used prefetched weights and `stage3_max_live_parameters` live
   elements. If the order differs from last step's, prefetch stops for the
   rest of that phase (on-demand gathering stays correct).
+- reuse: a weight whose next use, in last step's order, comes in backward
+  within `stage3_max_reuse_distance` elements of other weights' use is not
+  released after its forward ("held"); it is freed once its gradient is
+  reduced. DeepSpeed's default (1e9) holds every weight of a model that
+  small, so backward gathers nothing; 0 re-gathers everything in backward.
+  Held weights count against `stage3_max_live_parameters`.
 """
 from __future__ import annotations
 
@@ -84,6 +90,7 @@ class Stage3Engine(ShardedEngineBase):
             s.persistent = s.numel <= threshold
             s.state = AVAILABLE
             s.keep = False
+            s.hold = False
             s.used = False
             s.prefetched = False
             s.handle = None
@@ -111,6 +118,7 @@ class Stage3Engine(ShardedEngineBase):
         self._trace_prev: list | None = None
         self._trace_pos = 0
         self._prefetch_ok = False
+        self._hold: set[int] = set()  # shard indices to hold from forward to backward
         self._prefetched_elems = 0
         self._live_elems = sum(s.numel for s in part)  # all live until partitioned below
         for s in part:
@@ -180,8 +188,11 @@ class Stage3Engine(ShardedEngineBase):
             s.prefetched = False
             self._prefetched_elems -= s.numel
 
-    def _release_all(self):
+    def _release_all(self, keep_held: bool = False):
         for s in self.shards:
+            if keep_held and s.hold:
+                continue
+            s.hold = False
             if not s.persistent and s.state != RELEASED:
                 self._release(s)
 
@@ -234,13 +245,44 @@ class Stage3Engine(ShardedEngineBase):
         self._trace_now = []
         self._trace_pos = 0
         self._prefetch_ok = self._trace_prev is not None
+        self._hold = self._reuse_set() if key == ("forward", True, True) else set()
         for s in self.shards:
             s.used = False
 
     def _end(self):
         self._traces[self._key] = self._trace_now
+        self._release_all(keep_held=self._phase == "forward")
         self._phase = None
-        self._release_all()
+
+    def _reuse_set(self) -> set[int]:
+        """Weights to hold from forward to backward: in last step's order, the
+        elements of weights used between this one's forward use and its backward
+        use are at most stage3_max_reuse_distance (nearest first, within
+        stage3_max_live_parameters)."""
+        fwd = self._traces.get(("forward", True, True))
+        bwd = self._traces.get(("backward", True, True))
+        limit = self.zero.stage3_max_reuse_distance
+        if not fwd or not bwd or limit == 0:
+            return set()
+
+        def size(event):
+            return sum(self.shards[i].numel for i in event)
+
+        used_before_in_backward, seen = {}, 0
+        for event in bwd:
+            for i in event:
+                used_before_in_backward.setdefault(i, seen)
+            seen += size(event)
+        hold, held_elems, used_after_in_forward = set(), 0, 0
+        for event in reversed(fwd):
+            for i in event:
+                distance = used_after_in_forward + used_before_in_backward.get(i, limit + 1)
+                numel = self.shards[i].numel
+                if distance <= limit and held_elems + numel <= self.zero.stage3_max_live_parameters:
+                    hold.add(i)
+                    held_elems += numel
+            used_after_in_forward += size(event)
+        return hold
 
     # -- module hooks -----------------------------------------------------------
     def _pre_forward(self, module, args):
@@ -248,8 +290,11 @@ class Stage3Engine(ShardedEngineBase):
 
     def _post_forward(self, module, args, output):
         for s in self._mod_shards[module]:
-            if not s.keep or self._phase != "forward":
-                self._release(s)
+            if self._phase == "forward" and s.index in self._hold:
+                s.hold = True
+            if s.hold or (s.keep and self._phase == "forward"):
+                continue  # needed again soon: freed at the end of forward or after its gradient
+            self._release(s)
 
     # -- saved tensors: tokens instead of gathered weights ----------------------
     def _pack(self, x):
@@ -293,6 +338,7 @@ class Stage3Engine(ShardedEngineBase):
         s = self.shard_of[id(p)]
         g, p.grad = p.grad, None
         self.reducer.add(s, g)
+        s.hold = False
         self._release(s)
 
     # -- Engine hooks ----------------------------------------------------------------
