@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import zeropp
+from zeropp.memory import memory_report
 from data.gpt_dataset import build_train_valid_test_datasets
 from data.sampler import build_data_loader
 from data.stats import unigram_entropy
@@ -122,6 +123,7 @@ def main(argv=None):
     total_skipped = total_nan = 0
     comm.reset_stats()
     engine.train()
+    first_iteration = iteration
     while iteration < args.train_iters:
         lr = learning_rate(iteration, lr=args.lr, min_lr=args.min_lr, warmup_iters=args.lr_warmup_iters,
                            decay_iters=args.lr_decay_iters, style=args.lr_decay_style)
@@ -132,6 +134,8 @@ def main(argv=None):
             loss = engine(batch[:, :-1], batch[:, 1:])
             engine.backward(loss)
             step_loss += loss.item() / args.gradient_accumulation_steps
+        if iteration == first_iteration + 1:  # Adam's state exists after one step; gradients until step()
+            logger.memory_line(memory_report(engine))
         result = engine.step()
         iteration += 1
         consumed += args.global_batch_size

@@ -4,6 +4,7 @@ import os
 
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import train
 from data.preprocess import preprocess
@@ -49,7 +50,13 @@ def test_train_logs_and_learns(corpus, tmp_path, capsys):
     losses = [float(line.split("lm loss:")[1].split("|")[0]) for line in out.splitlines() if "lm loss:" in line]
     assert len(losses) == 6 and losses[-1] < losses[0] - 0.5
     assert "validation loss at iteration 12" in out and "consumed samples:           48" in out
-    assert os.listdir(tmp_path / "tb")  # TensorBoard event file written
+    assert "model states per rank (ZeRO stage 0, 1 ranks, float32)" in out
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"lm-loss", "learning-rate", "loss-scale", "grad-norm", "validation/lm-loss",
+            "validation/lm-loss-ppl", "tokens-per-second", "memory/peak-MB"} <= tags
+    assert len(events.Scalars("lm-loss")) == 6
 
 
 def test_resume_continues_exactly(corpus, tmp_path):

@@ -16,6 +16,10 @@ def peak_memory_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+def _mb(num_bytes: float) -> str:
+    return f"{num_bytes / 2**20:.1f} MB"
+
+
 class TrainingLogger:
     def __init__(self, tensorboard_dir: str | None):
         self.writer = None
@@ -49,6 +53,13 @@ class TrainingLogger:
             "comm/intra-node-MB-per-iteration": s["intra_mb"],
             "comm/inter-node-MB-per-iteration": s["inter_mb"],
             "memory/peak-MB": peak_memory_mb()})
+
+    def memory_line(self, report: dict):
+        m, p = report["measured_bytes"], report["predicted_bytes"]
+        print_rank0(f"> model states per rank (ZeRO stage {report['stage']}, {report['world_size']} ranks, "
+                    f"{report['dtype']}): parameters {_mb(m['parameters'])}, gradients {_mb(m['gradients'])}, "
+                    f"optimizer {_mb(m['optimizer'])}, total {_mb(m['total'])}; ZeRO formula "
+                    f"{_mb(p['total'])} (measured/formula {report['ratio']['total']:.3f})")
 
     def validation_line(self, it: int, name: str, loss: float):
         ppl = math.exp(min(20.0, loss))
