@@ -47,7 +47,6 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.nn as nn
 
 from zeropp.flat import ParamShard, ShardedEngineBase
 
