@@ -43,8 +43,8 @@ def model_config(args, vocab_size: int) -> GPTConfig:
         checkpoint_activations=args.checkpoint_activations)
 
 
-def mean_over_ranks(comm: Communicator, value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
+def mean_over_ranks(comm: Communicator, value: float, device: torch.device) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device)  # NCCL reduces GPU tensors only
     comm.all_reduce(t, tag="metrics")
     return t.item() / comm.topology.world_size
 
@@ -64,7 +64,7 @@ def evaluate(engine, dataset, args, comm, device) -> float:
             total += engine(batch[:, :-1], batch[:, 1:]).item()
             count += 1
     engine.train()
-    return mean_over_ranks(comm, total / max(count, 1))
+    return mean_over_ranks(comm, total / max(count, 1), device)
 
 
 def main(argv=None):
@@ -153,7 +153,7 @@ def main(argv=None):
             total_skipped += window["skipped"]
             total_nan += window["nan"]
             stats = comm.reset_stats()
-            loss_avg = mean_over_ranks(comm, window["loss"] / max(window["steps"], 1))
+            loss_avg = mean_over_ranks(comm, window["loss"] / max(window["steps"], 1), device)
             samples_per_s = args.global_batch_size / elapsed
             logger.training_line(iteration, args.train_iters, {
                 "consumed": consumed, "iter_ms": elapsed * 1000, "lr": lr,

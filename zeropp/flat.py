@@ -193,7 +193,8 @@ class ShardedEngineBase(Engine):
 
     # -- Engine hooks -----------------------------------------------------------
     def _grad_norm_sq(self) -> float:
-        local = self.grad_flat.float().pow(2).sum() if self.grad_flat.numel() else torch.zeros(())
+        local = (self.grad_flat.float().pow(2).sum() if self.grad_flat.numel()
+                 else torch.zeros((), device=self.device))
         t = local.to(torch.float64).reshape(1)
         self.comm.all_reduce(t, group=self.group, tag="grad_norm")  # SUM: inf/nan reach every rank
         return t.item()
