@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import pickle
+import queue as queue_module
+import time
 import socket
 import traceback
 
@@ -43,22 +45,27 @@ def _worker(rank, world_size, port, fn, args, queue, env):
 
 def run_distributed(fn, world_size: int, args: tuple = (), env: dict | None = None, timeout: float = 300):
     ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
+    queue = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, env or {}))
              for r in range(world_size)]
     for p in procs:
         p.start()
     results, errors = {}, []
+    deadline = time.monotonic() + timeout
     for _ in range(world_size):
-        rank, status, value = queue.get()
+        try:  # a hung collective must fail the test, not stall the suite
+            rank, status, value = queue.get(timeout=max(1.0, deadline - time.monotonic()))
+        except queue_module.Empty:
+            errors.append(f"timed out after {timeout} s with {len(results)}/{world_size} ranks done")
+            break
         if status == "ok":
             results[rank] = pickle.loads(value)
         else:
             errors.append(f"rank {rank}:\n{value}")
             break  # the other ranks may now hang in a collective; stop them
     for p in procs:
-        p.join(timeout=5 if errors else timeout)
+        p.join(timeout=5 if errors else 30)
         if p.is_alive():
             p.kill()
     if errors:
