@@ -8,11 +8,12 @@ Two kinds, chosen by ``--tokenizer-type``:
   (``--vocab-file``, ``--merge-file``). End of document = ``<|endoftext|>``.
 """
 
-import json
 import os
 
 import sentencepiece as spm
 import tokenizers
+
+from data.documents import read_documents
 
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer")
 GPT2_EOD_TOKEN = "<|endoftext|>"
@@ -74,19 +75,6 @@ def build_tokenizer(tokenizer_type, tokenizer_model=None, vocab_file=None, merge
     raise ValueError(f"unknown --tokenizer-type {tokenizer_type!r}; valid types: {', '.join(TOKENIZER_TYPES)}")
 
 
-def iter_texts(paths, json_keys=("text",)):
-    """Documents from JSON-lines files (the ``json_keys`` fields) or plain .txt files (whole file)."""
-    for path in paths:
-        with open(path, encoding="utf-8") as f:
-            if path.endswith((".json", ".jsonl")):
-                for line in f:
-                    if line.strip():
-                        record = json.loads(line)
-                        yield from (record[k] for k in json_keys if record.get(k))
-            else:
-                yield f.read()
-
-
 def train_sentencepiece(inputs, model_prefix, vocab_size, json_keys=("text",), input_sentence_size=300_000,
                         num_threads=None, **options):
     """Train a byte-fallback BPE sentencepiece model; writes ``model_prefix.model`` / ``.vocab``.
@@ -98,7 +86,10 @@ def train_sentencepiece(inputs, model_prefix, vocab_size, json_keys=("text",), i
     """
     if isinstance(inputs, str):
         inputs = [inputs]
-    texts = iter_texts(inputs, json_keys) if all(isinstance(p, str) and os.path.isfile(p) for p in inputs) else inputs
+    if all(isinstance(p, str) and os.path.isfile(p) for p in inputs):
+        texts = (text for doc in read_documents(inputs, list(json_keys)) for text in doc.values())
+    else:
+        texts = inputs
     lines = (line for text in texts for line in text.split("\n") if line.strip())
     os.makedirs(os.path.dirname(os.path.abspath(model_prefix)), exist_ok=True)
     settings = dict(
