@@ -14,7 +14,7 @@ import warnings
 import yaml
 
 from data.tokenizer import TOKENIZER_TYPES
-from zeropp.config import ConfigError, DeepSpeedConfig, parse_int
+from zeropp.config import ConfigError, DeepSpeedConfig, load_json, parse_int
 
 
 def _int(text: str) -> int:
@@ -201,8 +201,9 @@ def _check_supported(args):
 
 def _merge_deepspeed_config(args, explicit: set[str]) -> DeepSpeedConfig:
     """One DeepSpeedConfig from the JSON and the flags; flags win and conflicts are reported."""
-    ds = DeepSpeedConfig.from_file(args.deepspeed_config) if args.deepspeed_config else DeepSpeedConfig()
-    in_file = _file_keys(args.deepspeed_config)
+    raw = load_json(args.deepspeed_config) if args.deepspeed_config else {}
+    ds = DeepSpeedConfig.from_dict(raw, where=args.deepspeed_config or "defaults")
+    in_file = _dotted_keys(raw)
     zero = ds.zero_optimization
 
     def merge(flag_dest, flag_value, json_key, obj, attr):
@@ -257,22 +258,13 @@ def _merge_deepspeed_config(args, explicit: set[str]) -> DeepSpeedConfig:
     return ds
 
 
-def _file_keys(path: str | None) -> set[str]:
-    """Dotted names of the keys a JSON file sets (to tell file values from defaults)."""
-    if not path:
-        return set()
-    import json
-
-    with open(path) as f:
-        raw = json.load(f)
+def _dotted_keys(raw: dict, prefix: str = "") -> set[str]:
+    """Dotted names of the keys a JSON object sets (to tell file values from defaults)."""
     keys = set()
-
-    def walk(d, prefix):
-        for k, v in d.items():
-            keys.add(prefix + k)
-            if isinstance(v, dict):
-                walk(v, prefix + k + ".")
-    walk(raw, "")
+    for k, v in raw.items():
+        keys.add(prefix + k)
+        if isinstance(v, dict):
+            keys |= _dotted_keys(v, prefix + k + ".")
     return keys
 
 

@@ -126,14 +126,7 @@ class DeepSpeedConfig:
 
     @classmethod
     def from_file(cls, path: str) -> "DeepSpeedConfig":
-        try:
-            with open(path) as f:
-                raw = json.load(f)
-        except FileNotFoundError:
-            raise ConfigError(f"--deepspeed_config: no such file {path}") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"--deepspeed_config {path} is not valid JSON: {e}") from None
-        return cls.from_dict(raw, where=path)
+        return cls.from_dict(load_json(path), where=path)
 
     @classmethod
     def from_dict(cls, raw: dict, where: str = "config") -> "DeepSpeedConfig":
@@ -150,6 +143,16 @@ class DeepSpeedConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def load_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"--deepspeed_config: no such file {path}") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--deepspeed_config {path} is not valid JSON: {e}") from None
 
 
 # Keys DeepSpeed knows that this product does not implement: refuse them by name.

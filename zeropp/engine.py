@@ -18,7 +18,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from parallel.comm import Communicator
@@ -135,11 +134,6 @@ class Engine:
         # foreach=True: one fused pass over all tensors, also on CPU.
         return torch.optim.AdamW(groups, lr=s.lr, betas=s.betas, eps=s.eps, foreach=True)
 
-    def _all_reduce_max_overflow(self, value: float) -> float:
-        """Every rank must agree on skipping the step."""
-        t = torch.tensor([value], dtype=torch.float64, device=self.device)
-        self.comm.all_reduce(t, op=dist.ReduceOp.MAX, tag="overflow_check")
-        return t.item()
 
 
 class DDPEngine(Engine):
@@ -185,7 +179,9 @@ class DDPEngine(Engine):
             return 0.0
         norms = torch._foreach_norm(grads, 2.0)
         total = torch.stack([n.float() for n in norms]).pow(2).sum().item()
-        return self._all_reduce_max_overflow(total)  # identical on all ranks; MAX is just agreement
+        # DDP's all-reduce left identical gradients on every rank, so every rank
+        # computes the same norm and takes the same skip decision.
+        return total
 
     def _apply_update(self, coef: float):
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
