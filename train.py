@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import sys
 import time
 
@@ -96,7 +97,8 @@ def main(argv=None):
     print_rank0(f"> GPT: {num_parameters(cfg):,} parameters, vocab {tokenizer.vocab_size} "
                 f"(padded {cfg.padded_vocab_size}); global batch {args.global_batch_size} = micro "
                 f"{args.micro_batch_size} x {world} ranks x {args.gradient_accumulation_steps} accumulation")
-    if len(args.data_path) == 1:
+    if topology.rank == 0 and len(args.data_path) == 1 and os.path.getsize(args.data_path[0] + ".bin") < 2**30:
+        # A baseline for the loss; skipped on corpora too big to count in a moment.
         print_rank0(f"> unigram entropy of the corpus: {unigram_entropy(args.data_path[0]):.4f} nats "
                     f"(the loss of a context-free model)")
 
@@ -111,11 +113,12 @@ def main(argv=None):
 
     meta = {"model_config": dataclasses.asdict(cfg), "tokenizer_type": args.tokenizer_type,
             "tokenizer_model": args.tokenizer_model, "vocab_file": args.vocab_file,
-            "merge_file": args.merge_file, "zero_stage": args.zero_stage, "argv": sys.argv[1:]}
+            "merge_file": args.merge_file, "zero_stage": args.zero_stage, "argv": sys.argv[1:] if argv is None else argv}
     logger = TrainingLogger(args.tensorboard_dir)
     loader = iter(build_data_loader(train_ds, consumed, args.micro_batch_size, topology.rank, world,
                                     args.num_workers))
     flops = flops_per_iteration(cfg, args.global_batch_size, args.seq_length, args.checkpoint_activations)
+
     def new_window():  # what the next log line averages over
         return {"loss": 0.0, "steps": 0, "iters": 0, "skipped": 0, "nan": 0, "start": time.time()}
 
