@@ -30,11 +30,11 @@ from parallel.topology import topology_from_env
 from training.args import parse_args, resolve_batch
 from training.checkpoint import load_checkpoint, save_checkpoint
 from training.logger import TrainingLogger, peak_memory_mb
-from training.lr_schedule import learning_rate
+from training.lr_schedule import build_lr_schedule
 
 
-def model_config(args, vocab_size: int) -> GPTConfig:
-    return GPTConfig(
+def model_config(args, vocab_size: int, seed: int) -> GPTConfig:
+    return GPTConfig(init_seed=seed,
         vocab_size=vocab_size, num_layers=args.num_layers, hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
         max_position_embeddings=args.max_position_embeddings, hidden_dropout=args.hidden_dropout,
@@ -46,7 +46,7 @@ def model_config(args, vocab_size: int) -> GPTConfig:
 
 def mean_over_ranks(comm: Communicator, value: float, device: torch.device) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=device)  # NCCL reduces GPU tensors only
-    comm.all_reduce(t, tag="metrics")
+    comm.all_reduce(t, phase="other")
     return t.item() / comm.topology.world_size
 
 
@@ -86,11 +86,12 @@ def main(argv=None):
     train_ds, valid_ds, test_ds = build_train_valid_test_datasets(
         args.data_path, args.split, args.seq_length, num_samples, args.seed, args.data_cache_path)
 
-    cfg = model_config(args, tokenizer.vocab_size)
-    model = GPT(cfg)
-    optim = zeropp.OptimizerSettings(lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
-                                     eps=args.adam_eps, weight_decay=args.weight_decay)
-    engine = zeropp.initialize(model, args.ds_config, comm, device, optim, args.gradient_accumulation_steps)
+    cfg = model_config(args, tokenizer.vocab_size, args.seed)
+    with torch.device("meta"):  # no memory: the engine creates each weight, keeping its shard
+        model = GPT(cfg)
+    engine = zeropp.initialize(model, args.ds_config, comm, device, args.optimizer_settings,
+                               args.gradient_accumulation_steps, param_init=model.init_parameter)
+    schedule = build_lr_schedule(args)
 
     print_rank0(f"> {world} ranks on {topology.num_nodes} node(s) x {topology.ranks_per_node}, "
                 f"ZeRO stage {args.zero_stage}, {engine.dtype}, device {device}")
@@ -128,8 +129,7 @@ def main(argv=None):
     engine.train()
     first_iteration = iteration
     while iteration < args.train_iters:
-        lr = learning_rate(iteration, lr=args.lr, min_lr=args.min_lr, warmup_iters=args.lr_warmup_iters,
-                           decay_iters=args.lr_decay_iters, style=args.lr_decay_style)
+        lr = schedule(iteration)
         engine.set_lr(lr)
         step_loss = 0.0
         for _ in range(args.gradient_accumulation_steps):

@@ -5,6 +5,7 @@ engine wraps this module from the outside.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -26,6 +27,7 @@ class GPTConfig:
     attention_dropout: float = 0.1
     layernorm_epsilon: float = 1e-5
     init_method_std: float = 0.02
+    init_seed: int = 1234            # with a weight's name, seeds its initial values
     make_vocab_size_divisible_by: int = 128
     checkpoint_activations: bool = False  # recompute each block in backward
 
@@ -92,22 +94,32 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(cfg.hidden_dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
-        self.reset_parameters()
+        if not self.wte.weight.is_meta:  # on "meta" the engine initializes each weight later
+            self.reset_parameters()
 
     def reset_parameters(self):
-        """GPT-2 init: N(0, 0.02) everywhere, output projections of the residual
-        branches scaled by 1/sqrt(2 * layers), zero biases, unit norms."""
-        std = self.config.init_method_std
-        out_std = std / math.sqrt(2 * self.config.num_layers)
         for name, p in self.named_parameters():
-            if name.endswith("bias"):
-                nn.init.zeros_(p)
-            elif ".ln" in name or name.startswith("ln_f"):
-                nn.init.ones_(p)
-            elif name.endswith("proj.weight"):
-                nn.init.normal_(p, 0.0, out_std)
-            else:
-                nn.init.normal_(p, 0.0, std)
+            self.init_parameter(name, p.data)
+
+    @torch.no_grad()
+    def init_parameter(self, name: str, tensor: torch.Tensor):
+        """GPT-2 init of the parameter called `name`: N(0, 0.02), output
+        projections of the residual branches scaled by 1/sqrt(2 * layers), zero
+        biases, unit norms. The random values come from a generator seeded by
+        (init_seed, name) alone, so a weight gets the same values whatever the
+        world size and whether the model is built whole or shard by shard on
+        the meta device (the sharding engine calls this one weight at a time)."""
+        std = self.config.init_method_std
+        if name.endswith("bias"):
+            tensor.zero_()
+        elif ".ln" in name or name.startswith("ln_f"):
+            tensor.fill_(1.0)
+        else:
+            if name.endswith("proj.weight"):
+                std = std / math.sqrt(2 * self.config.num_layers)
+            digest = hashlib.sha256(f"{self.config.init_seed}:{name}".encode()).digest()
+            g = torch.Generator(device=tensor.device).manual_seed(int.from_bytes(digest[:8], "little"))
+            tensor.normal_(0.0, std, generator=g)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
         """Returns the mean cross-entropy if `labels` are given, else the logits."""

@@ -1,26 +1,63 @@
 """The one thin layer every collective of the product goes through.
 
-It calls torch.distributed and counts the bytes each rank sends, split into
-bytes that stay inside its node and bytes that cross to another node (the
-traffic ZeRO++ exists to cut). Counting is logical, independent of the
-algorithm NCCL or gloo picks: a rank is charged for the data it must hand to
-each other member of the group.
+It calls torch.distributed and counts the bytes each rank puts on the wire,
+split into bytes that stay inside its node and bytes that cross to another
+node (the traffic ZeRO++ exists to cut), per phase of the step and per
+collective.
 
-- all_gather: my input goes to each other member.
-- reduce_scatter / all_to_all: chunk j of my input goes to member j.
-- all_reduce: charged as a reduce-scatter plus an all-gather (2 S/n per peer).
-- broadcast: the source sends the tensor to each other member.
+Charge model (what `wire_bytes` computes; REFERENCE.md section 5)
+-----------------------------------------------------------------
+Let the group have n members, taken in ascending global-rank order (node-major,
+as torchrun lays ranks out and as NCCL builds its rings), and let succ(me) be
+the member after me in that order, wrapping around: ring[(i + 1) % n].
+
+- all_gather (flat: `output` = n x `input`): a ring. Every member sends
+  (n-1)*S to succ(me), S = bytes of its `input` shard.
+- reduce_scatter (flat: `input` = n x `output`): a ring. Every member sends
+  (n-1)*S to succ(me), S = bytes of its `output` chunk.
+- all_reduce: a ring (reduce-scatter then all-gather). Every member sends
+  2*(n-1)*S/n (rounded down) to succ(me), S = bytes of the tensor.
+- all_to_all (flat, equal chunks): direct. Chunk j of `input`, S/n bytes with
+  S = bytes of `input`, goes to member j; nothing for my own chunk.
+- broadcast: a chain from src along the ring order: src -> succ(src) -> ...
+  Every member sends S (bytes of the tensor) to succ(me), except the last of
+  the chain, the member just before src in ring order, which sends nothing.
+
+A ring's bytes count as inter-node when succ(me) is on another node, else as
+intra-node; all_to_all's chunk j counts by member j's node. A group of one
+member sends nothing (the collective is a local copy). Consequence for an
+all-gather of M = n*S bytes over N nodes of L ranks: only the last rank of each
+node talks across, so about M leaves each node, not the M*(N-1)/N per *rank*
+that "send S straight to every remote peer" would give (L(N-1)/N times more).
+Gloo picks other algorithms for some sizes; the model is NCCL's, the one the
+ZeRO++ 3M -> 0.75M figure assumes.
+
+Phases
+------
+Every collective takes `phase=` (any string; default "other"). The engine uses:
+  "forward_gather"   parameter all-gathers before a module's forward
+  "backward_gather"  parameter all-gathers before its backward (hpZ: intra-node)
+  "grad_reduce"      gradient reduce-scatter / all-reduce / qgZ all-to-alls
+  "optimizer"        optimizer-step collectives (grad norm, overflow, updated
+                     shard all-gathers of stages 1-2)
+  "other"            everything else (metrics, checkpoints, set-up)
+`CommStats.by_phase[phase]` and `CommStats.by_op[collective]` hold
+[intra, inter] bytes; `CommStats.calls[phase]` the number of collectives issued
+(groups of one member issue none).
 """
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from parallel.topology import Topology
 
+PHASES = ("forward_gather", "backward_gather", "grad_reduce", "optimizer", "other")
+OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast")
 
 
 # torch 2.13 renamed the flat-tensor collectives; older releases have only the old
@@ -33,21 +70,86 @@ def _reduce_scatter_flat(*args, **kwargs):
     return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(*args, **kwargs)
 
 
+def wire_bytes(op: str, group_ranks: list[int], me: int, nbytes: int,
+               node_of: Callable[[int], int], src: int | None = None) -> tuple[int, int]:
+    """(intra_node_bytes, inter_node_bytes) that global rank `me` sends in one
+    collective `op` over the group of global ranks `group_ranks` (any order;
+    rings follow ascending rank order). `node_of(rank)` gives a rank's node.
+
+    `nbytes` is S of the module docstring:
+      all_gather      bytes of my input shard (output / n)
+      reduce_scatter  bytes of my output chunk (input / n)
+      all_reduce      bytes of the tensor
+      all_to_all      bytes of my whole input (n chunks)
+      broadcast       bytes of the tensor; `src` (a global rank) is required
+    """
+    if op not in OPS:
+        raise ValueError(f"unknown collective {op!r}; expected one of {OPS}")
+    ring = sorted(group_ranks)
+    n = len(ring)
+    if len(set(ring)) != n:
+        raise ValueError(f"group ranks {group_ranks} repeat a rank")
+    if me not in ring:
+        raise ValueError(f"rank {me} is not in the group {group_ranks}")
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    if op == "broadcast" and src not in ring:
+        raise ValueError(f"broadcast needs src in the group {group_ranks}, got {src}")
+    if n == 1:
+        return 0, 0
+    my_node = node_of(me)
+    i = ring.index(me)
+    succ = ring[(i + 1) % n]
+
+    if op == "all_to_all":
+        chunk = nbytes // n
+        inter = sum(chunk for r in ring if r != me and node_of(r) != my_node)
+        intra = sum(chunk for r in ring if r != me and node_of(r) == my_node)
+        return intra, inter
+
+    if op in ("all_gather", "reduce_scatter"):
+        sent = (n - 1) * nbytes
+    elif op == "all_reduce":
+        sent = 2 * (n - 1) * nbytes // n
+    else:  # broadcast: chain src -> succ(src) -> ...; the member before src ends it
+        last = ring[(ring.index(src) - 1) % n]
+        sent = 0 if me == last else nbytes
+    return (0, sent) if node_of(succ) != my_node else (sent, 0)
+
+
+def _pair():
+    return [0, 0]
+
+
 @dataclass
 class CommStats:
     intra_node_bytes: int = 0
     inter_node_bytes: int = 0
-    by_op: dict = field(default_factory=lambda: defaultdict(lambda: [0, 0]))
+    by_phase: dict = field(default_factory=lambda: defaultdict(_pair))   # phase -> [intra, inter]
+    by_op: dict = field(default_factory=lambda: defaultdict(_pair))      # collective -> [intra, inter]
+    calls: dict = field(default_factory=lambda: defaultdict(int))        # phase -> collectives issued
 
     @property
     def total_bytes(self) -> int:
         return self.intra_node_bytes + self.inter_node_bytes
 
+    def add(self, op: str, phase: str, intra: int, inter: int):
+        self.intra_node_bytes += intra
+        self.inter_node_bytes += inter
+        for entry in (self.by_phase[phase], self.by_op[op]):
+            entry[0] += intra
+            entry[1] += inter
+        self.calls[phase] += 1
+
     def as_dict(self) -> dict:
+        def split(d):
+            return {k: {"intra_node_bytes": v[0], "inter_node_bytes": v[1]} for k, v in d.items()}
         return {"intra_node_bytes": self.intra_node_bytes,
                 "inter_node_bytes": self.inter_node_bytes,
-                "by_op": {k: {"intra_node_bytes": v[0], "inter_node_bytes": v[1]}
-                          for k, v in self.by_op.items()}}
+                "total_bytes": self.total_bytes,
+                "by_phase": split(self.by_phase),
+                "by_op": split(self.by_op),
+                "calls": dict(self.calls)}
 
 
 class _Done:
@@ -61,10 +163,14 @@ class Communicator:
     def __init__(self, topology: Topology):
         self.topology = topology
         self.stats = CommStats()
+        # Collectives issued with async_op=True (real work handles handed out)
+        # since construction or the last reset_stats().
+        self.async_handles = 0
         self._group_ranks: dict = {}
 
     def reset_stats(self) -> CommStats:
         old, self.stats = self.stats, CommStats()
+        self.async_handles = 0
         return old
 
     # -- accounting -------------------------------------------------------
@@ -78,18 +184,16 @@ class Communicator:
             self._group_ranks[key] = ranks
         return self._group_ranks[key]
 
-    def _charge(self, op: str, group, bytes_per_peer: int):
-        me = self.topology.rank
-        my_node = self.topology.node_of(me)
-        for peer in self.group_ranks(group):
-            if peer == me:
-                continue
-            inter = self.topology.node_of(peer) != my_node
-            if inter:
-                self.stats.inter_node_bytes += bytes_per_peer
-            else:
-                self.stats.intra_node_bytes += bytes_per_peer
-            self.stats.by_op[op][int(inter)] += bytes_per_peer
+    def _charge(self, op: str, phase: str, group, nbytes: int, src: int | None = None):
+        intra, inter = wire_bytes(op, self.group_ranks(group), self.topology.rank, nbytes,
+                                  self.topology.node_of, src=src)
+        self.stats.add(op, phase, intra, inter)
+
+    def _issued(self, work, async_op: bool):
+        if async_op and work is not None:
+            self.async_handles += 1
+            return work
+        return _Done()
 
     @staticmethod
     def _nbytes(t: torch.Tensor) -> int:
@@ -99,44 +203,45 @@ class Communicator:
         return len(self.group_ranks(group))
 
     # -- collectives ------------------------------------------------------
-    def all_reduce(self, tensor, op=dist.ReduceOp.SUM, group=None, async_op=False, tag="all_reduce"):
-        n = self._size(group)
-        if n == 1:
+    def all_reduce(self, tensor, op=dist.ReduceOp.SUM, group=None, async_op=False, phase="other"):
+        """Reduce `tensor` in place over the group's members."""
+        if self._size(group) == 1:
             return _Done()
-        self._charge(tag, group, 2 * self._nbytes(tensor) // n)
-        return dist.all_reduce(tensor, op=op, group=group, async_op=async_op) or _Done()
+        self._charge("all_reduce", phase, group, self._nbytes(tensor))
+        return self._issued(dist.all_reduce(tensor, op=op, group=group, async_op=async_op), async_op)
 
-    def all_gather(self, output, input, group=None, async_op=False, tag="all_gather"):
+    def all_gather(self, output, input, group=None, async_op=False, phase="other"):
         """Gather equal `input` tensors of every member into flat `output`."""
         if self._size(group) == 1:
             output.copy_(input.view_as(output))
             return _Done()
-        self._charge(tag, group, self._nbytes(input))
-        return _all_gather_flat(output, input, group=group, async_op=async_op) or _Done()
+        self._charge("all_gather", phase, group, self._nbytes(input))
+        return self._issued(_all_gather_flat(output, input, group=group, async_op=async_op), async_op)
 
     def reduce_scatter(self, output, input, op=dist.ReduceOp.SUM, group=None, async_op=False,
-                       tag="reduce_scatter"):
+                       phase="other"):
         """Sum flat `input` over members; member j keeps chunk j in `output`."""
         if self._size(group) == 1:
             output.copy_(input.view_as(output))
             return _Done()
-        self._charge(tag, group, self._nbytes(output))
-        return _reduce_scatter_flat(output, input, op=op, group=group, async_op=async_op) or _Done()
+        self._charge("reduce_scatter", phase, group, self._nbytes(output))
+        return self._issued(_reduce_scatter_flat(output, input, op=op, group=group, async_op=async_op),
+                            async_op)
 
-    def all_to_all(self, output, input, group=None, async_op=False, tag="all_to_all"):
+    def all_to_all(self, output, input, group=None, async_op=False, phase="other"):
         """Chunk j of flat `input` goes to member j; chunk j of `output` comes from it."""
-        n = self._size(group)
-        if n == 1:
+        if self._size(group) == 1:
             output.copy_(input)
             return _Done()
-        self._charge(tag, group, self._nbytes(input) // n)
-        return dist.all_to_all_single(output, input, group=group, async_op=async_op) or _Done()
+        self._charge("all_to_all", phase, group, self._nbytes(input))
+        return self._issued(dist.all_to_all_single(output, input, group=group, async_op=async_op),
+                            async_op)
 
-    def broadcast(self, tensor, src: int, group=None, tag="broadcast"):
+    def broadcast(self, tensor, src: int, group=None, phase="other"):
+        """`tensor` of global rank `src` to every member (synchronous)."""
         if self._size(group) == 1:
             return
-        if self.topology.rank == src:
-            self._charge(tag, group, self._nbytes(tensor))
+        self._charge("broadcast", phase, group, self._nbytes(tensor), src=src)
         dist.broadcast(tensor, src=src, group=group)
 
     def barrier(self, group=None):

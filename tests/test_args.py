@@ -1,5 +1,7 @@
 """Command-line parsing: Megatron flags, YAML, DeepSpeed JSON, and bad input."""
+import functools
 import json
+import warnings
 
 import pytest
 
@@ -78,6 +80,8 @@ def test_unknown_yaml_key_names_it(tmp_path, capsys):
     (["--hidden-size", "100", "--num-attention-heads", "12"], "--num-attention-heads 12 must divide"),
     (["--fp16", "--bf16"], "pick one"),
     (["--recompute-granularity", "selective"], "selective is not supported"),
+    (["--recompute-method", "block"], "--recompute-method block and --recompute-num-layers above 1 are not"),
+    (["--recompute-num-layers", "4"], "--recompute-num-layers above 1 are not supported"),
     (["--seq-length", "2048", "--max-position-embeddings", "1024"], "exceeds --max-position-embeddings"),
 ])
 def test_unsupported_values_fail_early(flags, message):
@@ -93,3 +97,160 @@ def test_missing_required_flag():
 def test_missing_deepspeed_config_file():
     with pytest.raises(ConfigError, match="no such file nope.json"):
         parse_args(REQUIRED + ["--deepspeed_config", "nope.json"])
+
+
+def write_ds(tmp_path, config: dict) -> str:
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+ADAM = {"type": "Adam", "params": {"lr": 1e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0}}
+SGD = {"type": "SGD", "params": {"lr": 1e-4, "momentum": 0.9}}
+Z3 = {"stage": 3}
+# Every flag that has a DeepSpeed JSON twin: flags, JSON, the warning, and where the flag's value lands.
+CONFLICTS = [
+    (["--zero-stage", "2"], {"zero_optimization": {"stage": 1}},
+     "--zero-stage 2 conflicts with zero_optimization.stage=1", "ds_config.zero_optimization.stage", 2),
+    (["--zero-hpz-size", "2"], {"zero_optimization": {**Z3, "zero_hpz_partition_size": 4}},
+     "--zero-hpz-size 2 conflicts with zero_optimization.zero_hpz_partition_size=4",
+     "ds_config.zero_optimization.zero_hpz_partition_size", 2),
+    (["--zero-quantized-weights"], {"zero_optimization": {**Z3, "zero_quantized_weights": False}},
+     "--zero-quantized-weights True conflicts", "ds_config.zero_optimization.zero_quantized_weights", True),
+    (["--zero-quantized-gradients"], {"zero_optimization": {**Z3, "zero_quantized_gradients": False}},
+     "--zero-quantized-gradients True conflicts", "ds_config.zero_optimization.zero_quantized_gradients", True),
+    (["--zero-reduce-bucket-size", "1e6"], {"zero_optimization": {"reduce_bucket_size": 2e6}},
+     "--zero-reduce-bucket-size 1000000 conflicts with zero_optimization.reduce_bucket_size=2000000",
+     "ds_config.zero_optimization.reduce_bucket_size", 1_000_000),
+    (["--fp16"], {"fp16": {"enabled": False}}, "--fp16 True conflicts with fp16.enabled=False", "fp16", True),
+    (["--bf16"], {"bf16": {"enabled": False}}, "--bf16 True conflicts with bf16.enabled=False", "bf16", True),
+    (["--loss-scale", "128"], {"fp16": {"loss_scale": 0}}, "--loss-scale 128.0 conflicts with fp16.loss_scale=0.0",
+     "ds_config.fp16.loss_scale", 128),
+    (["--initial-loss-scale", "1024"], {"fp16": {"initial_scale_power": 16}},
+     "--initial-loss-scale 1024.0 conflicts with fp16.initial_scale_power=16",
+     "ds_config.fp16.initial_scale_power", 10),
+    (["--min-loss-scale", "2"], {"fp16": {"min_loss_scale": 1}}, "--min-loss-scale 2.0 conflicts",
+     "ds_config.fp16.min_loss_scale", 2),
+    (["--loss-scale-window", "500"], {"fp16": {"loss_scale_window": 1000}}, "--loss-scale-window 500 conflicts",
+     "ds_config.fp16.loss_scale_window", 500),
+    (["--hysteresis", "4"], {"fp16": {"hysteresis": 2}}, "--hysteresis 4 conflicts with fp16.hysteresis=2",
+     "ds_config.fp16.hysteresis", 4),
+    (["--clip-grad", "0.5"], {"gradient_clipping": 1.0}, "--clip-grad 0.5 conflicts with gradient_clipping=1.0",
+     "ds_config.gradient_clipping", 0.5),
+    (["--micro-batch-size", "2"], {"train_micro_batch_size_per_gpu": 4},
+     "--micro-batch-size 2 conflicts with train_micro_batch_size_per_gpu=4", "micro_batch_size", 2),
+    (["--global-batch-size", "64"], {"train_batch_size": 32},
+     "--global-batch-size 64 conflicts with train_batch_size=32", "global_batch_size", 64),
+    (["--log-interval", "5"], {"steps_per_print": 10}, "--log-interval 5 conflicts with steps_per_print=10",
+     "ds_config.steps_per_print", 5),
+    (["--lr", "3e-4"], {"optimizer": ADAM}, "--lr 0.0003 conflicts with optimizer.params.lr=0.0001",
+     "optimizer_settings.lr", 3e-4),
+    (["--weight-decay", "0.1"], {"optimizer": ADAM},
+     "--weight-decay 0.1 conflicts with optimizer.params.weight_decay=0.0",
+     "optimizer_settings.weight_decay", 0.1),
+    (["--adam-eps", "1e-6"], {"optimizer": ADAM}, "--adam-eps 1e-06 conflicts with optimizer.params.eps=1e-08",
+     "optimizer_settings.eps", 1e-6),
+    (["--adam-beta1", "0.8"], {"optimizer": ADAM},
+     r"--adam-beta1 0.8 conflicts with optimizer.params.betas\[0\]=0.9", "optimizer_settings.betas", (0.8, 0.95)),
+    (["--adam-beta2", "0.99"], {"optimizer": ADAM},
+     r"--adam-beta2 0.99 conflicts with optimizer.params.betas\[1\]=0.95", "optimizer_settings.betas", (0.9, 0.99)),
+    (["--sgd-momentum", "0.5"], {"optimizer": SGD},
+     "--sgd-momentum 0.5 conflicts with optimizer.params.momentum=0.9", "optimizer_settings.momentum", 0.5),
+    (["--optimizer", "sgd"], {"optimizer": {"type": "Adam"}},
+     r"--optimizer sgd \(sgd\) conflicts with optimizer.type=Adam \(adamw\)", "optimizer_settings.type", "sgd"),
+]
+
+
+@pytest.mark.parametrize("flags, config, message, where, value", CONFLICTS, ids=[c[0][0] for c in CONFLICTS])
+def test_every_flag_json_conflict_warns_and_the_flag_wins(tmp_path, flags, config, message, where, value):
+    with pytest.warns(UserWarning, match=message):
+        args = parse_args(REQUIRED + ["--deepspeed_config", write_ds(tmp_path, config)] + flags)
+    assert functools.reduce(getattr, where.split("."), args) == value
+
+
+def test_yaml_against_json_conflict_warns(tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("micro-batch-size: 2\nfp16: false\n")
+    ds = write_ds(tmp_path, {"train_micro_batch_size_per_gpu": 4, "fp16": {"enabled": True}})
+    with pytest.warns(UserWarning) as record:
+        args = parse_args(REQUIRED + ["--config", str(cfg), "--deepspeed_config", ds])
+    messages = " ".join(str(w.message) for w in record)
+    assert "--micro-batch-size 2 conflicts" in messages and "--fp16 False conflicts" in messages
+    assert args.micro_batch_size == 2 and not args.fp16 and not args.ds_config.fp16.enabled
+
+
+def test_agreeing_flags_and_json_are_quiet(tmp_path):
+    ds = write_ds(tmp_path, {"optimizer": ADAM, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 7})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        args = parse_args(REQUIRED + ["--deepspeed_config", ds, "--micro-batch-size", "2", "--adam-beta2", "0.95"])
+    assert args.log_interval == 7          # steps_per_print is --log-interval's default
+
+
+def test_log_interval_defaults():
+    assert parse_args(REQUIRED).log_interval == 100
+    assert parse_args(REQUIRED + ["--log-interval", "3"]).ds_config.steps_per_print == 3
+
+
+@pytest.mark.parametrize("flags, config, expected", [
+    (["--optimizer", "adam"], None, dict(type="adamw", lr=1e-4, betas=(0.9, 0.999), weight_decay=0.01)),
+    (["--optimizer", "adamw", "--adam-beta2", "0.95"], None, dict(type="adamw", betas=(0.9, 0.95))),
+    (["--optimizer", "sgd"], None, dict(type="sgd", momentum=0.9)),          # Megatron's --sgd-momentum
+    ([], {"type": "Adam", "params": {"adam_w_mode": False}}, dict(type="adam", weight_decay=0.0, lr=1e-4)),
+    ([], {"type": "SGD", "params": {"lr": 1e-4}}, dict(type="sgd", momentum=0.0, weight_decay=0.0)),
+    (["--weight-decay", "0.1"], {"type": "AdamW"}, dict(type="adamw", weight_decay=0.1)),
+])
+def test_optimizer_settings(tmp_path, flags, config, expected):
+    extra = ["--deepspeed_config", write_ds(tmp_path, {"optimizer": config})] if config else []
+    settings = parse_args(REQUIRED + flags + extra).optimizer_settings
+    for name, value in expected.items():
+        assert getattr(settings, name) == value, name
+
+
+def test_json_optimizer_gives_lr_and_refuses_lamb(tmp_path):
+    args = parse_args(["--train-iters", "10", "--data-path", "x", "--deepspeed_config",
+                       write_ds(tmp_path, {"optimizer": {"type": "AdamW", "params": {"lr": 6e-4}}})])
+    assert args.lr == args.optimizer_settings.lr == 6e-4
+    with pytest.raises(ConfigError, match="optimizer.type 'Lamb' is not supported"):
+        parse_args(REQUIRED + ["--deepspeed_config", write_ds(tmp_path, {"optimizer": {"type": "Lamb"}})])
+
+
+@pytest.mark.parametrize("flags, config, world, expected", [
+    (["--micro-batch-size", "2", "--global-batch-size", "16"], {}, 4, (2, 16, 2)),
+    ([], {"train_batch_size": 32}, 4, (8, 32, 1)),                                 # accumulation 1
+    ([], {"train_batch_size": 32, "gradient_accumulation_steps": 2}, 4, (4, 32, 2)),
+    (["--micro-batch-size", "2"], {"gradient_accumulation_steps": 3}, 4, (2, 24, 3)),
+    (["--micro-batch-size", "2"], {}, 4, (2, 8, 1)),
+    ([], {}, 4, (1, 4, 1)),                                                         # micro batch 1
+    ([], {"gradient_accumulation_steps": 2}, 4, (1, 8, 2)),
+    ([], {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2}, 4,
+     (2, 16, 2)),
+])
+def test_batch_arithmetic(tmp_path, flags, config, world, expected):
+    args = parse_args(REQUIRED + flags + ["--deepspeed_config", write_ds(tmp_path, config)])
+    resolve_batch(args, data_parallel_size=world)
+    assert (args.micro_batch_size, args.global_batch_size, args.gradient_accumulation_steps) == expected
+    ds = args.ds_config
+    assert (ds.train_micro_batch_size_per_gpu, ds.train_batch_size, ds.gradient_accumulation_steps) == expected
+
+
+@pytest.mark.parametrize("flags, config, message", [
+    (["--micro-batch-size", "2", "--global-batch-size", "16"], {"gradient_accumulation_steps": 4},
+     "--global-batch-size 16 != --micro-batch-size 2 x gradient_accumulation_steps 4 x data-parallel size 4 = 32"),
+    ([], {"train_batch_size": 30}, "train_batch_size 30 must be a multiple of gradient_accumulation_steps 1 x"),
+    ([], {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4}, "train_batch_size 8 must be a multiple of "
+                                                                       "train_micro_batch_size_per_gpu 4"),
+])
+def test_batch_arithmetic_errors(tmp_path, flags, config, message):
+    args = parse_args(REQUIRED + flags + ["--deepspeed_config", write_ds(tmp_path, config)])
+    with pytest.raises(ConfigError, match=message):
+        resolve_batch(args, data_parallel_size=4)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--optimizer", "sgd", "--adam-beta2", "0.95"], "--adam-beta2 has no effect with optimizer sgd"),
+    (["--sgd-momentum", "0.8"], "--sgd-momentum has no effect with optimizer adamw"),
+])
+def test_flags_of_the_other_optimizer_are_refused(flags, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_args(REQUIRED + flags)

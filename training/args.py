@@ -2,7 +2,11 @@
 DeepSpeed JSON (`--deepspeed_config`).
 
 Precedence: flags given on the command line > YAML > DeepSpeed JSON > defaults.
-When a flag and the JSON disagree the flag wins and the conflict is reported.
+When a flag (or YAML value) and the JSON disagree the flag wins and the conflict
+is reported as a UserWarning. Exception: the learning-rate schedule, where a JSON
+`scheduler` and Megatron's schedule flags together are an error (see
+training/lr_schedule.py). A JSON `optimizer` section brings DeepSpeed's defaults
+for the parameters it leaves out (e.g. weight_decay 0), not the flags' defaults.
 """
 from __future__ import annotations
 
@@ -14,7 +18,8 @@ import warnings
 import yaml
 
 from data.tokenizer import TOKENIZER_TYPES
-from zeropp.config import ConfigError, DeepSpeedConfig, load_json, parse_int
+from training.lr_schedule import build_lr_schedule
+from zeropp.config import ConfigError, DeepSpeedConfig, OptimizerSettings, load_json, parse_int
 
 
 def _int(text: str) -> int:
@@ -87,8 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--clip-grad", type=float, default=None, help="global gradient norm; 0 = off (default 1.0)")
-    g.add_argument("--optimizer", choices=["adam", "adamw"], default="adam",
-                   help="Adam with decoupled weight decay in both cases, as Megatron")
+    g.add_argument("--optimizer", choices=["adam", "adamw", "sgd"], default="adam",
+                   help="adam and adamw both decouple weight decay, as Megatron's adam")
+    g.add_argument("--sgd-momentum", type=float, default=0.9, help="momentum of --optimizer sgd")
 
     g = p.add_argument_group("mixed precision")
     g.add_argument("--fp16", action="store_true")
@@ -119,7 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--eval-interval", type=int, default=1000)
     g.add_argument("--eval-iters", type=int, default=100)
-    g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--log-interval", type=int, default=100,
+                   help="default: steps_per_print of --deepspeed_config if it sets it, else 100")
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--seed", type=int, default=1234)
     return p
@@ -140,6 +147,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     _check_supported(args)
     args.ds_config = _merge_deepspeed_config(args, explicit)
     _derive(args)
+    build_lr_schedule(args)  # a JSON scheduler against Megatron's schedule flags fails here, early
     return args
 
 
@@ -192,6 +200,10 @@ def _check_supported(args):
     if args.recompute_granularity == "selective":
         raise ConfigError("--recompute-granularity selective is not supported; use full "
                           "(or --checkpoint-activations)")
+    if args.recompute_method == "block" or args.recompute_num_layers not in (None, 1):
+        raise ConfigError("--recompute-method block and --recompute-num-layers above 1 are not supported: "
+                          "each transformer block is recomputed on its own (Megatron's uniform method "
+                          "with 1 layer); drop these flags")
     if args.fp16 and args.bf16:
         raise ConfigError("--fp16 and --bf16 are both set; pick one")
     if args.hidden_size % args.num_attention_heads:
@@ -199,63 +211,108 @@ def _check_supported(args):
                           f"--hidden-size {args.hidden_size}")
 
 
+_GIVEN = object()  # merge(): "take the flag's value if it was given"
+# Megatron's --optimizer names -> OptimizerSettings.type (Megatron's adam decouples weight decay).
+_MEGATRON_OPTIMIZERS = {"adam": "adamw", "adamw": "adamw", "sgd": "sgd"}
+
+
 def _merge_deepspeed_config(args, explicit: set[str]) -> DeepSpeedConfig:
     """One DeepSpeedConfig from the JSON and the flags; flags win and conflicts are reported."""
-    raw = load_json(args.deepspeed_config) if args.deepspeed_config else {}
-    ds = DeepSpeedConfig.from_dict(raw, where=args.deepspeed_config or "defaults")
+    path = args.deepspeed_config
+    raw = load_json(path) if path else {}
+    ds = DeepSpeedConfig.from_dict(raw, where=path or "defaults")
     in_file = _dotted_keys(raw)
     zero = ds.zero_optimization
 
-    def merge(flag_dest, flag_value, json_key, obj, attr):
-        if flag_value is None:
+    def merge(dest, json_key, obj, attr, value=_GIVEN, shown=None):
+        """An explicit flag (command line or YAML) wins over the JSON; a disagreement is reported."""
+        if value is _GIVEN:
+            value = getattr(args, dest) if dest in explicit else None
+        if value is None:
             return
-        if json_key in in_file and getattr(obj, attr) != flag_value and flag_dest in explicit:
-            warnings.warn(f"--{flag_dest.replace('_', '-')} {flag_value} conflicts with {json_key}="
-                          f"{getattr(obj, attr)} in {args.deepspeed_config}; using the flag", stacklevel=2)
-        if flag_dest in explicit or json_key not in in_file:
-            setattr(obj, attr, flag_value)
+        if json_key in in_file and getattr(obj, attr) != value:
+            _conflict(dest, value if shown is None else shown, json_key, getattr(obj, attr), path)
+        setattr(obj, attr, value)
 
-    merge("zero_stage", args.zero_stage, "zero_optimization.stage", zero, "stage")
-    merge("zero_hpz_size", args.zero_hpz_size, "zero_optimization.zero_hpz_partition_size", zero,
-          "zero_hpz_partition_size")
-    merge("zero_quantized_weights", args.zero_quantized_weights, "zero_optimization.zero_quantized_weights",
-          zero, "zero_quantized_weights")
-    merge("zero_quantized_gradients", args.zero_quantized_gradients,
-          "zero_optimization.zero_quantized_gradients", zero, "zero_quantized_gradients")
-    merge("zero_reduce_bucket_size", args.zero_reduce_bucket_size, "zero_optimization.reduce_bucket_size",
-          zero, "reduce_bucket_size")
-    merge("fp16", True if args.fp16 else None, "fp16.enabled", ds.fp16, "enabled")
-    merge("bf16", True if args.bf16 else None, "bf16.enabled", ds.bf16, "enabled")
-    merge("loss_scale", args.loss_scale, "fp16.loss_scale", ds.fp16, "loss_scale")
-    if args.initial_loss_scale is not None:
-        merge("initial_loss_scale", int(math.log2(args.initial_loss_scale)), "fp16.initial_scale_power",
-              ds.fp16, "initial_scale_power")
-    merge("min_loss_scale", args.min_loss_scale, "fp16.min_loss_scale", ds.fp16, "min_loss_scale")
-    merge("loss_scale_window", args.loss_scale_window, "fp16.loss_scale_window", ds.fp16, "loss_scale_window")
-    merge("hysteresis", args.hysteresis, "fp16.hysteresis", ds.fp16, "hysteresis")
-    merge("clip_grad", args.clip_grad, "gradient_clipping", ds, "gradient_clipping")
+    merge("zero_stage", "zero_optimization.stage", zero, "stage")
+    merge("zero_hpz_size", "zero_optimization.zero_hpz_partition_size", zero, "zero_hpz_partition_size")
+    merge("zero_quantized_weights", "zero_optimization.zero_quantized_weights", zero, "zero_quantized_weights")
+    merge("zero_quantized_gradients", "zero_optimization.zero_quantized_gradients", zero,
+          "zero_quantized_gradients")
+    merge("zero_reduce_bucket_size", "zero_optimization.reduce_bucket_size", zero, "reduce_bucket_size")
+    merge("fp16", "fp16.enabled", ds.fp16, "enabled")
+    merge("bf16", "bf16.enabled", ds.bf16, "enabled")
+    merge("loss_scale", "fp16.loss_scale", ds.fp16, "loss_scale")
+    if "initial_loss_scale" in explicit:  # the flag is a scale, the JSON a power of two
+        merge("initial_loss_scale", "fp16.initial_scale_power", ds.fp16, "initial_scale_power",
+              value=int(math.log2(args.initial_loss_scale)), shown=args.initial_loss_scale)
+    merge("min_loss_scale", "fp16.min_loss_scale", ds.fp16, "min_loss_scale")
+    merge("loss_scale_window", "fp16.loss_scale_window", ds.fp16, "loss_scale_window")
+    merge("hysteresis", "fp16.hysteresis", ds.fp16, "hysteresis")
+    merge("clip_grad", "gradient_clipping", ds, "gradient_clipping")
     if "gradient_clipping" not in in_file and args.clip_grad is None:
         ds.gradient_clipping = 1.0  # Megatron's default
-    merge("micro_batch_size", args.micro_batch_size, "train_micro_batch_size_per_gpu", ds,
-          "train_micro_batch_size_per_gpu")
-    merge("global_batch_size", args.global_batch_size, "train_batch_size", ds, "train_batch_size")
-    if ds.optimizer is not None:
-        params = ds.optimizer.params
-        for key, dest in (("lr", "lr"), ("weight_decay", "weight_decay"), ("eps", "adam_eps")):
-            if key in params and dest not in explicit:
-                setattr(args, dest, params[key])
-        if "betas" in params:
-            for i, dest in enumerate(("adam_beta1", "adam_beta2")):
-                if dest not in explicit:
-                    setattr(args, dest, params["betas"][i])
+    merge("micro_batch_size", "train_micro_batch_size_per_gpu", ds, "train_micro_batch_size_per_gpu")
+    merge("global_batch_size", "train_batch_size", ds, "train_batch_size")
+    # steps_per_print is the default of --log-interval: file over built-in default, flag over file.
+    merge("log_interval", "steps_per_print", ds, "steps_per_print")
+    if "steps_per_print" in in_file:
+        args.log_interval = ds.steps_per_print
+    ds.steps_per_print = args.log_interval
+    args.optimizer_settings = _optimizer_settings(args, ds, explicit, in_file, merge)
     # The flags now mirror the merged config.
     args.fp16, args.bf16 = ds.fp16.enabled, ds.bf16.enabled
     args.zero_stage = zero.stage
-    args.micro_batch_size = ds.train_micro_batch_size_per_gpu
+    args.micro_batch_size = ds.train_micro_batch_size_per_gpu   # None: resolve_batch derives it
     args.global_batch_size = ds.train_batch_size
     args.clip_grad = ds.gradient_clipping
     ds.validate("flags and --deepspeed_config")
     return ds
+
+
+def _conflict(dest: str, value, json_key: str, json_value, path: str):
+    warnings.warn(f"--{dest.replace('_', '-')} {value} conflicts with {json_key}={json_value} "
+                  f"in {path}; using the flag", UserWarning, stacklevel=3)
+
+
+def _optimizer_settings(args, ds: DeepSpeedConfig, explicit: set[str], in_file: set[str],
+                        merge) -> OptimizerSettings:
+    """The optimizer from the flags, or from the JSON's optimizer section with explicit flags on top."""
+    flag_type = _MEGATRON_OPTIMIZERS[args.optimizer]
+    if ds.optimizer is None:
+        settings = OptimizerSettings(type=flag_type, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
+                                     eps=args.adam_eps, weight_decay=args.weight_decay,
+                                     momentum=args.sgd_momentum if flag_type == "sgd" else 0.0)
+    else:
+        # What the JSON leaves out takes DeepSpeed's defaults for its optimizer, not the flags'.
+        settings = ds.optimizer.settings()
+        if "optimizer" in explicit and flag_type != settings.type:
+            _conflict("optimizer", f"{args.optimizer} ({flag_type})", "optimizer.type",
+                      f"{ds.optimizer.type} ({settings.type})", args.deepspeed_config)
+            settings.type = flag_type
+        merge("lr", "optimizer.params.lr", settings, "lr")
+        merge("weight_decay", "optimizer.params.weight_decay", settings, "weight_decay")
+        merge("adam_eps", "optimizer.params.eps", settings, "eps")
+        merge("sgd_momentum", "optimizer.params.momentum", settings, "momentum")
+        betas = list(settings.betas)
+        for i, dest in enumerate(("adam_beta1", "adam_beta2")):
+            if dest in explicit:
+                if "optimizer.params.betas" in in_file and betas[i] != getattr(args, dest):
+                    _conflict(dest, getattr(args, dest), f"optimizer.params.betas[{i}]", betas[i],
+                              args.deepspeed_config)
+                betas[i] = getattr(args, dest)
+        settings.betas = tuple(betas)
+    args.lr, args.weight_decay, args.adam_eps = settings.lr, settings.weight_decay, settings.eps
+    args.adam_beta1, args.adam_beta2 = settings.betas
+    if settings.type == "sgd":
+        args.sgd_momentum = settings.momentum
+    # Flags of the other optimizer would do nothing: refuse them rather than ignore them.
+    idle = ("adam_beta1", "adam_beta2", "adam_eps") if settings.type == "sgd" else ("sgd_momentum",)
+    idle = [dest for dest in idle if dest in explicit]
+    if idle:
+        raise ConfigError(f"{', '.join('--' + d.replace('_', '-') for d in idle)} has no effect with "
+                          f"optimizer {settings.type}; remove it")
+    return settings
 
 
 def _dotted_keys(raw: dict, prefix: str = "") -> set[str]:
@@ -276,8 +333,9 @@ def _derive(args):
     if args.seq_length > args.max_position_embeddings:
         raise ConfigError(f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
                           f"{args.max_position_embeddings}")
-    if args.micro_batch_size is None:
-        args.micro_batch_size = 1
+    scheduler = args.ds_config.scheduler
+    if args.lr is None and scheduler is not None and "warmup_max_lr" in scheduler.params:
+        args.lr = args.optimizer_settings.lr = scheduler.params["warmup_max_lr"]  # the schedule's peak
     for name in ("train_iters", "lr", "data_path"):
         if getattr(args, name) is None:
             raise ConfigError(f"--{name.replace('_', '-')} is required")
@@ -288,20 +346,38 @@ def _derive(args):
 
 
 def resolve_batch(args, data_parallel_size: int):
-    """Gradient accumulation steps that reach the global batch on this many ranks."""
-    per_step = args.micro_batch_size * data_parallel_size
-    if args.global_batch_size is None:
-        args.global_batch_size = per_step
-    if args.global_batch_size % per_step:
-        raise ConfigError(
-            f"--global-batch-size {args.global_batch_size} must be a multiple of --micro-batch-size "
-            f"{args.micro_batch_size} x data-parallel size {data_parallel_size} = {per_step}")
-    args.gradient_accumulation_steps = args.global_batch_size // per_step
-    accum = args.ds_config.gradient_accumulation_steps
-    if accum is not None and accum != args.gradient_accumulation_steps:
-        raise ConfigError(
-            f"gradient_accumulation_steps {accum} in {args.deepspeed_config} disagrees with "
-            f"global batch {args.global_batch_size} / (micro batch {args.micro_batch_size} x "
-            f"{data_parallel_size} ranks) = {args.gradient_accumulation_steps}")
-    args.ds_config.train_batch_size = args.global_batch_size
-    args.ds_config.gradient_accumulation_steps = args.gradient_accumulation_steps
+    """DeepSpeed's batch arithmetic (runtime/config.py, _set_batch_related_parameters):
+    train_batch_size = micro batch x gradient_accumulation_steps x data-parallel size.
+    Any two give the third; train_batch_size alone means accumulation 1; a micro batch
+    alone means accumulation 1. With neither batch size the micro batch is 1 (Megatron's
+    default, where DeepSpeed would refuse). Sets args.micro_batch_size,
+    args.global_batch_size, args.gradient_accumulation_steps and the ds_config fields."""
+    ds, world = args.ds_config, data_parallel_size
+    train, micro, accum = args.global_batch_size, args.micro_batch_size, ds.gradient_accumulation_steps
+    explicit = getattr(args, "explicit", set())
+    t_name = "--global-batch-size" if "global_batch_size" in explicit else "train_batch_size"
+    m_name = "--micro-batch-size" if "micro_batch_size" in explicit else "train_micro_batch_size_per_gpu"
+    if train is None and micro is None:
+        micro = 1
+    if train is not None and micro is not None and accum is not None:
+        if train != micro * accum * world:
+            raise ConfigError(
+                f"{t_name} {train} != {m_name} {micro} x gradient_accumulation_steps {accum} x "
+                f"data-parallel size {world} = {micro * accum * world}; fix one of the three")
+    elif train is not None and micro is not None:
+        if train % (micro * world):
+            raise ConfigError(f"{t_name} {train} must be a multiple of {m_name} {micro} x data-parallel "
+                              f"size {world} = {micro * world}")
+        accum = train // (micro * world)
+    elif train is not None:
+        accum = accum or 1
+        if train % (accum * world):
+            raise ConfigError(f"{t_name} {train} must be a multiple of gradient_accumulation_steps "
+                              f"{accum} x data-parallel size {world} = {accum * world}")
+        micro = train // (accum * world)
+    else:
+        accum = accum or 1
+        train = micro * accum * world
+    args.micro_batch_size = ds.train_micro_batch_size_per_gpu = micro
+    args.global_batch_size = ds.train_batch_size = train
+    args.gradient_accumulation_steps = ds.gradient_accumulation_steps = accum

@@ -1,11 +1,17 @@
 """ZeRO stages 0-3 (and ZeRO++) for any nn.Module."""
-from zeropp.config import ConfigError, DeepSpeedConfig, ZeroConfig
-from zeropp.engine import DDPEngine, Engine, OptimizerSettings, StepResult
+from zeropp.config import ConfigError, DeepSpeedConfig, OptimizerSettings, ZeroConfig
+from zeropp.engine import DDPEngine, Engine, StepResult
+from zeropp.init import ParamInit
 
 
 def initialize(module, config: DeepSpeedConfig, comm, device, optim: OptimizerSettings,
-               gradient_accumulation_steps: int = 1) -> Engine:
-    """Wrap `module` in the engine for `config.zero_optimization.stage`."""
+               gradient_accumulation_steps: int = 1, param_init: ParamInit | None = None) -> Engine:
+    """Wrap `module` in the engine for `config.zero_optimization.stage`.
+
+    `module` may be built on the meta device; `param_init(name, tensor)` then
+    fills each parameter (see zeropp/init.py). At world size 1 every stage
+    takes the short path (DDPEngine without DDP): the shard is the weight.
+    """
     zero = config.zero_optimization
     zero.validate_topology(comm.topology.ranks_per_node, comm.topology.world_size)
     zeropp_keys = [k for k in ("zero_quantized_weights", "zero_quantized_gradients") if getattr(zero, k)]
@@ -14,14 +20,16 @@ def initialize(module, config: DeepSpeedConfig, comm, device, optim: OptimizerSe
     if zeropp_keys:
         raise ConfigError(f"{', '.join(zeropp_keys)}: ZeRO++ (qwZ, hpZ, qgZ) is not in this build yet; "
                           f"remove these keys to train with plain ZeRO stage 3")
-    if zero.stage == 0:
+    if zero.stage == 0 or comm.topology.world_size == 1:
         cls = DDPEngine
-    elif zero.stage in (1, 2):
-        from zeropp.stage12 import ShardedOptimizerEngine as cls
+    elif zero.stage == 1:
+        from zeropp.stage12 import Stage1Engine as cls
+    elif zero.stage == 2:
+        from zeropp.stage12 import Stage2Engine as cls
     else:
         from zeropp.stage3 import Stage3Engine as cls
-    return cls(module, config, comm, device, optim, gradient_accumulation_steps)
+    return cls(module, config, comm, device, optim, gradient_accumulation_steps, param_init=param_init)
 
 
 __all__ = ["initialize", "ConfigError", "DeepSpeedConfig", "ZeroConfig", "Engine", "DDPEngine",
-           "OptimizerSettings", "StepResult"]
+           "OptimizerSettings", "StepResult", "ParamInit"]

@@ -3,9 +3,16 @@
     cfg = DeepSpeedConfig.from_file("ds_zeropp_config.json")
     cfg.zero_optimization.stage, cfg.fp16.enabled, ...
 
-Every key is checked: an unknown one is an error that names it and suggests
-the closest known key; sizes may be written `5e8`; keys DeepSpeed has but we
-do not implement are refused by name rather than silently ignored.
+Config honesty: every key does what DeepSpeed documents, or it is refused with
+a ConfigError that names it and says what to do instead.
+- Keys DeepSpeed has but this engine does not implement say "not supported"
+  (the list is zeropp/config_keys.py). The value that means "off" (`"sparse_gradients": false`, a section with
+  `"enabled": false`) is accepted: it asks for what happens anyway.
+- Keys that choose between DeepSpeed implementations (contiguous_gradients,
+  reduce_scatter, ...) accept only the value that describes this engine.
+- Unknown keys (typos) are errors with a "did you mean" hint.
+Sizes may be written `5e8`. Optimizer and scheduler sections are checked here;
+the schedule formulas live in training/lr_schedule.py.
 """
 from __future__ import annotations
 
@@ -13,18 +20,26 @@ import dataclasses
 import difflib
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
+
+from zeropp.config_keys import OPTIMIZER_PARAMS, SCHEDULERS, UNSUPPORTED
 
 
 class ConfigError(ValueError):
     pass
 
 
+def _refuse(where: str, value: Any, ok: Any, why: str):
+    """One message shape for 'this key accepts one value only'."""
+    raise ConfigError(f"{where}={json.dumps(value)} is not supported: {why}; "
+                      f"remove the key or set it to {json.dumps(ok)}")
+
+
 @dataclass
 class ZeroConfig:
     stage: int = 0
-    contiguous_gradients: bool = True
-    reduce_scatter: bool = True
+    contiguous_gradients: bool = True        # true only (see _ZERO_FIXED)
+    reduce_scatter: bool = True              # true only
     reduce_bucket_size: int = 500_000_000
     allgather_bucket_size: int = 500_000_000
     # DeepSpeed turns overlap_comm on by default for stage 3 only; None = that default.
@@ -36,11 +51,11 @@ class ZeroConfig:
     zero_hpz_partition_size: int = 1
     zero_quantized_weights: bool = False
     zero_quantized_gradients: bool = False
-    # Accepted for compatibility with existing configs; they change nothing here.
-    allgather_partitions: bool = True
-    round_robin_gradients: bool = False
-    sub_group_size: int = 1_000_000_000
-    stage3_gather_16bit_weights_on_model_save: bool = False
+    allgather_partitions: bool = True        # true only
+    round_robin_gradients: bool = False      # false only
+    sub_group_size: int = 1_000_000_000      # the default only
+    stage3_gather_16bit_weights_on_model_save: bool = False  # false only
+    # False: the engine raises when a parameter got no gradient in a step (DeepSpeed's check).
     ignore_unused_parameters: bool = True
 
     @property
@@ -50,8 +65,11 @@ class ZeroConfig:
     def validate(self, where: str = "zero_optimization"):
         if self.stage not in (0, 1, 2, 3):
             raise ConfigError(f"{where}.stage is {self.stage}; ZeRO stages are 0, 1, 2 and 3")
+        for name, (ok, why) in _ZERO_FIXED.items():
+            if getattr(self, name) != ok:
+                _refuse(f"{where}.{name}", getattr(self, name), ok, why)
         for name in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
-                     "stage3_max_live_parameters", "sub_group_size"):
+                     "stage3_max_live_parameters"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{where}.{name} must be a positive number of elements "
                                   f"(e.g. 5e8), got {getattr(self, name)}")
@@ -78,6 +96,19 @@ class ZeroConfig:
                 f"Use a divisor of {ranks_per_node}, ideally {ranks_per_node} itself")
 
 
+# zero_optimization keys whose other values ask for a DeepSpeed implementation detail we lack.
+_ZERO_FIXED = {
+    "contiguous_gradients": (True, "gradients are always copied into contiguous buckets"),
+    "reduce_scatter": (True, "ZeRO stages 1-3 always reduce-scatter gradient buckets"),
+    "allgather_partitions": (True, "updated shards are always all-gathered"),
+    "round_robin_gradients": (False, "gradients are partitioned in order, not round-robin"),
+    "sub_group_size": (1_000_000_000, "the optimizer steps each rank's whole shard at once"),
+    "stage3_gather_16bit_weights_on_model_save": (
+        False, "not yet: every checkpoint already holds the full fp32 weights in "
+               "iter_N/model.pt; export 16-bit weights from that file"),
+}
+
+
 @dataclass
 class FP16Config:
     enabled: bool = False
@@ -86,7 +117,7 @@ class FP16Config:
     loss_scale_window: int = 1000
     hysteresis: int = 2
     min_loss_scale: float = 1.0
-    auto_cast: bool = False
+    auto_cast: bool = False          # false only: the model itself runs in fp16
 
 
 @dataclass
@@ -95,15 +126,125 @@ class BF16Config:
 
 
 @dataclass
+class DataTypesConfig:
+    grad_accum_dtype: str | None = "fp32"   # fp32 only
+
+
+@dataclass
+class OptimizerSettings:
+    """What the engine builds its optimizer from (args.optimizer_settings)."""
+    # "adamw" (decoupled weight decay), "adam" (L2 added to the gradient, torch.optim.Adam), "sgd"
+    type: str = "adamw"
+    lr: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    momentum: float = 0.0        # sgd only
+
+
+@dataclass
 class OptimizerConfig:
-    type: str = "AdamW"
+    type: str = ""
     params: dict = field(default_factory=dict)
+
+    def validate(self, where: str = "optimizer"):
+        kind = str(self.type).lower()
+        if not self.type:
+            raise ConfigError(f"{where}.type is required: Adam, AdamW or SGD")
+        if kind not in OPTIMIZER_PARAMS:
+            raise ConfigError(f"{where}.type '{self.type}' is not supported: this engine implements "
+                              f"Adam, AdamW and SGD; use one of those")
+        self.type = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD"}[kind]
+        for key, value in self.params.items():
+            self.params[key] = _check_optimizer_param(kind, key, value, f"{where}.params.{key}")
+
+    def settings(self) -> OptimizerSettings:
+        """The optimizer DeepSpeed would build; what the JSON leaves out takes that class's defaults."""
+        p = self.params
+        if self.type == "SGD":  # torch.optim.SGD
+            return OptimizerSettings(type="sgd", lr=p.get("lr", 1e-3), momentum=p.get("momentum", 0.0),
+                                     weight_decay=p.get("weight_decay", 0.0))
+        # Type Adam means AdamW unless adam_w_mode is false (DeepSpeed's default is true).
+        decoupled = self.type == "AdamW" or p.get("adam_w_mode", True)
+        # DeepSpeed builds FusedAdam (weight_decay 0) unless torch_adam picks torch.optim.AdamW (0.01).
+        decay = 0.01 if p.get("torch_adam", False) and decoupled else 0.0
+        return OptimizerSettings(type="adamw" if decoupled else "adam", lr=p.get("lr", 1e-3),
+                                 betas=tuple(p.get("betas", (0.9, 0.999))), eps=p.get("eps", 1e-8),
+                                 weight_decay=p.get("weight_decay", decay), momentum=0.0)
+
+
+def _check_optimizer_param(kind: str, key: str, value: Any, where: str):
+    allowed = OPTIMIZER_PARAMS[kind]
+    if key == "max_grad_norm":
+        raise ConfigError(f"{where} is not supported (nor by DeepSpeed); use the top-level "
+                          f"gradient_clipping or --clip-grad")
+    if key not in allowed:
+        raise ConfigError(f"{where} is not supported for this optimizer; its parameters are "
+                          f"{', '.join(allowed)}")
+    if key in ("adam_w_mode", "torch_adam", "bias_correction", "amsgrad"):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where} must be true or false, got {value!r}")
+        if key == "bias_correction" and not value:
+            _refuse(where, value, True, "Adam always corrects the bias of its moments")
+        if key == "amsgrad" and value:
+            _refuse(where, value, False, "AMSGrad is not implemented (DeepSpeed's FusedAdam lacks it too)")
+        if key == "adam_w_mode" and kind == "adamw" and not value:
+            _refuse(where, value, True, "AdamW always decouples weight decay (DeepSpeed ignores "
+                                        "false here); for L2 weight decay use type Adam")
+        return value
+    if key == "betas":
+        if not (isinstance(value, (list, tuple)) and len(value) == 2):
+            raise ConfigError(f"{where} must be a list of two numbers, got {value!r}")
+        betas = tuple(_number(b, where) for b in value)
+        if not all(0 <= b < 1 for b in betas):
+            raise ConfigError(f"{where} must be in [0, 1), got {list(betas)}")
+        return betas
+    number = _number(value, where)
+    if number < 0 or (key == "eps" and number == 0):
+        raise ConfigError(f"{where} must be {'> 0' if key == 'eps' else '>= 0'}, got {value!r}")
+    return number
 
 
 @dataclass
 class SchedulerConfig:
     type: str = ""
-    params: dict = field(default_factory=dict)
+    params: dict = field(default_factory=dict)   # after validate(): every parameter, defaults filled in
+
+    def validate(self, where: str = "scheduler"):
+        names = {name.lower(): name for name in SCHEDULERS}
+        name = names.get(str(self.type).lower())
+        if not self.type:
+            raise ConfigError(f"{where}.type is required: WarmupLR, WarmupDecayLR or WarmupCosineLR")
+        if name is None:
+            raise ConfigError(f"{where}.type '{self.type}' is not supported: use WarmupLR, WarmupDecayLR "
+                              f"or WarmupCosineLR, or Megatron's --lr-decay-style/--lr-warmup-iters flags")
+        self.type, defaults = name, SCHEDULERS[name]
+        for key in self.params:
+            if key == "last_batch_iteration":
+                raise ConfigError(f"{where}.params.{key} is not supported: the schedule follows the "
+                                  f"training iteration, also after --load; remove the key")
+            if key not in defaults:
+                raise ConfigError(f"{where}.params.{key} is not supported for {name}; its parameters "
+                                  f"are {', '.join(defaults)}")
+        params = {**defaults, **self.params}
+        for key, value in params.items():
+            at = f"{where}.params.{key}"
+            if value is None:
+                raise ConfigError(f"{at} is required for {name}")
+            if key == "warmup_type":
+                if value not in ("log", "linear"):
+                    raise ConfigError(f"{at} must be 'log' or 'linear', got {value!r}")
+            elif key.endswith("_steps"):
+                params[key] = parse_int(value, at)
+                if params[key] < 0:
+                    raise ConfigError(f"{at} must be >= 0, got {value!r}")
+            else:
+                params[key] = _number(value, at)
+        warmup = max(2, params["warmup_num_steps"])  # DeepSpeed's floor (log(1) would divide by 0)
+        if name == "WarmupCosineLR" and params["total_num_steps"] <= warmup:
+            raise ConfigError(f"{where}.params.total_num_steps {params['total_num_steps']} must exceed "
+                              f"warmup_num_steps ({warmup}) for the cosine to have steps to decay over")
+        self.params = params
 
 
 @dataclass
@@ -112,17 +253,24 @@ class DeepSpeedConfig:
     train_micro_batch_size_per_gpu: int | None = None
     gradient_accumulation_steps: int | None = None
     gradient_clipping: float = 0.0
-    steps_per_print: int = 10
-    wall_clock_breakdown: bool = False
+    steps_per_print: int = 10            # the default of --log-interval when the file sets it
+    wall_clock_breakdown: bool = False   # false only
+    # Dtype of gradient reductions: "fp32", "fp16", "bf16"; None = the compute dtype.
+    communication_data_type: str | None = None
+    # Gradient averaging, as DeepSpeed does it (see gradient_scale_factors).
+    prescale_gradients: bool = False
+    gradient_predivide_factor: float = 1.0
     fp16: FP16Config = field(default_factory=FP16Config)
     bf16: BF16Config = field(default_factory=BF16Config)
+    data_types: DataTypesConfig = field(default_factory=DataTypesConfig)
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
-    # Accepted for compatibility with existing configs; they change nothing here.
+    # DeepSpeed refuses a client optimizer it has not tested with ZeRO unless this is
+    # true. Here the optimizer is always one the engine builds and tests (Adam, AdamW,
+    # SGD), so the check never applies and either value is honest.
     zero_allow_untested_optimizer: bool = False
-    prescale_gradients: bool = False
-    activation_checkpointing: dict = field(default_factory=dict)
+    activation_checkpointing: dict = field(default_factory=dict)   # empty only
 
     @classmethod
     def from_file(cls, path: str) -> "DeepSpeedConfig":
@@ -139,7 +287,53 @@ class DeepSpeedConfig:
             raise ConfigError(f"{where}: fp16 and bf16 are both enabled; pick one")
         if self.gradient_clipping < 0:
             raise ConfigError(f"{where}: gradient_clipping must be >= 0")
+        for name in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                     "steps_per_print"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ConfigError(f"{where}: {name} must be > 0, got {getattr(self, name)}")
+        if self.wall_clock_breakdown:
+            _refuse(f"{where}: wall_clock_breakdown", True, False,
+                    "the log line already reports the time per iteration")
+        if self.fp16.auto_cast:
+            _refuse(f"{where}: fp16.auto_cast", True, False,
+                    "fp16 runs the model with fp16 weights; autocast over fp32 weights is not implemented")
+        if self.activation_checkpointing:
+            raise ConfigError(f"{where}: activation_checkpointing is not supported (DeepSpeed's "
+                              f"partitioned/CPU activation checkpoints are not implemented); remove the "
+                              f"section and use --checkpoint-activations to recompute each block")
+        if self.communication_data_type is not None:
+            dtype = normalize_dtype(self.communication_data_type)
+            if dtype is None:
+                raise ConfigError(f"{where}: communication_data_type {self.communication_data_type!r} must "
+                                  f"be fp32, fp16 or bf16 (or null for the compute dtype)")
+            self.communication_data_type = dtype
+        accum = normalize_dtype(self.data_types.grad_accum_dtype or "fp32")
+        if accum != "fp32":
+            _refuse(f"{where}: data_types.grad_accum_dtype", self.data_types.grad_accum_dtype, "fp32",
+                    "gradients always accumulate in fp32")
+        self.data_types.grad_accum_dtype = accum
+        if self.gradient_predivide_factor <= 0:
+            raise ConfigError(f"{where}: gradient_predivide_factor must be > 0, "
+                              f"got {self.gradient_predivide_factor}")
+        if self.prescale_gradients and self.gradient_predivide_factor != 1.0:
+            raise ConfigError(f"{where}: gradient_predivide_factor {self.gradient_predivide_factor} has no "
+                              f"effect with prescale_gradients true (DeepSpeed then divides by the world "
+                              f"size before reducing); drop one of the two")
+        if self.optimizer is not None:
+            self.optimizer.validate(f"{where}: optimizer")
+        if self.scheduler is not None:
+            self.scheduler.validate(f"{where}: scheduler")
         self.zero_optimization.validate(f"{where}: zero_optimization")
+
+    def gradient_scale_factors(self, world_size: int) -> tuple[float, float]:
+        """(before, after): multiply gradients by `before` ahead of the sum over ranks and by
+        `after` once summed, which averages them. DeepSpeed's rule: prescale_gradients
+        divides by the world size up front; otherwise (the default) gradients are divided
+        by gradient_predivide_factor before and by world_size / factor after."""
+        if self.prescale_gradients:
+            return 1.0 / world_size, 1.0
+        factor = self.gradient_predivide_factor
+        return 1.0 / factor, factor / world_size
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -155,25 +349,24 @@ def load_json(path: str) -> dict:
         raise ConfigError(f"--deepspeed_config {path} is not valid JSON: {e}") from None
 
 
-# Keys DeepSpeed knows that this product does not implement: refuse them by name.
-_UNSUPPORTED = {
-    "offload_optimizer": "optimizer offload to CPU/NVMe is not implemented",
-    "offload_param": "parameter offload to CPU/NVMe is not implemented",
-    "cpu_offload": "optimizer offload to CPU is not implemented",
-    "mics_shard_size": "MiCS sharding is not implemented; use zero_hpz_partition_size (hpZ)",
-    "pipeline": "pipeline parallelism is not implemented",
-    "amp": "apex AMP is not supported; use fp16 or bf16",
-}
+def normalize_dtype(name: str) -> str | None:
+    """DeepSpeed's dtype spellings -> "fp32" / "fp16" / "bf16"; None if unknown."""
+    return {"fp32": "fp32", "float32": "fp32", "fp16": "fp16", "float16": "fp16", "half": "fp16",
+            "bf16": "bf16", "bfloat16": "bf16"}.get(str(name).lower())
 
 
 def _build(cls, raw: Any, where: str):
     if not isinstance(raw, dict):
         raise ConfigError(f"{where} must be a JSON object, got {type(raw).__name__}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    unsupported: dict[str, tuple[Callable, str]] = UNSUPPORTED.get(cls.__name__, {})
     kwargs = {}
     for key, value in raw.items():
-        if key in _UNSUPPORTED:
-            raise ConfigError(f"{where}.{key}: {_UNSUPPORTED[key]}; remove the key")
+        if key in unsupported:
+            is_off, advice = unsupported[key]
+            if is_off(value):
+                continue  # the "off" value: exactly what this engine does
+            raise ConfigError(f"{where}.{key} is not supported: {advice}")
         if key not in fields:
             close = difflib.get_close_matches(key, list(fields), n=1, cutoff=0.5)
             hint = f"; did you mean '{close[0]}'?" if close else f"; known keys: {', '.join(fields)}"
@@ -182,11 +375,14 @@ def _build(cls, raw: Any, where: str):
     return cls(**kwargs)
 
 
+_SECTIONS = (ZeroConfig, FP16Config, BF16Config, DataTypesConfig, OptimizerConfig, SchedulerConfig)
+
+
 def _coerce(f: dataclasses.Field, value: Any, where: str):
     typ = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
     if value is None and "None" in typ:
         return None
-    for nested in (ZeroConfig, FP16Config, BF16Config, OptimizerConfig, SchedulerConfig):
+    for nested in _SECTIONS:
         if typ.startswith(nested.__name__):
             return _build(nested, value, where)
     if typ.startswith("bool"):
@@ -196,12 +392,11 @@ def _coerce(f: dataclasses.Field, value: Any, where: str):
     if typ.startswith("int"):
         return parse_int(value, where)
     if typ.startswith("float"):
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{where} must be a number, got {value!r}") from None
+        return _number(value, where)
     if typ.startswith("str"):
-        return str(value)
+        if not isinstance(value, str):
+            raise ConfigError(f"{where} must be a string, got {value!r}")
+        return value
     if typ.startswith("dict"):
         if not isinstance(value, dict):
             raise ConfigError(f"{where} must be a JSON object")
@@ -209,14 +404,18 @@ def _coerce(f: dataclasses.Field, value: Any, where: str):
     return value
 
 
-def parse_int(value: Any, where: str) -> int:
-    """Integers, also written as 5e8, 5E8 or "5e8"."""
+def _number(value: Any, where: str) -> float:
     if isinstance(value, bool):
         raise ConfigError(f"{where} must be a number, got {value!r}")
     try:
-        number = float(value)
+        return float(value)
     except (TypeError, ValueError):
         raise ConfigError(f"{where} must be a number, got {value!r}") from None
+
+
+def parse_int(value: Any, where: str) -> int:
+    """Integers, also written as 5e8, 5E8 or "5e8"."""
+    number = _number(value, where)
     if number != int(number):
         raise ConfigError(f"{where} must be a whole number, got {value!r}")
     return int(number)

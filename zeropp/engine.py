@@ -1,7 +1,8 @@
 """The training engine: it owns the model's precision, backward, gradient
 communication and the optimizer step, so the training loop stays plain:
 
-    engine = zeropp.initialize(model, ds_config, comm, device, optim, grad_accum)
+    engine = zeropp.initialize(model, ds_config, comm, device, optim, grad_accum,
+                               param_init=...)   # param_init: for a model built on "meta"
     for micro_batch in range(grad_accum):
         loss = engine(tokens, labels)
         engine.backward(loss)
@@ -9,8 +10,12 @@ communication and the optimizer step, so the training loop stays plain:
 
 `Engine` holds what every ZeRO stage shares (loss scaling, accumulation,
 clipping, learning rate). `DDPEngine` is stage 0: replicated model states and
-gradients all-reduced by torch's DistributedDataParallel. The sharded stages
-live in their own modules and subclass `Engine`.
+gradients all-reduced by torch's DistributedDataParallel; it is also every
+stage's short path at world size 1 (the shard is the weight, gradients land in
+place). The sharded stages live in zeropp/sharded.py, stage12.py, stage3.py.
+
+Gradients of 16-bit training accumulate across micro-steps in fp32
+(DeepSpeed's data_types.grad_accum_dtype = fp32).
 """
 from __future__ import annotations
 
@@ -21,16 +26,9 @@ import torch
 import torch.nn as nn
 
 from parallel.comm import Communicator
-from zeropp.config import DeepSpeedConfig
+from zeropp.config import DeepSpeedConfig, OptimizerSettings
+from zeropp.init import ParamInit, materialize_rest
 from zeropp.loss_scaler import LossScaler
-
-
-@dataclass
-class OptimizerSettings:
-    lr: float = 1e-4
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    weight_decay: float = 0.01
 
 
 @dataclass
@@ -59,8 +57,8 @@ def compute_dtype(config: DeepSpeedConfig) -> torch.dtype:
 
 
 class Engine:
-    """Shared machinery; subclasses implement `_reduce_gradients`,
-    `_grad_norm_sq`, `_apply_update` and the state-dict methods."""
+    """Shared machinery; subclasses implement `_grad_norm_sq`, `_apply_update`,
+    `_zero_grad` and the state-dict methods."""
 
     def __init__(self, module: nn.Module, config: DeepSpeedConfig, comm: Communicator,
                  device: torch.device, optim: OptimizerSettings, gradient_accumulation_steps: int = 1):
@@ -98,7 +96,6 @@ class Engine:
             raise RuntimeError(f"step() after {self.micro_step} backward() calls; expected "
                                f"{self.gradient_accumulation_steps} (gradient accumulation steps)")
         scale = self.loss_scaler.scale
-        self._reduce_gradients()
         norm_sq = self._grad_norm_sq()  # of the scaled gradient; inf/nan on overflow
         norm = math.sqrt(norm_sq) / scale if math.isfinite(norm_sq) else float("nan")
         overflow = not math.isfinite(norm)
@@ -131,19 +128,32 @@ class Engine:
         groups = [{"params": decay, "weight_decay": s.weight_decay},
                   {"params": no_decay, "weight_decay": 0.0}]
         groups = [g for g in groups if g["params"]]
+        if not groups:  # a rank that owns no element (more ranks than elements)
+            groups = [{"params": [torch.zeros(0, device=self.device, requires_grad=True)]}]
         # foreach=True: one fused pass over all tensors, also on CPU.
-        return torch.optim.AdamW(groups, lr=s.lr, betas=s.betas, eps=s.eps, foreach=True)
+        if s.type == "sgd":
+            return torch.optim.SGD(groups, lr=s.lr, momentum=s.momentum, foreach=True)
+        cls = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}[s.type]
+        return cls(groups, lr=s.lr, betas=s.betas, eps=s.eps, foreach=True)
 
+    def _optimizer_tensors(self) -> list[torch.Tensor]:
+        return [t for st in self.optimizer.state.values() for t in st.values() if torch.is_tensor(t)]
 
 
 class DDPEngine(Engine):
-    """ZeRO stage 0: every rank holds the whole model, its gradients and the
-    optimizer state. Gradients are all-reduced by torch DDP (bucketed and
-    overlapped with backward) through our Communicator, so bytes are counted.
-    With 16-bit training the model runs in fp16/bf16 and fp32 master weights
-    are kept for the optimizer."""
+    """ZeRO stage 0, and every stage at world size 1: each rank holds the whole
+    model, its gradients and the optimizer state. Gradients are all-reduced by
+    torch DDP (bucketed, overlapped with backward) through our Communicator, so
+    bytes are counted. In fp32 the optimizer updates the weights in place and
+    gradients accumulate in `param.grad`. In 16-bit the model runs in
+    fp16/bf16, fp32 master weights are kept for the optimizer, and each
+    micro-step's (all-reduced) gradient is added into the master's fp32
+    gradient; DDP then syncs every micro-step, since a 16-bit `param.grad`
+    would lose precision across micro-steps."""
 
-    def __init__(self, module, config, comm, device, optim, gradient_accumulation_steps=1):
+    def __init__(self, module, config, comm, device, optim, gradient_accumulation_steps=1,
+                 param_init: ParamInit | None = None):
+        materialize_rest(module, param_init, device, compute_dtype(config))
         module = module.to(device=device, dtype=compute_dtype(config))
         super().__init__(module, config, comm, device, optim, gradient_accumulation_steps)
         self.params = [p for p in module.parameters() if p.requires_grad]
@@ -159,37 +169,42 @@ class DDPEngine(Engine):
         if comm.topology.world_size > 1:
             self.ddp = nn.parallel.DistributedDataParallel(
                 module, device_ids=[device.index] if device.type == "cuda" else None,
-                bucket_cap_mb=25)
+                bucket_cap_mb=25, find_unused_parameters=False)
             self.ddp.register_comm_hook(comm, _counted_allreduce_hook)
 
     def forward(self, *args, **kwargs):
         if self.ddp is None:
             return self.module(*args, **kwargs)
-        if self.is_gradient_accumulation_boundary():
+        if self.is_gradient_accumulation_boundary() or self.master is not self.params:
             return self.ddp(*args, **kwargs)
-        with self.ddp.no_sync():  # accumulate locally; all-reduce only on the last micro-batch
+        with self.ddp.no_sync():  # fp32: accumulate locally; all-reduce only on the last micro-batch
             return self.ddp(*args, **kwargs)
 
-    def _reduce_gradients(self):
-        pass  # DDP already all-reduced during the last backward
+    def backward(self, loss):
+        super().backward(loss)
+        if self.master is not self.params:
+            for p, m in zip(self.params, self.master):
+                if p.grad is not None:
+                    m.grad = p.grad.float() if m.grad is None else m.grad.add_(p.grad)
+                    p.grad = None
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.master if p.grad is not None]
 
     def _grad_norm_sq(self) -> float:
-        grads = [p.grad for p in self.params if p.grad is not None]
+        grads = self._grads()
         if not grads:
             return 0.0
         norms = torch._foreach_norm(grads, 2.0)
-        total = torch.stack([n.float() for n in norms]).pow(2).sum().item()
         # DDP's all-reduce left identical gradients on every rank, so every rank
         # computes the same norm and takes the same skip decision.
-        return total
+        return torch.stack([n.float() for n in norms]).pow(2).sum().item()
 
     def _apply_update(self, coef: float):
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        if self.master is self.params:
-            torch._foreach_mul_(grads, coef)
-        else:
-            for m, g in zip(self.master, grads):
-                m.grad = g.float().mul_(coef)
+        for m in self.master:
+            if m.grad is None:
+                m.grad = torch.zeros_like(m)
+        torch._foreach_mul_(self._grads(), coef)
         self.optimizer.step()
         if self.master is not self.params:
             with torch.no_grad():
@@ -198,9 +213,8 @@ class DDPEngine(Engine):
     def _zero_grad(self):
         for p in self.params:
             p.grad = None
-        if self.master is not self.params:
-            for m in self.master:
-                m.grad = None
+        for m in self.master:
+            m.grad = None
 
     # -- checkpoint state ---------------------------------------------------
     def module_state_dict(self) -> dict:
@@ -232,15 +246,19 @@ class DDPEngine(Engine):
 
     def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """What this rank holds, by kind, for memory_report()."""
-        opt = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+        opt = self._optimizer_tensors()
         return {"parameters": list(self.params),
-                "gradients": [p.grad for p in self.params if p.grad is not None],
+                "gradients": [p.grad for p in self.params if p.grad is not None]
+                + ([m.grad for m in self.master if m.grad is not None] if self.master is not self.params else []),
                 "optimizer": opt + ([] if self.master is self.params else list(self.master))}
+
+    def peak_buffers(self) -> dict:
+        return {}
 
 
 def _counted_allreduce_hook(comm: Communicator, bucket):
     """DDP communication hook: average the bucket through our Communicator."""
     tensor = bucket.buffer()
     tensor.div_(comm.topology.world_size)
-    work = comm.all_reduce(tensor, async_op=True, tag="ddp_all_reduce")
+    work = comm.all_reduce(tensor, async_op=True, phase="grad_reduce")
     return work.get_future().then(lambda fut: fut.value()[0])

@@ -12,31 +12,48 @@ itself (fp32 training) is counted once, as a parameter. Empty placeholders
 step() after at least one step (Adam allocates its moments on the first
 step, and gradients exist only between backward and step).
 
-Predicted bytes per parameter, Psi = number of parameters, N = ranks:
+Predicted bytes per parameter, Psi = number of parameters, N = ranks. The
+gradient partition accumulates in fp32 whatever the compute dtype (4 bytes,
+DeepSpeed's grad_accum_dtype = fp32); in 16-bit training K = 12 (fp32 master
++ two Adam moments), in fp32 K = 8 (the master is the weight itself):
 
-    16-bit (fp16/bf16) training, K = 12 (fp32 master + Adam m + v):
-        stage 0: 2 + 2 + K          stage 1: 2 + 2 + K/N
-        stage 2: 2 + (2 + K)/N      stage 3: (2 + 2 + K)/N
-    fp32 training, the master is the weight itself, K = 8 (Adam m + v):
-        stage 0: 4 + 4 + 8          stage 1: 4 + 4 + 8/N
-        stage 2: 4 + (4 + 8)/N      stage 3: (4 + 4 + 8)/N
+    16-bit:  stage 0: 2 + 4 + 12      stage 1, 2: 2 + (4 + 12)/N     stage 3: (2 + 4 + 12)/N
+    fp32:    stage 0: 4 + 4 + 8       stage 1, 2: 4 + (4 + 8)/N      stage 3: (4 + 4 + 8)/N
+
+Stages 1 and 2 hold the same at the measuring point; they differ between
+micro-steps of gradient accumulation, where stage 1 keeps a full-size
+accumulator (4 bytes per parameter in 16-bit) and stage 2 does not. SGD
+without momentum has no optimizer state (K = 0, or 4 for the 16-bit master).
 
 Padding to a multiple of N, stage 3's persistent (unpartitioned) small
 parameters and Adam's scalar step counters make the measurement slightly
 larger than the formula; `ratio` = measured / predicted shows by how much.
+
+Besides model states, `peaks` gives what the engine measured during steps:
+the most bytes of gradient bucket buffers and (stage 3) of gathered weights
+alive at once, next to the bounds the configuration sets.
 """
 from __future__ import annotations
 
 import torch
 
 
-def predicted_bytes_per_param(stage: int, world: int, dtype: torch.dtype) -> dict[str, float]:
+def predicted_bytes_per_param(stage: int, world: int, dtype: torch.dtype,
+                              optimizer_bytes: float | None = None) -> dict[str, float]:
+    """`optimizer_bytes`: K, the optimizer's fp32 bytes per parameter (default Adam's)."""
     w = 2 if dtype in (torch.float16, torch.bfloat16) else 4
-    k = 12 if w == 2 else 8
+    k = optimizer_bytes if optimizer_bytes is not None else (12 if w == 2 else 8)
     n = world
-    table = {0: (w, w, k), 1: (w, w, k / n), 2: (w, w / n, k / n), 3: (w / n, w / n, k / n)}
+    table = {0: (w, 4, k), 1: (w, 4 / n, k / n), 2: (w, 4 / n, k / n), 3: (w / n, 4 / n, k / n)}
     p, g, o = table[stage]
     return {"parameters": p, "gradients": g, "optimizer": o}
+
+
+def _optimizer_bytes(engine) -> float:
+    s = engine.optim_settings
+    moments = {"sgd": 1 if s.momentum else 0}.get(s.type, 2)
+    master = 4 if engine.dtype != torch.float32 else 0
+    return 4 * moments + master
 
 
 def _storage_key(t: torch.Tensor):
@@ -69,7 +86,9 @@ def memory_report(engine) -> dict:
     stage = engine.config.zero_optimization.stage
     world = engine.comm.topology.world_size
     psi = _num_params(engine)
-    per = predicted_bytes_per_param(stage, world, engine.dtype)
+    if world == 1:
+        stage = 0  # every stage runs unsharded at world size 1
+    per = predicted_bytes_per_param(stage, world, engine.dtype, _optimizer_bytes(engine))
     measured = measure(engine.model_state_tensors())
     predicted = {k: v * psi for k, v in per.items()}
     total_m, total_p = sum(measured.values()), sum(predicted.values())
@@ -81,6 +100,7 @@ def memory_report(engine) -> dict:
         "predicted_bytes_per_param": {**per, "total": sum(per.values())},
         "ratio": {**{k: (measured[k] / predicted[k] if predicted[k] else float("nan")) for k in measured},
                   "total": total_m / total_p},
+        "peaks": engine.peak_buffers(),
     }
 
 

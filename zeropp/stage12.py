@@ -1,82 +1,79 @@
-"""ZeRO stages 1 and 2: every rank holds the whole 16-bit model; the fp32
-master weights and Adam state are partitioned (layout: zeropp/flat.py).
+"""ZeRO stages 1 and 2: every rank holds the whole 16-bit model; fp32 master
+weights, optimizer state and the fp32 gradient partition are sharded
+(zeropp/sharded.py). After the optimizer step each rank's updated slices are
+all-gathered back into the full weights.
 
-Stage 1: backward fills the full `param.grad` as usual (all micro-steps
-accumulate into it); at step() the gradients are reduce-scattered in buckets
-of `reduce_bucket_size` elements, each rank updates its partition, and the
-updated 16-bit slices are all-gathered back into the full weights.
-
-Stage 2: a post-accumulate-grad hook moves each gradient into the current
-bucket as soon as autograd has produced it and drops `param.grad`; a full
-bucket is copied into one contiguous buffer and reduce-scattered (async when
-`overlap_comm`), its averaged result added into this rank's gradient
-partition. Every micro-step is reduced, so the partition accumulates across
-gradient-accumulation steps and no full gradient outlives its bucket.
+The two stages differ only in when a gradient goes to the reduce-scatter:
+- stage 2: every micro-step, the moment autograd produces it, so no full
+  gradient outlives its bucket;
+- stage 1: on the last micro-step of the accumulation; earlier micro-steps
+  add into a full-size accumulator (fp32 in 16-bit training) kept between
+  micro-steps, the unpartitioned gradient that stage 1 is defined by.
 """
 from __future__ import annotations
 
 import torch
 
-from zeropp.flat import ParamShard, ShardedEngineBase
+from zeropp.init import replace_data
+from zeropp.partition import ShardedParam
+from zeropp.sharded import ShardedEngineBase
 
 
-class ShardedOptimizerEngine(ShardedEngineBase):
-    def __init__(self, module, config, comm, device, optim, gradient_accumulation_steps=1):
-        super().__init__(module, config, comm, device, optim, gradient_accumulation_steps)
-        self.stage = self.zero.stage
-        self._build_masters(lambda s: s.param.data.view(-1)[s.lo:s.hi])
-        if self.stage == 2:
-            self._alloc_grad_partition()
-            for p in self.params:
-                p.register_post_accumulate_grad_hook(self._grad_ready)
+class _FullWeights(ShardedEngineBase):
+    """Stages 1 and 2: the 16-bit weights stay whole on every rank."""
 
-    # -- stage 2: reduce during backward -----------------------------------
-    def _grad_ready(self, p):
-        g, p.grad = p.grad, None
-        self.reducer.add(self.shard_of[id(p)], g)
+    def _adopt(self, s: ShardedParam, full_fp32: torch.Tensor):
+        replace_data(s.param, full_fp32.view(s.shape).to(self.dtype, copy=True))
+
+    def _publish_weights(self):
+        def my_slice(s):
+            return s.param.data.view(-1)[s.lo:s.hi]
+        with torch.no_grad():
+            for s in self.shards:
+                if s.valid:
+                    my_slice(s).copy_(s.master)
+        self._gather_weights(self.shards, my_slice, lambda s, full: s.param.data.view(-1).copy_(full),
+                             self.dtype, "optimizer")
+
+    def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        return {"parameters": [p.data for p in self.params], "gradients": [self.grad_flat],
+                "optimizer": self._optimizer_tensors()}
+
+
+class Stage2Engine(_FullWeights):
+    def _on_grad(self, s, grad):
+        self.reducer.add(s, grad)
 
     def backward(self, loss):
         super().backward(loss)
-        if self.stage == 2:
-            self.reducer.drain()
+        self._finish_reduction()
 
-    # -- Engine hooks ---------------------------------------------------------
-    def _reduce_gradients(self):
-        if self.stage == 2:
-            return
-        self._alloc_grad_partition()
-        for s in self.shards:
-            g = s.param.grad
-            if g is None:
-                g = torch.zeros_like(s.param)  # every rank must put the same params in a bucket
-            self.reducer.add(s, g)
-        self.reducer.drain()
 
-    def _publish_weights(self):
-        if self.dtype != torch.float32:  # fp32: the master is a view of the weight itself
-            with torch.no_grad():
-                for s in self.shards:
-                    if s.valid:
-                        s.param.data.view(-1)[s.lo:s.hi].copy_(s.master)
-        self.gather_shards(self.shards, lambda s: s.param.data.view(-1)[s.lo:s.hi], self.dtype,
-                           lambda s, full: s.param.data.view(-1).copy_(full), tag="all_gather_params")
+class Stage1Engine(_FullWeights):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.accum: dict[int, torch.Tensor] = {}  # shard index -> full gradient of earlier micro-steps
+        self.accum_dtype = torch.float32 if self.dtype != torch.float32 else self.dtype
 
-    def _zero_grad(self):
-        for p in self.params:
-            p.grad = None
-        if self.stage == 2:
-            self.grad_flat.zero_()
+    def _on_grad(self, s, grad):
+        acc = self.accum.pop(s.index, None)
+        if acc is not None:
+            grad = acc.add_(grad)
+        if self.is_gradient_accumulation_boundary():
+            self.reducer.add(s, grad)
         else:
-            self.grad_flat = None
-            for s in self.shards:
-                s.grad_view = None
+            self.accum[s.index] = grad.to(self.accum_dtype)
 
-    def _load_weight(self, s: ParamShard, full_fp32: torch.Tensor):
-        s.param.data.view(-1).copy_(full_fp32)
+    def backward(self, loss):
+        boundary = self.is_gradient_accumulation_boundary()
+        super().backward(loss)
+        if boundary:
+            for index, acc in self.accum.items():  # no gradient in the last micro-step
+                self.reducer.add(self.shards[index], acc)
+            self.accum.clear()
+            self._finish_reduction()
 
     def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
-        grads = [p.grad for p in self.params if p.grad is not None]
-        if self.grad_flat is not None:
-            grads.append(self.grad_flat)
-        return {"parameters": [p.data for p in self.params], "gradients": grads,
-                "optimizer": self._optimizer_tensors()}
+        tensors = super().model_state_tensors()
+        tensors["gradients"] += list(self.accum.values())
+        return tensors

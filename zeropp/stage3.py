@@ -1,265 +1,289 @@
 """ZeRO stage 3: the 16-bit weights are partitioned too.
 
-Layout (zeropp/flat.py): each parameter flattened, padded to a multiple of N,
-rank r keeps chunk r in one flat compute-dtype buffer (`param_flat`).
-Parameters with at most `stage3_param_persistence_threshold` elements stay
-whole on every rank (their optimizer state is still partitioned; their
-gradients are reduce-scattered and the updated slices all-gathered).
+Each partitioned weight (a `Stage3Param`) keeps its chunk in one flat
+compute-dtype buffer and owns a full-shaped tensor `full` whose storage is
+allocated only while the weight is gathered. The module's Parameter points at
+`full` while the weight is LIVE and at a NaN placeholder (no storage) while it
+is RELEASED, so a use without a gather shows up as NaN, never as stale data.
+Releasing frees the storage itself (`resize_(0)`), also when autograd or an
+activation-checkpoint recompute still holds views of it; re-gathering fills
+the same storage, so those views are valid again. Parameters with at most
+`stage3_param_persistence_threshold` elements stay whole on every rank.
 
-While released, a partitioned parameter's `.data` is a placeholder (one NaN
-broadcast to the weight's shape, no real storage);
-gathering all-gathers the chunks into a fresh buffer and swaps it in as
-`.data` (what DeepSpeed does), so autograd sees the same leaf Parameter.
+When weights are gathered (all through one `ShardGather`, a bucket of weights
+per collective):
+- forward: a pre-hook on every module with direct parameters requests them, a
+  post-hook releases them. A weight read outside its module (GPT's tied
+  `wte.weight` in the output layer) is requested on access (each module's
+  `_parameters` is a dict that gathers on read) and kept to the end of forward.
+- backward: a saved-tensor pack hook notes every saved tensor that views a
+  live weight; unpack requests the weight again. Activation-checkpoint
+  recompute requests through the module pre-hooks. A weight is released by
+  its post-accumulate-grad hook, which hands its gradient to the reducer.
+- schedules: forward follows the order recorded in the previous step;
+  backward follows this step's forward in reverse order of each weight's last
+  use that backward needs (a saved view, or a run inside a checkpointed
+  block). Schedules are cut into buckets of `stage3_prefetch_bucket_size`
+  elements. A request issues every bucket up to the one holding the weight,
+  then prefetches the next while their elements stay within the prefetch
+  bucket and, with held weights, `stage3_max_live_parameters`. Issue order is
+  a prefix of the schedule whatever the timing, and backward finishes by
+  issuing what it did not need, so every rank runs the same collectives even
+  when a parameter gets no gradient on some rank. Weights requested outside
+  the schedule (the first step, an order change) are gathered on demand.
+- reuse: a weight whose backward use, in last step's order, comes within
+  `stage3_max_reuse_distance` elements of its forward use is held from
+  forward to backward (DeepSpeed's default 1e9 holds every weight of a small
+  model; 0 re-gathers everything in backward).
 
-When weights are live:
-- forward: a pre-hook on every module with direct parameters (recurse=False)
-  gathers them, a post-hook frees them. A parameter read while released
-  during forward (e.g. GPT's tied `wte.weight` in the root's output layer) is
-  gathered on access (each module's `_parameters` dict is replaced by one
-  whose __getitem__ fetches) and marked `keep`: from then on it stays live
-  from its first use to the end of the forward.
-- backward: while forward runs, a saved-tensors pack hook replaces every
-  saved tensor that is (a view of) a live gathered weight by a small token;
-  the unpack hook gathers the weight again and rebuilds the view. A weight
-  is freed by its post-accumulate-grad hook, which also hands its full
-  gradient to the bucketed reduce-scatter (zeropp/flat.GradReducer), so the
-  gradient lands on its owner and the full one is dropped.
-- activation checkpointing (non-reentrant): the recompute runs the module
-  forward again, so the pre-hooks gather again; torch keeps detached views
-  of what it recomputes, which hold the gathered storage until that
-  block's backward is done.
-- prefetch: the order in which weights are first needed is recorded per
-  phase (forward / backward) every step; the next step, when event i
-  happens, the weights of events i+1, i+2, ... are all-gathered
-  asynchronously, bounded by `stage3_prefetch_bucket_size` elements of
-  not-yet-used prefetched weights and `stage3_max_live_parameters` live
-  elements. If the order differs from last step's, prefetch stops for the
-  rest of that phase (on-demand gathering stays correct).
-- reuse: a weight whose next use, in last step's order, comes in backward
-  within `stage3_max_reuse_distance` elements of other weights' use is not
-  released after its forward ("held"); it is freed once its gradient is
-  reduced. DeepSpeed's default (1e9) holds every weight of a model that
-  small, so backward gathers nothing; 0 re-gathers everything in backward.
-  Held weights count against `stage3_max_live_parameters`.
+Stage 3 needs every rank to run the same modules in forward (as DeepSpeed and
+FSDP do); what reaches the loss may differ.
 """
 from __future__ import annotations
 
 import contextlib
+import enum
 
 import torch
 
-from zeropp.flat import ParamShard, ShardedEngineBase
+from zeropp.init import replace_data
+from zeropp.partition import ShardedParam, bucketize
+from zeropp.sharded import ShardedEngineBase
 
-RELEASED, INFLIGHT, AVAILABLE = 0, 1, 2
-_TOKEN = object()
+
+class WeightState(enum.Enum):
+    RELEASED = "released"      # only this rank's chunk exists
+    GATHERING = "gathering"    # an all-gather for it is in flight
+    LIVE = "live"              # `full` holds the whole weight and the Parameter points at it
 
 
-class _GatherParamDict(dict):
-    """A module's `_parameters`, gathering a released weight read during forward."""
+class Stage3Param(ShardedParam):
+    """A partitioned weight's gather state (persistent ones use none of it)."""
 
-    def __init__(self, engine, items):
-        super().__init__(items)
-        self._engine = engine
-
-    def __getitem__(self, key):
-        p = dict.__getitem__(self, key)
-        eng = self._engine
-        if eng._phase is not None and p is not None:
-            s = eng.shard_of.get(id(p))
-            if s is not None and not s.persistent and s.state != AVAILABLE:
-                if eng._phase == "forward":
-                    s.keep = True
-                eng._need([s])
-        return p
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.persistent = False
+        self.shard: torch.Tensor | None = None   # compute dtype, `chunk` elements (padded)
+        self.full: torch.Tensor | None = None    # full shape; storage allocated only while gathered
+        self.state = WeightState.RELEASED
+        self.bucket: _Gather | None = None       # the collective bringing it, while GATHERING
+        self.hold = False   # stays live from forward to backward (reuse distance)
+        self.keep = False   # once read outside its module in forward: live from first use to its end
 
 
 class _Gather:
-    """One in-flight all-gather of several shards."""
+    """One in-flight all-gather of several weights."""
 
-    def __init__(self, work, out, shards):
-        self.work, self.out, self.shards = work, out, shards
+    def __init__(self, params: list[Stage3Param], pending):
+        self.params, self.pending = params, pending
+
+
+class _Schedule:
+    """A recorded order of weights, cut into gather buckets."""
+
+    def __init__(self, events: list[list[int]], params: list[Stage3Param], bucket_elems: int):
+        self.buckets = [[i for event in group for i in event]
+                        for group in bucketize(events, lambda e: sum(params[i].numel for i in e),
+                                               bucket_elems)]
+        self.elems = [sum(params[i].numel for i in b) for b in self.buckets]
+        self.bucket_of = {i: k for k, b in enumerate(self.buckets) for i in b}
+        self.issued = 0     # buckets issued so far (always a prefix)
+        self.reached = 0    # highest bucket requested so far, + 1
 
 
 class Stage3Engine(ShardedEngineBase):
-    def __init__(self, module, config, comm, device, optim, gradient_accumulation_steps=1):
-        super().__init__(module, config, comm, device, optim, gradient_accumulation_steps)
-        z = self.zero
-        threshold = z.stage3_param_persistence_threshold
+    def __init__(self, module, config, comm, device, optim, gradient_accumulation_steps=1, param_init=None):
+        self._init_state(config.zero_optimization)
+        super().__init__(module, config, comm, device, optim, gradient_accumulation_steps, param_init)
+        self._install_hooks(module)
+
+    # ShardedEngineBase builds its shards with this class.
+    shard_class = Stage3Param
+
+    def _init_state(self, zero):
+        self._placeholder = None
+        self._persist_threshold = zero.stage3_param_persistence_threshold
+        self._phase: str | None = None
+        self._live_storage: dict[int, Stage3Param] = {}  # data_ptr of a live `full` -> its weight
+        self._traces: dict = {}          # (phase, grad, training) -> events of the last step
+        self._trace: list[list[int]] = []
+        self._used: set[int] = set()     # weights requested so far in this phase
+        self._schedule: _Schedule | None = None
+        self._touch: dict[int, int] = {}  # weight index -> forward event of its last use backward needs
+        self._hold: set[int] = set()
+        self._last_backward_events: list[list[int]] | None = None
+        self.live_bytes = 0
+        self.peak_live_bytes = 0
+
+    def _allocate_partitions(self):
+        super()._allocate_partitions()
+        part = []
         for s in self.shards:
-            s.persistent = s.numel <= threshold
-            s.state = AVAILABLE
-            s.keep = False
-            s.hold = False
-            s.used = False
-            s.prefetched = False
-            s.handle = None
-        part = [s for s in self.shards if not s.persistent]
+            s.persistent = s.numel <= self._persist_threshold
+            if not s.persistent:
+                part.append(s)
         self.param_flat = torch.zeros(sum(s.chunk for s in part), dtype=self.dtype, device=self.device)
         off = 0
-        with torch.no_grad():
-            for s in part:
-                s.data_shard = self.param_flat[off:off + s.chunk]
-                s.data_shard[:s.valid].copy_(s.param.data.view(-1)[s.lo:s.hi])
-                off += s.chunk
-        self._build_masters(lambda s: (s.param.data.view(-1)[s.lo:s.hi] if s.persistent
-                                       else s.data_shard[:s.valid]))
-        self._alloc_grad_partition()
-        # Released weights are a NaN broadcast to the full shape (one element of
-        # storage): autograd's AccumulateGrad then accepts the full-size gradient
-        # whatever its strides (an empty placeholder makes it copy into the
-        # placeholder's shape for 2-D weights), and a weight used without being
-        # gathered shows up as NaN instead of silently wrong numbers.
-        self._placeholder = torch.full((1,), float("nan"), dtype=self.dtype, device=self.device)
-        self._phase: str | None = None
-        self._live_storage: dict[int, ParamShard] = {}
-        self._traces: dict = {}       # phase key -> list of events (tuples of shard indices) last step
-        self._trace_now: list = []
-        self._trace_prev: list | None = None
-        self._trace_pos = 0
-        self._prefetch_ok = False
-        self._hold: set[int] = set()  # shard indices to hold from forward to backward
-        self._prefetched_elems = 0
-        self._live_elems = sum(s.numel for s in part)  # all live until partitioned below
         for s in part:
-            self._release(s)
+            s.shard = self.param_flat[off:off + s.chunk]
+            off += s.chunk
+        # Released weights are a NaN broadcast to the full shape (one element of
+        # storage): AccumulateGrad accepts a full-size gradient for it, and a
+        # weight used without being gathered shows up as NaN.
+        self._placeholder = torch.full((1,), float("nan"), dtype=self.dtype, device=self.device)
 
-        self._mod_shards = {}
+    def _adopt(self, s: Stage3Param, full_fp32: torch.Tensor):
+        if s.persistent:
+            replace_data(s.param, full_fp32.view(s.shape).to(self.dtype, copy=True))
+            return
+        if s.state is not WeightState.RELEASED:
+            self._release(s)
+        s.shard.zero_()
+        s.shard[:s.valid].copy_(full_fp32[s.lo:s.hi])
+        if s.full is None:
+            s.full = torch.empty(s.shape, dtype=self.dtype, device=self.device)
+            s.full.untyped_storage().resize_(0)
+            replace_data(s.param, self._placeholder.expand(s.shape))
+
+    def _install_hooks(self, module):
+        self._mod_weights = {}
         for m in module.modules():
+            m._parameters = _GatherOnRead(self, m._parameters)
             direct = [self.shard_of[id(p)] for p in m.parameters(recurse=False) if id(p) in self.shard_of]
-            m._parameters = _GatherParamDict(self, m._parameters)
             direct = [s for s in direct if not s.persistent]
             if direct:
-                self._mod_shards[m] = direct
+                self._mod_weights[m] = direct
                 m.register_forward_pre_hook(self._pre_forward)
                 m.register_forward_hook(self._post_forward, always_call=True)
-        for p in self.params:
-            p.register_post_accumulate_grad_hook(self._grad_ready)
 
-    # -- gather / release ------------------------------------------------------
-    def _fetch(self, shards: list[ParamShard], async_op: bool):
-        todo = [s for s in shards if s.state == RELEASED and not s.persistent]
+    # -- gather / release -----------------------------------------------------------
+    def _issue(self, params: list[Stage3Param]):
+        """One all-gather for the released weights among `params`."""
+        todo = [s for s in params if not s.persistent and s.state is WeightState.RELEASED]
         if not todo:
             return
-        total = sum(s.chunk for s in todo)
-        inp = todo[0].data_shard if len(todo) == 1 else torch.cat([s.data_shard for s in todo])
-        out = torch.empty(self.world * total, dtype=self.dtype, device=self.device)
-        work = self.comm.all_gather(out, inp, group=self.group, async_op=async_op, tag="all_gather_params")
-        h = _Gather(work, out, todo)
+        inp = todo[0].shard if len(todo) == 1 else torch.cat([s.shard for s in todo])
+        phase = "backward_gather" if self._phase == "backward" else "forward_gather"
+        g = _Gather(todo, self.gather.start(inp, self.partition, phase))
         for s in todo:
-            s.state, s.handle = INFLIGHT, h
-            self._live_elems += s.numel
-        if not async_op:
-            self._complete(h)
+            s.state, s.bucket = WeightState.GATHERING, g
+            s.full.untyped_storage().resize_(s.numel * s.full.element_size())
+            self.live_bytes += s.numel * s.full.element_size()
+        self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
 
-    def _complete(self, h: _Gather):
-        h.work.wait()
-        total = sum(s.chunk for s in h.shards)
-        if len(h.shards) == 1:
-            s = h.shards[0]
-            self._install(s, h.out[:s.numel].view(s.shape))
-        else:
-            rows = h.out.view(self.world, total)
-            off = 0
-            for s in h.shards:  # each weight gets a storage of its own (the pack hook keys on it)
-                full = rows[:, off:off + s.chunk].reshape(-1)[:s.numel]
-                if full.untyped_storage().data_ptr() == h.out.untyped_storage().data_ptr():
-                    full = full.clone()  # one rank: the column block was a plain view
-                self._install(s, full.view(s.shape))
-                off += s.chunk
+    def _wait(self, g: _Gather):
+        rows = g.pending.wait()
+        off = 0
+        for s in g.params:  # copy each weight out of the bucket into its own storage
+            s.full.view(-1).copy_(rows[:, off:off + s.chunk].reshape(-1)[:s.numel])
+            off += s.chunk
+            s.param.data = s.full
+            s.state, s.bucket = WeightState.LIVE, None
+            self._live_storage[s.full.untyped_storage().data_ptr()] = s
 
-    def _install(self, s: ParamShard, full: torch.Tensor):
-        s.param.data = full
-        s.state, s.handle = AVAILABLE, None
-        self._live_storage[full.untyped_storage().data_ptr()] = s
-
-    def _release(self, s: ParamShard):
-        if s.persistent:
+    def _release(self, s: Stage3Param):
+        if s.persistent or s.state is WeightState.RELEASED:
             return
-        if s.state == INFLIGHT:
-            self._complete(s.handle)
-        if s.state == AVAILABLE:
-            self._live_storage.pop(s.param.data.untyped_storage().data_ptr(), None)
-            self._live_elems -= s.numel
+        if s.state is WeightState.GATHERING:
+            self._wait(s.bucket)
+        self._live_storage.pop(s.full.untyped_storage().data_ptr(), None)
+        s.full.untyped_storage().resize_(0)
+        self.live_bytes -= s.numel * s.full.element_size()
         s.param.data = self._placeholder.expand(s.shape)
-        s.state = RELEASED
-        s.used = False
-        if s.prefetched:
-            s.prefetched = False
-            self._prefetched_elems -= s.numel
+        s.state = WeightState.RELEASED
+        s.hold = False
 
     def _release_all(self, keep_held: bool = False):
         for s in self.shards:
-            if keep_held and s.hold:
-                continue
-            s.hold = False
-            if not s.persistent and s.state != RELEASED:
+            if not (keep_held and s.hold):
                 self._release(s)
 
-    def _need(self, shards: list[ParamShard]):
-        """Make `shards` live now; record the event and prefetch what follows."""
-        new = [s for s in shards if not s.persistent and not s.used]
-        if new and self._phase is not None:
-            event = tuple(s.index for s in new)
-            self._trace_now.append(event)
-            for s in new:
-                s.used = True
-                if s.prefetched:
-                    s.prefetched = False
-                    self._prefetched_elems -= s.numel
-            self._prefetch(event)
-        self._fetch(shards, async_op=False)
-        for s in shards:
-            if s.state == INFLIGHT:
-                self._complete(s.handle)
-
-    def _prefetch(self, event):
-        if not self._prefetch_ok:
+    def _request(self, params: list[Stage3Param]):
+        """Make `params` live now: issue what the schedule has up to them (the
+        needed bucket first), prefetch after, then wait."""
+        if self._phase is not None:  # the order of first uses, whatever was prefetched
+            first = [s.index for s in params if not s.persistent and s.index not in self._used]
+            if first:
+                self._trace.append(first)
+                self._used.update(first)
+        need = [s for s in params if not s.persistent and s.state is not WeightState.LIVE]
+        if not need:
             return
-        prev = self._trace_prev
-        if self._trace_pos >= len(prev) or prev[self._trace_pos] != event:
-            self._prefetch_ok = False  # the order changed: gather on demand from here on
-            return
-        self._trace_pos += 1
-        budget = self.zero.stage3_prefetch_bucket_size
-        live_max = self.zero.stage3_max_live_parameters
-        for nxt in prev[self._trace_pos:]:
-            todo = [self.shards[i] for i in nxt if self.shards[i].state == RELEASED]
-            if not todo:
-                continue
-            elems = sum(s.numel for s in todo)
-            if (self._prefetched_elems + elems > budget
-                    or self._live_elems + elems > live_max):
-                break
-            for s in todo:
-                s.prefetched = True
-            self._prefetched_elems += elems
-            self._fetch(todo, async_op=True)
+        sched = self._schedule
+        if sched is not None:
+            target = max((sched.bucket_of.get(s.index, -1) for s in need), default=-1)
+            while sched.issued <= target:
+                self._issue([self.shards[i] for i in sched.buckets[sched.issued]])
+                sched.issued += 1
+            sched.reached = max(sched.reached, target + 1)
+        self._issue(need)  # anything the schedule did not cover: on demand
+        if sched is not None:
+            self._prefetch(sched)
+        for s in need:
+            if s.state is WeightState.GATHERING:
+                self._wait(s.bucket)
 
-    # -- phases -----------------------------------------------------------------
+    def _prefetch(self, sched: _Schedule):
+        """Issue the next buckets while those issued ahead of the last requested
+        one stay within the prefetch bucket and the live budget. Decided from
+        schedule positions only, so every rank decides alike."""
+        zero = self.zero
+        held = sum(s.numel for s in self.shards if s.hold)
+        current = sched.elems[sched.reached - 1] if sched.reached else 0
+        while sched.issued < len(sched.buckets):
+            ahead = sum(sched.elems[sched.reached:sched.issued + 1])
+            if ahead > zero.stage3_prefetch_bucket_size or \
+                    held + current + ahead > zero.stage3_max_live_parameters:
+                return
+            self._issue([self.shards[i] for i in sched.buckets[sched.issued]])
+            sched.issued += 1
+
+    # -- phases -------------------------------------------------------------------
     def _begin(self, phase: str):
         self._phase = phase
-        key = (phase, torch.is_grad_enabled(), self.module.training)
-        self._key = key
-        self._trace_prev = self._traces.get(key)
-        self._trace_now = []
-        self._trace_pos = 0
-        self._prefetch_ok = self._trace_prev is not None
-        self._hold = self._reuse_set() if key == ("forward", True, True) else set()
-        for s in self.shards:
-            s.used = False
+        self._key = (phase, torch.is_grad_enabled(), self.module.training)
+        self._trace = []
+        self._used: set[int] = set()
+        if phase == "forward":
+            self._touch = {}
+            events = self._traces.get(self._key)
+            self._hold = self._reuse_set() if self._key == ("forward", True, True) else set()
+        else:
+            order = self._backward_order()
+            if self._key == ("backward", True, True):
+                self._last_backward_events = order
+            held = {s.index for s in self.shards if s.hold}  # already live
+            events = [e for e in ([i for i in event if i not in held] for event in order) if e]
+        self._schedule = _Schedule(events, self.shards, self.zero.stage3_prefetch_bucket_size) \
+            if events else None
+
+    def _backward_order(self) -> list[list[int]]:
+        """This step's forward, in reverse order of each weight's last use that
+        backward needs."""
+        by_time: dict[int, list[int]] = {}
+        for i, t in self._touch.items():
+            by_time.setdefault(t, []).append(i)
+        return [by_time[t] for t in sorted(by_time, reverse=True)]
 
     def _end(self):
-        self._traces[self._key] = self._trace_now
+        if self._phase == "backward" and self._schedule is not None:
+            sched = self._schedule  # what backward did not need: issue anyway, so ranks agree
+            while sched.issued < len(sched.buckets):
+                self._issue([self.shards[i] for i in sched.buckets[sched.issued]])
+                sched.issued += 1
+        self._traces[self._key] = self._trace
         self._release_all(keep_held=self._phase == "forward")
         self._phase = None
+        self._schedule = None
 
     def _reuse_set(self) -> set[int]:
         """Weights to hold from forward to backward: in last step's order, the
         elements of weights used between this one's forward use and its backward
         use are at most stage3_max_reuse_distance (nearest first, within
-        stage3_max_live_parameters)."""
+        stage3_max_live_parameters). Backward's order is its schedule, which
+        comes from the forward and so is the same on every rank."""
         fwd = self._traces.get(("forward", True, True))
-        bwd = self._traces.get(("backward", True, True))
+        bwd = self._last_backward_events
         limit = self.zero.stage3_max_reuse_distance
         if not fwd or not bwd or limit == 0:
             return set()
@@ -283,19 +307,24 @@ class Stage3Engine(ShardedEngineBase):
             used_after_in_forward += size(event)
         return hold
 
-    # -- module hooks -----------------------------------------------------------
+    # -- module hooks ---------------------------------------------------------------
     def _pre_forward(self, module, args):
-        self._need(self._mod_shards[module])
+        weights = self._mod_weights[module]
+        self._request(weights)
+        if self._phase == "forward" and torch.is_grad_enabled() and _inside_checkpoint(self._pack):
+            for s in weights:  # the recompute in backward will need them
+                self._touch[s.index] = len(self._trace)
 
     def _post_forward(self, module, args, output):
-        for s in self._mod_shards[module]:
-            if self._phase == "forward" and s.index in self._hold:
+        if self._phase != "forward":
+            return  # recompute in backward: freed once their gradients are in
+        for s in self._mod_weights[module]:
+            if s.index in self._hold and torch.is_grad_enabled():
                 s.hold = True
-            if s.hold or (s.keep and self._phase == "forward"):
-                continue  # needed again soon: freed at the end of forward or after its gradient
-            self._release(s)
+            if not (s.hold or s.keep):
+                self._release(s)
 
-    # -- saved tensors: tokens instead of gathered weights ----------------------
+    # -- saved tensors: note saved views of gathered weights --------------------------
     def _pack(self, x):
         if not self._live_storage or x.layout != torch.strided:
             return x
@@ -305,16 +334,16 @@ class Stage3Engine(ShardedEngineBase):
             return x
         if s is None:
             return x
-        return (_TOKEN, s, x.shape, x.stride(), x.storage_offset())
+        self._touch[s.index] = len(self._trace)
+        return _SavedWeightView(s, x)
 
     def _unpack(self, obj):
-        if type(obj) is tuple and len(obj) == 5 and obj[0] is _TOKEN:
-            _, s, shape, stride, offset = obj
-            self._need([s])
-            return torch.as_strided(s.param.data, shape, stride, offset)
+        if type(obj) is _SavedWeightView:
+            self._request([obj.weight])
+            return obj.tensor
         return obj
 
-    # -- training interface -------------------------------------------------------
+    # -- training interface ------------------------------------------------------------
     def forward(self, *args, **kwargs):
         self._begin("forward")
         hooks = (torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -329,46 +358,68 @@ class Stage3Engine(ShardedEngineBase):
         self._begin("backward")
         try:
             super().backward(loss)
-            self.reducer.drain()
+            self._finish_reduction()
         finally:
             self._end()
 
-    def _grad_ready(self, p):
-        s = self.shard_of[id(p)]
-        g, p.grad = p.grad, None
-        self.reducer.add(s, g)
-        s.hold = False
+    def _on_grad(self, s: Stage3Param, grad: torch.Tensor):
+        self.reducer.add(s, grad)
         self._release(s)
 
-    # -- Engine hooks ----------------------------------------------------------------
-    def _reduce_gradients(self):
-        pass  # reduce-scattered during backward
-
+    # -- Engine hooks ------------------------------------------------------------------
     def _publish_weights(self):
         with torch.no_grad():
-            if self.dtype != torch.float32:
-                for s in self.shards:
-                    if s.valid:
-                        dst = (s.param.data.view(-1)[s.lo:s.hi] if s.persistent
-                               else s.data_shard[:s.valid])
-                        dst.copy_(s.master)
-            pers = [s for s in self.shards if s.persistent]
-            self.gather_shards(pers, lambda s: s.param.data.view(-1)[s.lo:s.hi], self.dtype,
-                               lambda s, full: s.param.data.view(-1).copy_(full),
-                               tag="all_gather_persistent")
-
-    def _zero_grad(self):
-        self.grad_flat.zero_()
-
-    def _load_weight(self, s: ParamShard, full_fp32: torch.Tensor):
-        if s.persistent:
-            s.param.data.view(-1).copy_(full_fp32)
-        else:
-            s.data_shard.zero_()
-            s.data_shard[:s.valid].copy_(full_fp32[s.lo:s.hi])
+            for s in self.shards:
+                if s.valid:
+                    dst = s.param.data.view(-1)[s.lo:s.hi] if s.persistent else s.shard[:s.valid]
+                    dst.copy_(s.master)
+            self._gather_weights([s for s in self.shards if s.persistent],
+                                 lambda s: s.param.data.view(-1)[s.lo:s.hi],
+                                 lambda s, full: s.param.data.view(-1).copy_(full), self.dtype, "optimizer")
 
     def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
-        live = [s.param.data for s in self.shards if s.persistent or s.state == AVAILABLE]
-        grads = [self.grad_flat] + [p.grad for p in self.params if p.grad is not None]
-        return {"parameters": [self.param_flat] + live, "gradients": grads,
+        live = [s.param.data for s in self.shards if s.persistent or s.state is WeightState.LIVE]
+        return {"parameters": [self.param_flat] + live, "gradients": [self.grad_flat],
                 "optimizer": self._optimizer_tensors()}
+
+    def peak_buffers(self) -> dict:
+        b = self._placeholder.element_size()
+        return {**super().peak_buffers(), "gathered_weights_peak": self.peak_live_bytes,
+                "gathered_weights_bound": self.zero.stage3_max_live_parameters * b}
+
+
+class _SavedWeightView:
+    """What the pack hook stores for a saved view of a gathered weight."""
+    __slots__ = ("weight", "tensor")
+
+    def __init__(self, weight: Stage3Param, tensor: torch.Tensor):
+        self.weight, self.tensor = weight, tensor
+
+
+class _GatherOnRead(dict):
+    """A module's `_parameters`: reading a released weight during a phase gathers it."""
+
+    def __init__(self, engine: Stage3Engine, items):
+        super().__init__(items)
+        self._engine = engine
+
+    def __getitem__(self, key):
+        p = dict.__getitem__(self, key)
+        eng = self._engine
+        if eng._phase is not None and p is not None:
+            s = eng.shard_of.get(id(p))
+            if s is not None and not s.persistent and s.state is not WeightState.LIVE:
+                if eng._phase == "forward":
+                    s.keep = True
+                eng._request([s])
+        return p
+
+
+def _inside_checkpoint(our_pack) -> bool:
+    """True when another saved-tensor hook (activation checkpointing's) is
+    innermost: that module's weights are not saved now but recomputed in backward."""
+    try:
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    except (AttributeError, RuntimeError):
+        return True  # cannot tell: assume backward needs them (safe, maybe one extra gather)
+    return top is not None and top[0] is not our_pack

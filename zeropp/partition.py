@@ -1,0 +1,85 @@
+"""How a parameter is split over a group of ranks.
+
+Layout (DeepSpeed stage 3's, used by stages 1, 2 and 3): a parameter of n
+elements is flattened and padded to a multiple of the group size N; with
+chunk c = ceil(n / N), member r owns elements [r*c, (r+1)*c). The *valid*
+part of that range (clipped to n) is what the member's fp32 master, optimizer
+state and gradient partition hold; padding exists only inside communication
+buffers (and in stage 3's 16-bit shard buffer, whose slices must all be c
+long to be all-gathered).
+
+Because every parameter is split at the same fractions, any set of
+parameters goes through one collective: a bucket buffer is an [N, sum c]
+matrix whose row j holds chunk j of each parameter; all-gather fills the rows
+from the members, reduce-scatter hands row j (summed) to member j.
+
+A `Partition` names the group. Stage 3 partitions weights over all ranks (the
+primary partition); ZeRO++'s hpZ adds a secondary partition inside a node.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+
+@dataclass(frozen=True)
+class Partition:
+    group: object      # torch.distributed process group; None = the whole world
+    size: int          # members
+    rank: int          # this rank's index inside the group
+
+
+class ShardedParam:
+    """One parameter's place in the data-parallel partition: its layout, its
+    fp32 master slice and its fp32 gradient partition (views into flat buffers
+    the engine owns)."""
+
+    def __init__(self, index: int, name: str, param: nn.Parameter, partition: Partition):
+        self.index = index
+        self.name = name
+        self.param = param
+        self.shape = param.shape
+        self.numel = n = param.numel()
+        self.chunk = c = max(1, -(-n // partition.size))
+        self.lo, self.hi = min(partition.rank * c, n), min((partition.rank + 1) * c, n)
+        self.valid = self.hi - self.lo
+        self.decay = param.ndim >= 2                 # weight decay on matrices only
+        self.master: torch.Tensor | None = None      # fp32, `valid` elements
+        self.grad: torch.Tensor | None = None        # fp32, `valid` elements, accumulates
+
+    def __repr__(self):
+        return f"ShardedParam({self.name}, {tuple(self.shape)})"
+
+
+def fill_rows(rows: torch.Tensor, flat: torch.Tensor, chunk: int):
+    """Write the flat tensor `flat` into `rows` [N, chunk]: chunk j into row j,
+    zero padding after the last element."""
+    n = flat.numel()
+    full = n // chunk
+    if full:
+        rows[:full].copy_(flat[:full * chunk].view(full, chunk))
+    rest = n - full * chunk
+    if rest:
+        rows[full, :rest].copy_(flat[full * chunk:])
+        rows[full, rest:].zero_()
+        full += 1
+    if full < rows.shape[0]:
+        rows[full:].zero_()
+
+
+def bucketize(items: list, size_of, limit: int) -> list[list]:
+    """Split `items` (in order) into consecutive buckets of at most `limit`
+    total size; an item larger than the limit gets a bucket of its own."""
+    buckets, current, total = [], [], 0
+    for item in items:
+        size = size_of(item)
+        if current and total + size > limit:
+            buckets.append(current)
+            current, total = [], 0
+        current.append(item)
+        total += size
+    if current:
+        buckets.append(current)
+    return buckets

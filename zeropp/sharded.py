@@ -1,0 +1,195 @@
+"""What the sharded stages (1, 2, 3) share: the partition of every parameter
+over the data-parallel group (zeropp/partition.py), fp32 master slices and
+their optimizer, an fp32 gradient partition filled by the `GradientReducer`,
+the global gradient norm and the state dicts.
+
+Construction is sharded: parameters may arrive on the meta device; each is
+materialized whole (`param_init`), sliced into this rank's master (and, for
+stage 3, its 16-bit shard) and dropped before the next one (zeropp/init.py).
+Subclasses say where the 16-bit weights live (`_adopt`, `_publish_weights`)
+and when a gradient goes to the reducer (`_on_grad`).
+"""
+from __future__ import annotations
+
+import torch
+
+from zeropp.collectives import GradientReducer, ShardGather, ShardReduce, gather_bucketed
+from zeropp.config import DeepSpeedConfig
+from zeropp.engine import Engine, compute_dtype
+from zeropp.init import ParamInit, full_value, materialize_rest
+from zeropp.partition import Partition, ShardedParam
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def communication_dtype(config: DeepSpeedConfig) -> torch.dtype:
+    """Gradients are reduced in `communication_data_type` (default: the compute dtype)."""
+    name = config.communication_data_type
+    return _DTYPES[name] if name else compute_dtype(config)
+
+
+class ShardedEngineBase(Engine):
+    shard_class = ShardedParam   # stage 3 adds gather state
+
+    def __init__(self, module, config, comm, device, optim, gradient_accumulation_steps=1,
+                 param_init: ParamInit | None = None):
+        super().__init__(module, config, comm, device, optim, gradient_accumulation_steps)
+        self.zero = config.zero_optimization
+        topo = comm.topology
+        self.partition = Partition(group=None, size=topo.world_size, rank=topo.rank)
+        self.world, self.rank = self.partition.size, self.partition.rank
+        self.gather = ShardGather(comm)
+        self.reduce = ShardReduce(comm)
+
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
+        self.shards = [self.shard_class(i, n, p, self.partition) for i, (n, p) in enumerate(named)]
+        self.shard_of = {id(s.param): s for s in self.shards}
+        # Untrained parameters and buffers are materialized whole, in the compute dtype.
+        materialize_rest(module, param_init, device, self.dtype, skip=set(self.shard_of))
+        for p in module.parameters():
+            if id(p) not in self.shard_of:
+                p.data = p.data.to(device=device, dtype=self.dtype)
+        for b in module.buffers():
+            b.data = b.data.to(device)
+
+        self._allocate_partitions()
+        for s in self.shards:  # one full parameter alive at a time
+            full = full_value(s.name, s.param, param_init, device).view(-1)
+            s.master.copy_(full[s.lo:s.hi])
+            self._adopt(s, full)
+            del full
+        owned = [s for s in self.shards if s.valid]
+        self.optimizer = self._make_optimizer([s.master for s in owned if s.decay],
+                                              [s.master for s in owned if not s.decay])
+
+        pre, post = config.gradient_scale_factors(self.world)
+        self.reducer = GradientReducer(
+            self.reduce, list(reversed(self.shards)), self.partition, self.zero.reduce_bucket_size,
+            communication_dtype(config), device, self.zero.overlap, pre=pre, post=post)
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._grad_hook)
+
+    def _allocate_partitions(self):
+        """fp32 master and gradient partitions: one flat buffer each, a view per shard."""
+        n = sum(s.valid for s in self.shards)
+        self.master_flat = torch.empty(n, dtype=torch.float32, device=self.device)
+        self.grad_flat = torch.zeros(n, dtype=torch.float32, device=self.device)
+        off = 0
+        for s in self.shards:
+            s.master = self.master_flat[off:off + s.valid]
+            s.grad = self.grad_flat[off:off + s.valid]
+            off += s.valid
+
+    def _adopt(self, s: ShardedParam, full_fp32: torch.Tensor):
+        """Keep what this stage holds of the 16-bit weight (full: fp32, flat)."""
+        raise NotImplementedError
+
+    # -- gradients ------------------------------------------------------------------
+    def _grad_hook(self, p):
+        s = self.shard_of[id(p)]
+        g, p.grad = p.grad, None
+        self._on_grad(s, g)
+
+    def _on_grad(self, s: ShardedParam, grad: torch.Tensor):
+        raise NotImplementedError
+
+    def _finish_reduction(self):
+        missing = self.reducer.missing()
+        if missing and not self.zero.ignore_unused_parameters:
+            raise RuntimeError(
+                f"{len(missing)} parameter(s) got no gradient on rank {self.rank} "
+                f"(first: {missing[0].name}); set zero_optimization.ignore_unused_parameters "
+                f"true to train them with zero gradient")
+        self.reducer.finish()
+
+    # -- Engine hooks ---------------------------------------------------------------
+    def _grad_norm_sq(self) -> float:
+        local = self.grad_flat.pow(2).sum() if self.grad_flat.numel() else torch.zeros((), device=self.device)
+        t = local.to(torch.float64).reshape(1)
+        self.comm.all_reduce(t, group=self.partition.group, phase="optimizer")  # inf/nan reach every rank
+        return t.item()
+
+    def _apply_update(self, coef: float):
+        for s in self.shards:
+            if s.valid:
+                s.master.grad = s.grad.mul_(coef)
+        self.optimizer.step()
+        for s in self.shards:
+            s.master.grad = None
+        self._publish_weights()
+
+    def _publish_weights(self):
+        raise NotImplementedError
+
+    def _zero_grad(self):
+        self.grad_flat.zero_()
+
+    def _gather_weights(self, shards, chunk_of, consume, dtype, phase):
+        gather_bucketed(self.gather, shards, chunk_of, consume, self.partition, dtype, self.device,
+                        self.zero.allgather_bucket_size, phase)
+
+    # -- checkpoint state --------------------------------------------------------------
+    def module_state_dict(self) -> dict:
+        """Full fp32 weights on every rank (collective)."""
+        full = {}
+        self._gather_weights(self.shards, lambda s: s.master,
+                             lambda s, t: full.__setitem__(s.index, t.view(s.shape).cpu().clone()),
+                             torch.float32, "other")
+        out = {}
+        for k, v in self.module.state_dict(keep_vars=True).items():
+            s = self.shard_of.get(id(v))
+            out[k] = full[s.index] if s is not None else v.detach().cpu().clone()
+        return out
+
+    def load_module_state_dict(self, sd: dict):
+        """Full fp32 (or any float) weights, keys as module.state_dict(); every
+        rank passes the whole dict and keeps its slices (no communication)."""
+        named = dict(self.module.named_parameters(remove_duplicate=False))
+        by_id = {id(p): sd[k] for k, p in named.items() if k in sd}
+        missing = [k for k, p in named.items() if id(p) not in by_id]
+        if missing:
+            raise KeyError(f"load_module_state_dict: missing keys {missing}")
+        with torch.no_grad():
+            for s in self.shards:
+                full = by_id[id(s.param)].reshape(-1).to(device=self.device, dtype=torch.float32)
+                if full.numel() != s.numel:
+                    raise ValueError(f"load_module_state_dict: {s.name} has {s.numel} elements, "
+                                     f"got {full.numel()} (shape {tuple(s.shape)})")
+                s.master.copy_(full[s.lo:s.hi])
+                self._adopt(s, full)
+            for p in self.module.parameters():
+                if id(p) not in self.shard_of:
+                    name = next(k for k, q in named.items() if q is p)
+                    p.data.copy_(sd[name])
+            for n, b in self.module.named_buffers():
+                if n in sd:
+                    b.copy_(sd[n])
+        self._weights_changed()
+
+    def _weights_changed(self):
+        """Hook: the weights were replaced from outside (a state-dict load)."""
+
+    def optimizer_state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "loss_scaler": self.loss_scaler.state_dict(),
+                "global_step": self.global_step, "rank": self.rank, "world_size": self.world}
+
+    def load_optimizer_state_dict(self, sd: dict):
+        if sd.get("world_size", self.world) != self.world:
+            raise ValueError(f"optimizer shard saved with {sd['world_size']} ranks, loading on "
+                             f"{self.world}: ZeRO shards are per rank")
+        self.optimizer.load_state_dict(sd["optimizer"])
+        self.loss_scaler.load_state_dict(sd["loss_scaler"])
+        self.global_step = sd["global_step"]
+
+    def _optimizer_tensors(self) -> list[torch.Tensor]:
+        return super()._optimizer_tensors() + [s.master for s in self.shards if s.valid]
+
+    def peak_buffers(self) -> dict:
+        """Measured peaks during steps, next to the configured bounds (bytes)."""
+        r = self.reducer
+        b = torch.finfo(r.comm_dtype).bits // 8
+        largest = max([s.chunk * self.world for s in self.shards], default=0)
+        # the bucket being filled plus those in flight, each [N, c] rows and a [c] result
+        bound = (r.max_inflight + 1) * max(self.zero.reduce_bucket_size, largest) * (1 + 1 / self.world) * b
+        return {"gradient_buckets_peak": r.peak_buffer_bytes, "gradient_buckets_bound": int(bound)}
