@@ -16,7 +16,7 @@ import torch
 from zeropp.collectives import GradientReducer, ShardGather, ShardReduce, gather_bucketed
 from zeropp.config import DeepSpeedConfig
 from zeropp.engine import Engine, compute_dtype
-from zeropp.init import ParamInit, full_value, materialize_rest
+from zeropp.init import ParamInit, full_value, materialize_rest, replace_data
 from zeropp.partition import Partition, ShardedParam
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -56,8 +56,11 @@ class ShardedEngineBase(Engine):
         self._allocate_partitions()
         for s in self.shards:  # one full parameter alive at a time
             full = full_value(s.name, s.param, param_init, device).view(-1)
-            s.master.copy_(full[s.lo:s.hi])
             self._adopt(s, full)
+            if self.dtype == torch.float32:
+                s.master = self._weight_slice(s)  # fp32: the master is this rank's slice of the weight
+            else:
+                s.master.copy_(full[s.lo:s.hi])
             del full
         owned = [s for s in self.shards if s.valid]
         self.optimizer = self._make_optimizer([s.master for s in owned if s.decay],
@@ -71,19 +74,34 @@ class ShardedEngineBase(Engine):
             p.register_post_accumulate_grad_hook(self._grad_hook)
 
     def _allocate_partitions(self):
-        """fp32 master and gradient partitions: one flat buffer each, a view per shard."""
+        """fp32 gradient partition and (16-bit training) fp32 masters: one flat
+        buffer each, a view per shard."""
         n = sum(s.valid for s in self.shards)
-        self.master_flat = torch.empty(n, dtype=torch.float32, device=self.device)
         self.grad_flat = torch.zeros(n, dtype=torch.float32, device=self.device)
+        self.master_flat = (torch.empty(n, dtype=torch.float32, device=self.device)
+                            if self.dtype != torch.float32 else None)
         off = 0
         for s in self.shards:
-            s.master = self.master_flat[off:off + s.valid]
             s.grad = self.grad_flat[off:off + s.valid]
+            if self.master_flat is not None:
+                s.master = self.master_flat[off:off + s.valid]
             off += s.valid
 
     def _adopt(self, s: ShardedParam, full_fp32: torch.Tensor):
-        """Keep what this stage holds of the 16-bit weight (full: fp32, flat)."""
+        """Keep what this stage holds of the weight (full: fp32, flat), in place
+        where it already has storage (the fp32 master may be a view of it)."""
         raise NotImplementedError
+
+    def _weight_slice(self, s: ShardedParam) -> torch.Tensor:
+        """This rank's `valid` elements of the compute-dtype weight."""
+        raise NotImplementedError
+
+    def _set_whole(self, param: torch.Tensor, full_fp32: torch.Tensor):
+        """A parameter every rank holds whole: new data, or a copy into the old."""
+        if param.is_meta or param.dtype != self.dtype or param.device != full_fp32.device:
+            replace_data(param, full_fp32.view(param.shape).to(self.dtype, copy=True))
+        else:
+            param.data.copy_(full_fp32.view(param.shape))
 
     # -- gradients ------------------------------------------------------------------
     def _grad_hook(self, p):
@@ -97,10 +115,10 @@ class ShardedEngineBase(Engine):
     def _finish_reduction(self):
         missing = self.reducer.missing()
         if missing and not self.zero.ignore_unused_parameters:
+            names = ", ".join(s.name for s in missing[:5]) + (", ..." if len(missing) > 5 else "")
             raise RuntimeError(
-                f"{len(missing)} parameter(s) got no gradient on rank {self.rank} "
-                f"(first: {missing[0].name}); set zero_optimization.ignore_unused_parameters "
-                f"true to train them with zero gradient")
+                f"{len(missing)} parameter(s) got no gradient on rank {self.rank} ({names}); "
+                f"set zero_optimization.ignore_unused_parameters true to train them with zero gradient")
         self.reducer.finish()
 
     # -- Engine hooks ---------------------------------------------------------------
@@ -156,8 +174,9 @@ class ShardedEngineBase(Engine):
                 if full.numel() != s.numel:
                     raise ValueError(f"load_module_state_dict: {s.name} has {s.numel} elements, "
                                      f"got {full.numel()} (shape {tuple(s.shape)})")
-                s.master.copy_(full[s.lo:s.hi])
                 self._adopt(s, full)
+                if self.master_flat is not None:  # fp32: the master is the weight, already set
+                    s.master.copy_(full[s.lo:s.hi])
             for p in self.module.parameters():
                 if id(p) not in self.shard_of:
                     name = next(k for k, q in named.items() if q is p)

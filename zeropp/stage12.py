@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import torch
 
-from zeropp.init import replace_data
 from zeropp.partition import ShardedParam
 from zeropp.sharded import ShardedEngineBase
 
@@ -23,17 +22,19 @@ class _FullWeights(ShardedEngineBase):
     """Stages 1 and 2: the 16-bit weights stay whole on every rank."""
 
     def _adopt(self, s: ShardedParam, full_fp32: torch.Tensor):
-        replace_data(s.param, full_fp32.view(s.shape).to(self.dtype, copy=True))
+        self._set_whole(s.param, full_fp32)
+
+    def _weight_slice(self, s: ShardedParam) -> torch.Tensor:
+        return s.param.data.view(-1)[s.lo:s.hi]
 
     def _publish_weights(self):
-        def my_slice(s):
-            return s.param.data.view(-1)[s.lo:s.hi]
-        with torch.no_grad():
-            for s in self.shards:
-                if s.valid:
-                    my_slice(s).copy_(s.master)
-        self._gather_weights(self.shards, my_slice, lambda s, full: s.param.data.view(-1).copy_(full),
-                             self.dtype, "optimizer")
+        if self.master_flat is not None:  # 16-bit: round the updated masters into the weights
+            with torch.no_grad():
+                for s in self.shards:
+                    if s.valid:
+                        self._weight_slice(s).copy_(s.master)
+        self._gather_weights(self.shards, self._weight_slice,
+                             lambda s, full: s.param.data.view(-1).copy_(full), self.dtype, "optimizer")
 
     def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
         return {"parameters": [p.data for p in self.params], "gradients": [self.grad_flat],

@@ -26,10 +26,10 @@ per collective):
   block). Schedules are cut into buckets of `stage3_prefetch_bucket_size`
   elements. A request issues every bucket up to the one holding the weight,
   then prefetches the next while their elements stay within the prefetch
-  bucket and, with held weights, `stage3_max_live_parameters`. Issue order is
-  a prefix of the schedule whatever the timing, and backward finishes by
-  issuing what it did not need, so every rank runs the same collectives even
-  when a parameter gets no gradient on some rank. Weights requested outside
+  bucket and all gathered weights within `stage3_max_live_parameters`. Issue
+  order is a prefix of the schedule whatever the timing, and backward finishes
+  by issuing what it did not need, so every rank runs the same collectives
+  even when a parameter gets no gradient on some rank. Weights requested outside
   the schedule (the first step, an order change) are gathered on demand.
 - reuse: a weight whose backward use, in last step's order, comes within
   `stage3_max_reuse_distance` elements of its forward use is held from
@@ -109,7 +109,8 @@ class Stage3Engine(ShardedEngineBase):
         self._trace: list[list[int]] = []
         self._used: set[int] = set()     # weights requested so far in this phase
         self._schedule: _Schedule | None = None
-        self._touch: dict[int, int] = {}  # weight index -> forward event of its last use backward needs
+        # weight index -> (checkpoint region or None, forward event) of its last use backward needs
+        self._touch: dict[int, tuple[object, int]] = {}
         self._hold: set[int] = set()
         self._last_backward_events: list[list[int]] | None = None
         self.live_bytes = 0
@@ -134,7 +135,7 @@ class Stage3Engine(ShardedEngineBase):
 
     def _adopt(self, s: Stage3Param, full_fp32: torch.Tensor):
         if s.persistent:
-            replace_data(s.param, full_fp32.view(s.shape).to(self.dtype, copy=True))
+            self._set_whole(s.param, full_fp32)
             return
         if s.state is not WeightState.RELEASED:
             self._release(s)
@@ -144,6 +145,9 @@ class Stage3Engine(ShardedEngineBase):
             s.full = torch.empty(s.shape, dtype=self.dtype, device=self.device)
             s.full.untyped_storage().resize_(0)
             replace_data(s.param, self._placeholder.expand(s.shape))
+
+    def _weight_slice(self, s: Stage3Param) -> torch.Tensor:
+        return s.param.data.view(-1)[s.lo:s.hi] if s.persistent else s.shard[:s.valid]
 
     def _install_hooks(self, module):
         self._mod_weights = {}
@@ -225,18 +229,21 @@ class Stage3Engine(ShardedEngineBase):
 
     def _prefetch(self, sched: _Schedule):
         """Issue the next buckets while those issued ahead of the last requested
-        one stay within the prefetch bucket and the live budget. Decided from
-        schedule positions only, so every rank decides alike."""
+        one stay within the prefetch bucket and all gathered weights (held ones
+        and those still waiting for their gradients included) within
+        `stage3_max_live_parameters`. Ranks may decide differently (a weight
+        without gradient stays live longer on some rank); that changes only
+        when a bucket is issued, never which buckets or in which order."""
         zero = self.zero
-        held = sum(s.numel for s in self.shards if s.hold)
-        current = sched.elems[sched.reached - 1] if sched.reached else 0
+        live = self.live_bytes // self._placeholder.element_size()
         while sched.issued < len(sched.buckets):
-            ahead = sum(sched.elems[sched.reached:sched.issued + 1])
-            if ahead > zero.stage3_prefetch_bucket_size or \
-                    held + current + ahead > zero.stage3_max_live_parameters:
+            nxt = sched.elems[sched.issued]
+            if sum(sched.elems[sched.reached:sched.issued]) + nxt > zero.stage3_prefetch_bucket_size \
+                    or live + nxt > zero.stage3_max_live_parameters:
                 return
             self._issue([self.shards[i] for i in sched.buckets[sched.issued]])
             sched.issued += 1
+            live += nxt
 
     # -- phases -------------------------------------------------------------------
     def _begin(self, phase: str):
@@ -258,12 +265,18 @@ class Stage3Engine(ShardedEngineBase):
             if events else None
 
     def _backward_order(self) -> list[list[int]]:
-        """This step's forward, in reverse order of each weight's last use that
-        backward needs."""
-        by_time: dict[int, list[int]] = {}
-        for i, t in self._touch.items():
-            by_time.setdefault(t, []).append(i)
-        return [by_time[t] for t in sorted(by_time, reverse=True)]
+        """This step's forward in reverse order of each weight's last use that
+        backward needs; a checkpointed region is recomputed as one unit when
+        backward reaches its end, its modules in forward order."""
+        region_end: dict[object, int] = {}
+        for region, t in self._touch.values():
+            if region is not None:
+                region_end[region] = max(region_end.get(region, t), t)
+        by_key: dict[tuple[int, int], list[int]] = {}
+        for i, (region, t) in self._touch.items():
+            key = (region_end[region], t) if region is not None else (t, 0)
+            by_key.setdefault(key, []).append(i)
+        return [by_key[k] for k in sorted(by_key, key=lambda k: (-k[0], k[1]))]
 
     def _end(self):
         if self._phase == "backward" and self._schedule is not None:
@@ -311,9 +324,11 @@ class Stage3Engine(ShardedEngineBase):
     def _pre_forward(self, module, args):
         weights = self._mod_weights[module]
         self._request(weights)
-        if self._phase == "forward" and torch.is_grad_enabled() and _inside_checkpoint(self._pack):
+        region = _checkpoint_region(self._pack) if self._phase == "forward" and torch.is_grad_enabled() \
+            else None
+        if region is not None:
             for s in weights:  # the recompute in backward will need them
-                self._touch[s.index] = len(self._trace)
+                self._touch[s.index] = (region, len(self._trace))
 
     def _post_forward(self, module, args, output):
         if self._phase != "forward":
@@ -334,7 +349,7 @@ class Stage3Engine(ShardedEngineBase):
             return x
         if s is None:
             return x
-        self._touch[s.index] = len(self._trace)
+        self._touch[s.index] = (None, len(self._trace))
         return _SavedWeightView(s, x)
 
     def _unpack(self, obj):
@@ -369,12 +384,11 @@ class Stage3Engine(ShardedEngineBase):
     # -- Engine hooks ------------------------------------------------------------------
     def _publish_weights(self):
         with torch.no_grad():
-            for s in self.shards:
-                if s.valid:
-                    dst = s.param.data.view(-1)[s.lo:s.hi] if s.persistent else s.shard[:s.valid]
-                    dst.copy_(s.master)
-            self._gather_weights([s for s in self.shards if s.persistent],
-                                 lambda s: s.param.data.view(-1)[s.lo:s.hi],
+            if self.master_flat is not None:  # 16-bit: round the updated masters into the shards
+                for s in self.shards:
+                    if s.valid:
+                        self._weight_slice(s).copy_(s.master)
+            self._gather_weights([s for s in self.shards if s.persistent], self._weight_slice,
                                  lambda s, full: s.param.data.view(-1).copy_(full), self.dtype, "optimizer")
 
     def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
@@ -415,11 +429,14 @@ class _GatherOnRead(dict):
         return p
 
 
-def _inside_checkpoint(our_pack) -> bool:
-    """True when another saved-tensor hook (activation checkpointing's) is
-    innermost: that module's weights are not saved now but recomputed in backward."""
+def _checkpoint_region(our_pack):
+    """When another saved-tensor hook (activation checkpointing's) is innermost,
+    this module's weights are not saved now but recomputed in backward: return
+    that hook (one per checkpointed call), else None."""
     try:
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
     except (AttributeError, RuntimeError):
-        return True  # cannot tell: assume backward needs them (safe, maybe one extra gather)
-    return top is not None and top[0] is not our_pack
+        return None  # cannot tell: unpack requests still gather on demand
+    if top is None or top[0] is our_pack:
+        return None
+    return top[0]
