@@ -13,90 +13,112 @@ import time
 import torch
 import torch.distributed as dist
 
-OURS = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
-DEEPSPEED = {"deepspeed-z1": 1, "deepspeed-z2": 2, "deepspeed-z3": 3}
+OURS = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "zero3-reuse0": 3}
+DEEPSPEED = {"deepspeed-z1": 1, "deepspeed-z2": 2, "deepspeed-z3": 3, "deepspeed-z3-reuse0": 3}
 ALL_SYSTEMS = list(OURS) + ["fsdp2"] + list(DEEPSPEED)
-DEFAULT_SYSTEMS = ["ddp", "zero1", "zero2", "zero3", "fsdp2", "deepspeed-z3"]
+DEFAULT_SYSTEMS = ["ddp", "zero1", "zero2", "zero3", "zero3-reuse0", "fsdp2", "deepspeed-z3"]
 WORLD1_SYSTEMS = ["plain", "ddp", "zero3"]
 LABELS = {"ddp": "ours stage 0 (DDPEngine)", "zero1": "ours ZeRO-1", "zero2": "ours ZeRO-2",
-          "zero3": "ours ZeRO-3", "fsdp2": "PyTorch FSDP2", "deepspeed-z1": "DeepSpeed ZeRO-1",
+          "zero3": "ours ZeRO-3", "zero3-reuse0": "ours ZeRO-3 (reuse 0)",
+          "fsdp2": "PyTorch FSDP2 (reshard)", "deepspeed-z1": "DeepSpeed ZeRO-1",
           "deepspeed-z2": "DeepSpeed ZeRO-2", "deepspeed-z3": "DeepSpeed ZeRO-3",
-          "plain": "plain PyTorch loop"}
+          "deepspeed-z3-reuse0": "DeepSpeed ZeRO-3 (reuse 0)", "plain": "plain PyTorch loop"}
 PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's default stage3_param_persistence_threshold (1e5)
+# The "reuse 0" rows: weights are released after their forward use and gathered again in
+# backward (stage3_max_reuse_distance 0), with a prefetch bucket of this fraction of the
+# model's elements, as a model larger than its prefetch bucket behaves.
+REUSE0 = ("zero3-reuse0", "deepspeed-z3-reuse0")
+REUSE0_PREFETCH_FRACTION = 4
 OPTIM = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
 
 
+def stage_of(system: str) -> int:
+    return OURS.get(system, DEEPSPEED.get(system, 3 if system == "fsdp2" else 0))
+
+
+def zero_section(system: str, a) -> dict:
+    """The zero_optimization section our engine and DeepSpeed get for `system`."""
+    stage = stage_of(system)
+    zero = {"stage": stage}
+    if stage == 3:
+        zero["stage3_param_persistence_threshold"] = PERSISTENCE_THRESHOLD
+    if system in REUSE0:
+        zero["stage3_max_reuse_distance"] = 0
+        zero["stage3_prefetch_bucket_size"] = num_params(a) // REUSE0_PREFETCH_FRACTION
+    return zero
+
+
 # --------------------------------------------------------------------------------------
-# Byte counting at the torch.distributed API (for FSDP2 and DeepSpeed, and a cross-check
-# of our Communicator). Same charging rules as parallel/comm.py: a rank is charged for
-# the data it must hand to each other member of the group.
+# Counting at the torch.distributed API (for FSDP2 and DeepSpeed, and a cross-check of our
+# Communicator): every collective call and the bytes it puts on the wire, charged with the
+# same ring model as parallel/comm.py (wire_bytes): all-gather / reduce-scatter (n-1) x S,
+# all-reduce 2 (n-1) S / n, broadcast S except the last of the chain, all-to-all (n-1) S / n.
 # --------------------------------------------------------------------------------------
+_OP_OF = {"all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather",
+          "_all_gather_base": "all_gather", "all_gather": "all_gather",
+          "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_single": "reduce_scatter",
+          "_reduce_scatter_base": "reduce_scatter", "reduce_scatter": "reduce_scatter",
+          "all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce", "broadcast": "broadcast",
+          "all_to_all_single": "all_to_all"}
+
+
 class DistCounter:
     def __init__(self):
         self.enabled = False
-        self.bytes = 0
-        self.by_op: dict[str, int] = {}
         self._local = threading.local()
         self._orig = {}
+        self.reset()
+
+    def reset(self):
+        self.bytes = 0
+        self.calls = 0
+        self.by_op: dict[str, int] = {}        # torch.distributed function -> bytes
+        self.calls_by_op: dict[str, int] = {}  # torch.distributed function -> calls
 
     @staticmethod
     def _nb(t):
         return t.numel() * t.element_size()
 
-    def _charge(self, op, group, per_peer):
-        n = dist.get_world_size(group)
-        if n <= 1 or per_peer <= 0:
-            return
-        b = per_peer * (n - 1)
-        self.bytes += b
-        self.by_op[op] = self.by_op.get(op, 0) + b
+    def _charge(self, name, group, nbytes, src=None):
+        from parallel.comm import wire_bytes
+        ranks = list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
+        if len(ranks) <= 1:
+            return  # a group of one issues no collective (as our Communicator counts)
+        intra, inter = wire_bytes(_OP_OF[name], ranks, dist.get_rank(), nbytes, lambda r: 0, src=src)
+        self.bytes += intra + inter
+        self.calls += 1
+        self.by_op[name] = self.by_op.get(name, 0) + intra + inter
+        self.calls_by_op[name] = self.calls_by_op.get(name, 0) + 1
 
     def _cost(self, name, args, kw):
+        """(group, S, src) of one call; S as parallel.comm.wire_bytes defines it."""
         def arg(i, key):
             return args[i] if len(args) > i else kw.get(key)
-        group = kw.get("group")
+        group_pos = {"reduce_scatter_tensor": 3, "reduce_scatter_single": 3, "_reduce_scatter_base": 3,
+                     "reduce_scatter": 3, "all_to_all_single": 4}.get(name, 2)
+        group = arg(group_pos, "group")
         if name in ("all_gather_into_tensor", "all_gather_single", "_all_gather_base"):
-            if group is None and len(args) > 2:
-                group = args[2]
-            return group, self._nb(arg(1, "input_tensor") if arg(1, "input_tensor") is not None
-                                   else arg(1, "input"))
+            inp = arg(1, "input_tensor")
+            return group, self._nb(inp if inp is not None else arg(1, "input")), None
         if name == "all_gather":
-            if group is None and len(args) > 2:
-                group = args[2]
-            return group, self._nb(arg(1, "tensor"))
-        if name in ("reduce_scatter_tensor", "reduce_scatter_single", "_reduce_scatter_base"):
-            if group is None and len(args) > 3:
-                group = args[3]
-            return group, self._nb(arg(0, "output"))
-        if name == "reduce_scatter":
-            if group is None and len(args) > 3:
-                group = args[3]
-            return group, self._nb(arg(0, "output"))
+            return group, self._nb(arg(1, "tensor")), None
+        if name.startswith("reduce_scatter") or name == "_reduce_scatter_base":
+            return group, self._nb(arg(0, "output")), None
         if name == "all_reduce":
-            if group is None and len(args) > 2:
-                group = args[2]
-            return group, 2 * self._nb(arg(0, "tensor")) // dist.get_world_size(group)
+            return group, self._nb(arg(0, "tensor")), None
         if name == "all_reduce_coalesced":
-            if group is None and len(args) > 2:
-                group = args[2]
-            return group, 2 * sum(self._nb(t) for t in arg(0, "tensors")) // dist.get_world_size(group)
+            return group, sum(self._nb(t) for t in arg(0, "tensors")), None
         if name == "broadcast":
-            if group is None and len(args) > 2:
-                group = args[2]
             src = arg(1, "src")
-            return group, self._nb(arg(0, "tensor")) if dist.get_rank() == src else 0
+            if src is None and kw.get("group_src") is not None:
+                src = dist.get_global_rank(group, kw["group_src"]) if group is not None else kw["group_src"]
+            return group, self._nb(arg(0, "tensor")), src
         if name == "all_to_all_single":
-            if group is None and len(args) > 4:
-                group = args[4]
-            return group, self._nb(arg(1, "input")) // dist.get_world_size(group)
-        return group, 0
+            return group, self._nb(arg(1, "input")), None
+        return group, 0, None
 
     def install(self):
-        names = ["all_gather_into_tensor", "all_gather_single", "_all_gather_base", "all_gather",
-                 "reduce_scatter_tensor", "reduce_scatter_single", "_reduce_scatter_base",
-                 "reduce_scatter", "all_reduce", "all_reduce_coalesced", "broadcast",
-                 "all_to_all_single"]
-        for name in names:
+        for name in _OP_OF:
             fn = getattr(dist, name, None)
             if fn is None or name in self._orig:
                 continue
@@ -110,8 +132,7 @@ class DistCounter:
             depth = getattr(counter._local, "depth", 0)
             if counter.enabled and depth == 0:  # only the outermost call: wrappers calling wrappers
                 try:
-                    group, per_peer = counter._cost(name, args, kw)
-                    counter._charge(name, group, per_peer)
+                    counter._charge(name, *counter._cost(name, args, kw))
                 except Exception:  # never let accounting break the run
                     pass
             counter._local.depth = depth + 1
@@ -131,15 +152,23 @@ COUNTER = DistCounter()
 # --------------------------------------------------------------------------------------
 def model_config(a):
     from model import GPTConfig
+    # Every weight's initial values come from (init_seed, its name) alone, so every system,
+    # whole or built on the meta device and materialized shard by shard, starts the same.
     return GPTConfig(vocab_size=a["vocab"], num_layers=a["num_layers"], hidden_size=a["hidden"],
                      num_attention_heads=a["heads"], max_position_embeddings=a["seq"],
-                     hidden_dropout=0.0, attention_dropout=0.0)
+                     hidden_dropout=0.0, attention_dropout=0.0, init_seed=a["seed"])
 
 
-def make_model(a):
+def make_model(a, meta: bool = False):
     from model import GPT
-    torch.manual_seed(a["seed"])
+    if meta:
+        with torch.device("meta"):
+            return GPT(model_config(a))
     return GPT(model_config(a))
+
+
+def num_params(a) -> int:
+    return sum(p.numel() for p in make_model(a, meta=True).parameters())
 
 
 def make_batches(a, world):
@@ -187,20 +216,18 @@ def local_bytes(tensors):
 # --------------------------------------------------------------------------------------
 # Systems: each returns (fwd_bwd(x, y) -> loss, opt_step(), mem() -> dict|None, stats())
 # --------------------------------------------------------------------------------------
-def setup_ours(a, stage, world):
+def setup_ours(a, system, world):
     import zeropp
     from parallel.comm import Communicator
     from parallel.topology import topology_from_env
-    zero = {"stage": stage}
-    if stage == 3:
-        zero["stage3_param_persistence_threshold"] = PERSISTENCE_THRESHOLD
-    ds = zeropp.DeepSpeedConfig.from_dict({"zero_optimization": zero})
+    ds = zeropp.DeepSpeedConfig.from_dict({"zero_optimization": zero_section(system, a)})
     comm = Communicator(topology_from_env())
-    engine = zeropp.initialize(make_model(a), ds, comm, torch.device("cpu"),
-                               zeropp.OptimizerSettings(lr=OPTIM["lr"], betas=OPTIM["betas"],
+    model = make_model(a, meta=True)  # no memory until the engine materializes its shards
+    engine = zeropp.initialize(model, ds, comm, torch.device("cpu"),
+                               zeropp.OptimizerSettings(type="adamw", lr=OPTIM["lr"], betas=OPTIM["betas"],
                                                         eps=OPTIM["eps"],
                                                         weight_decay=OPTIM["weight_decay"]),
-                               gradient_accumulation_steps=1)
+                               gradient_accumulation_steps=1, param_init=model.init_parameter)
 
     def fwd_bwd(x, y):
         loss = engine(x, y)
@@ -208,13 +235,11 @@ def setup_ours(a, stage, world):
         return loss
 
     def mem():
-        try:
-            from zeropp.memory import memory_report
-        except ImportError:
-            return None
+        from zeropp.memory import memory_report
         r = memory_report(engine)
         return {"model_state_bytes": r["measured_bytes"]["total"],
                 "model_state_predicted_bytes": r["predicted_bytes"]["total"],
+                "peaks": r.get("peaks", {}),
                 "memory_report": r}
 
     def reset():
@@ -222,7 +247,10 @@ def setup_ours(a, stage, world):
 
     def counted():
         s = comm.stats
-        return {"bytes": s.total_bytes, "by_op": {k: v[0] + v[1] for k, v in s.by_op.items()}}
+        return {"bytes": s.total_bytes, "calls": sum(s.calls.values()),
+                "by_op": {k: v[0] + v[1] for k, v in s.by_op.items()},
+                "by_phase": {k: v[0] + v[1] for k, v in s.by_phase.items()},
+                "calls_by_phase": dict(s.calls)}
 
     return dict(fwd_bwd=fwd_bwd, opt_step=engine.step, mem=mem, reset=reset, counted=counted,
                 counted_source="Communicator")
@@ -256,26 +284,29 @@ def setup_plain(a, world):
 
 
 def setup_fsdp2(a, world):
+    """Each transformer block, then the root, resharded after forward (all-gathered
+    again in backward). `reshard_after_forward=True` is FSDP2's default for non-root
+    modules; we pass it to the root too (its default there keeps wte/wpe/ln_f gathered
+    from forward to backward), so that every weight is re-gathered, as in our reuse-0 row."""
     from torch.distributed.fsdp import fully_shard
     model = make_model(a)
     for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, reshard_after_forward=True)
+    fully_shard(model, reshard_after_forward=True)
     return torch_loop(model)
 
 
-def setup_deepspeed(a, stage, world):
+def setup_deepspeed(a, system, world):
     import logging
 
     import deepspeed
     deepspeed.utils.logger.setLevel(logging.WARNING)
     deepspeed.init_distributed(dist_backend="gloo")
     torch.set_num_threads(1)
+    stage = DEEPSPEED[system]
     model = make_model(a)
     opt = torch_adamw(list(model.parameters()))
-    zero = {"stage": stage}
-    if stage == 3:
-        zero["stage3_param_persistence_threshold"] = PERSISTENCE_THRESHOLD
+    zero = zero_section(system, a)
     config = {"train_micro_batch_size_per_gpu": a["micro_batch"], "gradient_accumulation_steps": 1,
               "train_batch_size": a["micro_batch"] * world, "gradient_clipping": 0.0,
               "zero_optimization": zero, "zero_allow_untested_optimizer": True,
@@ -323,9 +354,9 @@ def run_rank(rank, world, system, a):
         import deepspeed  # noqa: F401  (its import is not the system's memory)
     base_rss = rss_now_mb()
     if system in DEEPSPEED:
-        sysd = setup_deepspeed(a, DEEPSPEED[system], world)
+        sysd = setup_deepspeed(a, system, world)
     elif system in OURS:
-        sysd = setup_ours(a, OURS[system], world)
+        sysd = setup_ours(a, system, world)
     elif system == "fsdp2":
         sysd = setup_fsdp2(a, world)
     elif system == "plain":
@@ -339,7 +370,7 @@ def run_rank(rank, world, system, a):
     sync = dist.is_initialized() and world > 1
     for i, batch in enumerate(batches):
         if i == a["warmup"]:
-            COUNTER.bytes, COUNTER.by_op = 0, {}
+            COUNTER.reset()
             COUNTER.enabled = True
             if "reset" in sysd:
                 sysd["reset"]()
@@ -361,7 +392,8 @@ def run_rank(rank, world, system, a):
         losses.append(float(loss.detach().float().item()))
     COUNTER.enabled = False
     counted = sysd["counted"]() if "counted" in sysd else None
-    intercepted = {"bytes": COUNTER.bytes, "by_op": dict(COUNTER.by_op)}
+    intercepted = {"bytes": COUNTER.bytes, "calls": COUNTER.calls, "by_op": dict(COUNTER.by_op),
+                   "calls_by_op": dict(COUNTER.calls_by_op)}
     # One step's time is its slowest rank's; the loss is the mean over ranks.
     t = torch.tensor(times, dtype=torch.float64)
     l = torch.tensor(losses, dtype=torch.float64)

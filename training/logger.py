@@ -60,6 +60,11 @@ class TrainingLogger:
                     f"{report['dtype']}): parameters {_mb(m['parameters'])}, gradients {_mb(m['gradients'])}, "
                     f"optimizer {_mb(m['optimizer'])}, total {_mb(m['total'])}; ZeRO formula "
                     f"{_mb(p['total'])} (measured/formula {report['ratio']['total']:.3f})")
+        peaks = report.get("peaks") or {}
+        if peaks:
+            parts = [f"{name} {_mb(peaks[name + '_peak'])} (bound {_mb(peaks[name + '_bound'])})"
+                     for name in ("gathered_weights", "gradient_buckets") if name + "_peak" in peaks]
+            print_rank0(f"> peak during the step: {', '.join(parts).replace('_', ' ')}")
 
     def validation_line(self, it: int, name: str, loss: float):
         ppl = math.exp(min(20.0, loss))
