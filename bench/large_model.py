@@ -11,9 +11,11 @@ construction and after training, next to what an unsharded build of the same
 model would need per rank (weights, gradients and optimizer state in full),
 and writes everything to --out as JSON.
 
-Defaults fit 4 ranks in 24 GiB: bf16 weights with fp32 masters and SGD
-without momentum (no optimizer state); Adam's two fp32 moments would add
-8 bytes per parameter / N.
+Defaults fit 4 ranks in 24 GiB: bf16 weights with fp32 masters, SGD
+without momentum (no optimizer state; Adam's two fp32 moments would add
+8 bytes per parameter / N), no overlap_comm and no activation checkpointing
+(each keeps more full-size tensors alive at once; activations of a short
+sequence are small).
 """
 from __future__ import annotations
 
@@ -50,11 +52,12 @@ def rank_main(rank, world, a):
     ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # return freed blocks to the kernel (see tests)
     cfg = GPTConfig(vocab_size=a.vocab, num_layers=a.num_layers, hidden_size=a.hidden,
                     num_attention_heads=a.heads, max_position_embeddings=a.seq,
-                    hidden_dropout=0.0, attention_dropout=0.0, checkpoint_activations=True)
+                    hidden_dropout=0.0, attention_dropout=0.0,
+                    checkpoint_activations=a.checkpoint_activations)
     raw = {"zero_optimization": {"stage": 3, "reduce_bucket_size": a.bucket,
                                  "stage3_prefetch_bucket_size": a.bucket,
                                  "stage3_max_live_parameters": a.max_live,
-                                 "stage3_max_reuse_distance": 0}}
+                                 "stage3_max_reuse_distance": 0, "overlap_comm": a.overlap}}
     if a.dtype != "fp32":
         raw[a.dtype] = {"enabled": True}
     ds = zeropp.DeepSpeedConfig.from_dict(raw)
@@ -69,6 +72,7 @@ def rank_main(rank, world, a):
     after_construct = rss_mb("VmHWM")
     g = torch.Generator().manual_seed(rank)
     losses, step_s = [], []
+    swap = rss_mb("VmSwap")
     for _ in range(a.steps):
         x = torch.randint(0, a.vocab, (a.micro_batch, a.seq + 1), generator=g)
         t = time.time()
@@ -77,9 +81,10 @@ def rank_main(rank, world, a):
         engine.step()
         step_s.append(time.time() - t)
         losses.append(loss.item())
+        swap = max(swap, rss_mb("VmSwap"))
     peaks = engine.peak_buffers()
     return {"rank": rank, "start_rss_mb": start_rss, "peak_rss_after_construction_mb": after_construct,
-            "peak_rss_mb": rss_mb("VmHWM"), "construct_s": construct_s, "step_s": step_s,
+            "peak_rss_mb": rss_mb("VmHWM"), "swap_after_steps_mb": swap, "construct_s": construct_s, "step_s": step_s,
             "losses": losses, "peaks": peaks, "num_parameters": num_parameters(cfg)}
 
 
@@ -97,6 +102,10 @@ def main():
     p.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
     p.add_argument("--bucket", type=float, default=5e7, help="reduce and prefetch bucket (elements)")
     p.add_argument("--max-live", type=float, default=3e8, help="stage3_max_live_parameters")
+    p.add_argument("--checkpoint-activations", action="store_true",
+                   help="recompute blocks in backward (gathers a whole block at once)")
+    p.add_argument("--overlap", action="store_true",
+                   help="overlap_comm: keeps up to 3 gradient buckets alive")
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--out", default=str(ROOT / "bench/results/large_model.json"))
     a = p.parse_args()
@@ -114,12 +123,12 @@ def main():
           f"({psi * 4 / 2**30:.2f} GiB in fp32); {a.world} ranks, ZeRO-3, {a.dtype}, {a.optimizer}")
     print(f"model states per rank: unsharded {unsharded_gb:.2f} GiB, ZeRO-3 {sharded_gb:.2f} GiB")
     print(f"{'rank':>4} {'construct s':>11} {'RSS after build MB':>18} {'peak RSS MB':>11} "
-          f"{'step s':>8} {'loss':>8} {'peak gathered MB':>16} {'peak grad bufs MB':>17}")
+          f"{'step s':>8} {'loss':>8} {'peak gathered MB':>16} {'peak grad bufs MB':>17} {'swap MB':>7}")
     for r in results:
         print(f"{r['rank']:>4} {r['construct_s']:>11.1f} {r['peak_rss_after_construction_mb']:>18.0f} "
               f"{r['peak_rss_mb']:>11.0f} {r['step_s'][-1]:>8.1f} {r['losses'][-1]:>8.4f} "
               f"{r['peaks'].get('gathered_weights_peak', 0) / 2**20:>16.0f} "
-              f"{r['peaks']['gradient_buckets_peak'] / 2**20:>17.0f}")
+              f"{r['peaks']['gradient_buckets_peak'] / 2**20:>17.0f} {r['swap_after_steps_mb']:>7.0f}")
     out = {"args": vars(a), "num_parameters": psi, "unsharded_model_states_gib_per_rank": unsharded_gb,
            "zero3_model_states_gib_per_rank": sharded_gb, "ranks": results,
            "command": " ".join(sys.argv)}

@@ -280,3 +280,22 @@ def test_gradients_stream_gathers_bucket_and_needed_weight_goes_first():
             if kind == "request" and needed:
                 nxt = next(entry for entry in log[i + 1:] if entry[0] == "issue")
                 assert set(needed) & set(nxt[1]), (needed, nxt)
+
+
+# -- world size 1 ------------------------------------------------------------------------------
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_world_size_one_takes_the_short_path(stage):
+    """One rank: no partitions, no collectives, the optimizer updates the weights in
+    place from gradients autograd left in param.grad (the same code as a plain loop)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**TINY))
+    engine = engine_for(model, stage, 1)
+    assert isinstance(engine, zeropp.DDPEngine) and engine.ddp is None
+    weight = model.wte.weight
+    x = torch.randint(0, 96, (2, 17), generator=torch.Generator().manual_seed(0))
+    engine.backward(engine(x[:, :-1], x[:, 1:]))
+    assert weight.grad is not None and weight.grad.data_ptr() != 0
+    before = weight.detach().clone()
+    engine.step()
+    assert engine.module.wte.weight is weight and not torch.equal(weight, before)
+    assert engine.comm.stats.total_bytes == 0 and not engine.comm.stats.calls

@@ -47,8 +47,11 @@ class ShardGather:
     def __init__(self, comm):
         self.comm = comm
 
-    def start(self, inp: torch.Tensor, partition: Partition, phase: str, async_op: bool = True):
-        out = torch.empty(partition.size, inp.numel(), dtype=inp.dtype, device=inp.device)
+    def start(self, inp: torch.Tensor, partition: Partition, phase: str, async_op: bool = True,
+              out: torch.Tensor | None = None):
+        """`out`: where the [N, total] result goes (default: a new tensor)."""
+        if out is None:
+            out = torch.empty(partition.size, inp.numel(), dtype=inp.dtype, device=inp.device)
         if partition.size == 1:
             out[0].copy_(inp)
             return _Ready(out)

@@ -123,8 +123,8 @@ class ShardedEngineBase(Engine):
 
     # -- Engine hooks ---------------------------------------------------------------
     def _grad_norm_sq(self) -> float:
-        local = self.grad_flat.pow(2).sum() if self.grad_flat.numel() else torch.zeros((), device=self.device)
-        t = local.to(torch.float64).reshape(1)
+        # vector_norm reduces without a temporary copy of the (large) partition
+        t = torch.linalg.vector_norm(self.grad_flat).to(torch.float64).square().reshape(1)
         self.comm.all_reduce(t, group=self.partition.group, phase="optimizer")  # inf/nan reach every rank
         return t.item()
 

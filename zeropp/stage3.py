@@ -166,20 +166,30 @@ class Stage3Engine(ShardedEngineBase):
         todo = [s for s in params if not s.persistent and s.state is WeightState.RELEASED]
         if not todo:
             return
-        inp = todo[0].shard if len(todo) == 1 else torch.cat([s.shard for s in todo])
-        phase = "backward_gather" if self._phase == "backward" else "forward_gather"
-        g = _Gather(todo, self.gather.start(inp, self.partition, phase))
         for s in todo:
-            s.state, s.bucket = WeightState.GATHERING, g
             s.full.untyped_storage().resize_(s.numel * s.full.element_size())
             self.live_bytes += s.numel * s.full.element_size()
         self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
+        first, n = todo[0], self.partition.size
+        total = sum(s.chunk for s in todo)
+        if all(b.shard.data_ptr() == a.shard.data_ptr() + a.chunk * a.shard.element_size()
+               for a, b in zip(todo, todo[1:])):
+            inp = self.param_flat.as_strided((total,), (1,), first.shard.storage_offset())  # adjacent
+        else:
+            inp = torch.cat([s.shard for s in todo])
+        # One unpadded weight is gathered straight into its own storage.
+        out = first.full.view(n, first.chunk) if len(todo) == 1 and first.numel == first.chunk * n else None
+        phase = "backward_gather" if self._phase == "backward" else "forward_gather"
+        g = _Gather(todo, self.gather.start(inp, self.partition, phase, out=out))
+        for s in todo:
+            s.state, s.bucket = WeightState.GATHERING, g
 
     def _wait(self, g: _Gather):
         rows = g.pending.wait()
         off = 0
         for s in g.params:  # copy each weight out of the bucket into its own storage
-            s.full.view(-1).copy_(rows[:, off:off + s.chunk].reshape(-1)[:s.numel])
+            if rows.data_ptr() != s.full.data_ptr():
+                s.full.view(-1).copy_(rows[:, off:off + s.chunk].reshape(-1)[:s.numel])
             off += s.chunk
             s.param.data = s.full
             s.state, s.bucket = WeightState.LIVE, None
