@@ -44,10 +44,13 @@ def model_config(args, vocab_size: int, seed: int) -> GPTConfig:
         checkpoint_activations=args.checkpoint_activations)
 
 
-def mean_over_ranks(comm: Communicator, value: float, device: torch.device) -> float:
-    t = torch.tensor([value], dtype=torch.float64, device=device)  # NCCL reduces GPU tensors only
+def mean_over_ranks(comm: Communicator, values, device: torch.device):
+    """The mean over ranks of a number, or of each number in a list."""
+    t = torch.tensor(values if isinstance(values, list) else [values], dtype=torch.float64,
+                     device=device)  # NCCL reduces GPU tensors only
     comm.all_reduce(t, phase="other")
-    return t.item() / comm.topology.world_size
+    t /= comm.topology.world_size
+    return t.tolist() if isinstance(values, list) else t.item()
 
 
 def evaluate(engine, dataset, args, comm, device) -> float:
@@ -156,7 +159,10 @@ def main(argv=None):
             total_skipped += window["skipped"]
             total_nan += window["nan"]
             stats = comm.reset_stats()
-            loss_avg = mean_over_ranks(comm, window["loss"] / max(window["steps"], 1), device)
+            # Bytes: the mean over ranks (in a ring some ranks send across nodes, others do not).
+            loss_avg, intra, inter = mean_over_ranks(
+                comm, [window["loss"] / max(window["steps"], 1), stats.intra_node_bytes,
+                       stats.inter_node_bytes], device)
             samples_per_s = args.global_batch_size / elapsed
             logger.training_line(iteration, args.train_iters, {
                 "consumed": consumed, "iter_ms": elapsed * 1000, "lr": lr,
@@ -165,8 +171,8 @@ def main(argv=None):
                 "skipped": total_skipped, "nan": total_nan, "samples_per_s": samples_per_s,
                 "tokens_per_s": samples_per_s * args.seq_length,
                 "tflops": flops / elapsed / world / 1e12,
-                "intra_mb": stats.intra_node_bytes / window["iters"] / 2**20,
-                "inter_mb": stats.inter_node_bytes / window["iters"] / 2**20})
+                "intra_mb": intra / window["iters"] / 2**20,
+                "inter_mb": inter / window["iters"] / 2**20})
             window = new_window()
 
         if valid_ds is not None and args.eval_interval and iteration % args.eval_interval == 0:
