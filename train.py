@@ -26,7 +26,7 @@ from data.tokenizer import build_tokenizer
 from model import GPT, GPTConfig, flops_per_iteration, num_parameters
 from parallel.comm import Communicator
 from parallel.launch import init_distributed, print_rank0
-from parallel.topology import topology_from_env
+from parallel.topology import TopologyError, topology_from_env
 from training.args import parse_args, resolve_batch
 from training.checkpoint import load_checkpoint, save_checkpoint
 from training.logger import TrainingLogger, peak_memory_mb
@@ -199,6 +199,6 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
-    except zeropp.ConfigError as e:
+    except (zeropp.ConfigError, TopologyError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -13,6 +13,10 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 
+class TopologyError(ValueError):
+    """The job's shape does not fit the requested layout (a user error)."""
+
+
 @dataclass
 class Topology:
     world_size: int
@@ -24,7 +28,7 @@ class Topology:
 
     def __post_init__(self):
         if self.ranks_per_node < 1 or self.world_size % self.ranks_per_node:
-            raise ValueError(
+            raise TopologyError(
                 f"--ranks-per-node {self.ranks_per_node} must divide the world size "
                 f"{self.world_size}; pass a divisor of {self.world_size}")
 

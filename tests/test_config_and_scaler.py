@@ -187,3 +187,12 @@ def test_scheduler_defaults_and_checks():
             DeepSpeedConfig.from_dict({"scheduler": {"type": "WarmupDecayLR", "params": params}})
     with pytest.raises(ConfigError, match="total_num_steps 100 must exceed warmup_num_steps"):
         DeepSpeedConfig.from_dict({"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 100}}})
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"zero_optimization": {"gradient_predivide_factor": 2}}, "'gradient_predivide_factor' belongs at the top level"),
+    ({"stage3_max_live_parameters": 10}, "'stage3_max_live_parameters' belongs in zero_optimization"),
+])
+def test_misplaced_key_says_where_it_belongs(raw, message):
+    with pytest.raises(ConfigError, match=message):
+        DeepSpeedConfig.from_dict(raw)

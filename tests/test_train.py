@@ -85,3 +85,15 @@ def test_missing_data_path_names_the_file(corpus, tmp_path):
     args[args.index("--data-path") + 1] = str(tmp_path / "nope_text_document")
     with pytest.raises(ValueError, match="nope_text_document"):
         train.main(args)
+
+
+def test_topology_error_is_one_line_and_exit_2(corpus, tmp_path):
+    """--ranks-per-node that does not divide the job: a clear message, exit status 2."""
+    import subprocess
+    import sys
+    cmd = [sys.executable, "train.py", *flags(corpus, tmp_path, 2), "--ranks-per-node", "3"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                          cwd=os.path.dirname(os.path.abspath(train.__file__)))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: --ranks-per-node 3 must divide the world size 1; pass a divisor of 1"]

@@ -355,6 +355,15 @@ def normalize_dtype(name: str) -> str | None:
             "bf16": "bf16", "bfloat16": "bf16"}.get(str(name).lower())
 
 
+def _section_of(key: str) -> str | None:
+    """Where a key that is misplaced belongs (e.g. a top-level key inside zero_optimization)."""
+    for section, cls in (("at the top level", DeepSpeedConfig), ("in zero_optimization", ZeroConfig),
+                         ("in fp16", FP16Config)):
+        if key in {f.name for f in dataclasses.fields(cls)} or key in UNSUPPORTED.get(cls.__name__, {}):
+            return section
+    return None
+
+
 def _build(cls, raw: Any, where: str):
     if not isinstance(raw, dict):
         raise ConfigError(f"{where} must be a JSON object, got {type(raw).__name__}")
@@ -368,6 +377,9 @@ def _build(cls, raw: Any, where: str):
                 continue  # the "off" value: exactly what this engine does
             raise ConfigError(f"{where}.{key} is not supported: {advice}")
         if key not in fields:
+            home = _section_of(key)
+            if home is not None:
+                raise ConfigError(f"{where}: '{key}' belongs {home}, not here; move it there")
             close = difflib.get_close_matches(key, list(fields), n=1, cutoff=0.5)
             hint = f"; did you mean '{close[0]}'?" if close else f"; known keys: {', '.join(fields)}"
             raise ConfigError(f"{where}: unknown key '{key}'{hint}")
