@@ -71,6 +71,13 @@ def evaluate(engine, dataset, args, comm, device) -> float:
     return mean_over_ranks(comm, total / max(count, 1), device)
 
 
+def zeropp_label(zero) -> str:
+    on = [name for name, enabled in (("qwZ", zero.zero_quantized_weights),
+                                     ("hpZ", zero.zero_hpz_partition_size > 1),
+                                     ("qgZ", zero.zero_quantized_gradients)) if enabled]
+    return f"ZeRO-3 + ZeRO++ ({', '.join(on)})" if on else f"ZeRO stage {zero.stage}"
+
+
 def main(argv=None):
     args = parse_args(argv)
     device = init_distributed(args.distributed_backend)
@@ -97,7 +104,7 @@ def main(argv=None):
     schedule = build_lr_schedule(args)
 
     print_rank0(f"> {world} ranks on {topology.num_nodes} node(s) x {topology.ranks_per_node}, "
-                f"ZeRO stage {args.zero_stage}, {engine.dtype}, device {device}")
+                f"{zeropp_label(args.ds_config.zero_optimization)}, {engine.dtype}, device {device}")
     print_rank0(f"> GPT: {num_parameters(cfg):,} parameters, vocab {tokenizer.vocab_size} "
                 f"(padded {cfg.padded_vocab_size}); global batch {args.global_batch_size} = micro "
                 f"{args.micro_batch_size} x {world} ranks x {args.gradient_accumulation_steps} accumulation")
@@ -128,6 +135,7 @@ def main(argv=None):
 
     window = new_window()
     total_skipped = total_nan = 0
+    crossing = {"iters": 0, "inter": 0.0, "plain_inter": 0.0}  # for the summary at the end
     comm.reset_stats()
     engine.train()
     first_iteration = iteration
@@ -160,9 +168,12 @@ def main(argv=None):
             total_nan += window["nan"]
             stats = comm.reset_stats()
             # Bytes: the mean over ranks (in a ring some ranks send across nodes, others do not).
-            loss_avg, intra, inter = mean_over_ranks(
+            loss_avg, intra, inter, plain_inter = mean_over_ranks(
                 comm, [window["loss"] / max(window["steps"], 1), stats.intra_node_bytes,
-                       stats.inter_node_bytes], device)
+                       stats.inter_node_bytes, stats.plain_inter_node_bytes], device)
+            crossing["iters"] += window["iters"]
+            crossing["inter"] += inter
+            crossing["plain_inter"] += plain_inter
             samples_per_s = args.global_batch_size / elapsed
             logger.training_line(iteration, args.train_iters, {
                 "consumed": consumed, "iter_ms": elapsed * 1000, "lr": lr,
@@ -191,6 +202,11 @@ def main(argv=None):
         save_checkpoint(args.save, iteration, engine, consumed, meta)
         print_rank0(f"> saved checkpoint at iteration {iteration} to {args.save}")
     print_rank0(f"> peak memory per rank: {peak_memory_mb():.0f} MB")
+    if topology.num_nodes > 1 and crossing["iters"]:
+        sent, plain = (crossing[k] / crossing["iters"] / 2**20 for k in ("inter", "plain_inter"))
+        print_rank0(f"> cross-node bytes per iteration (mean over ranks): {sent:.2f} MB with "
+                    f"{zeropp_label(args.ds_config.zero_optimization)}; ZeRO-3 without ZeRO++ would send "
+                    f"{plain:.2f} MB ({sent / plain if plain else 1.0:.3f}x)")
     logger.close()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -44,6 +44,15 @@ Every collective takes `phase=` (any string; default "other"). The engine uses:
 `CommStats.by_phase[phase]` and `CommStats.by_op[collective]` hold
 [intra, inter] bytes; `CommStats.calls[phase]` the number of collectives issued
 (groups of one member issue none).
+
+The plain equivalent
+--------------------
+`CommStats.plain_intra_node_bytes` / `plain_inter_node_bytes` count what the same
+step would have moved without ZeRO++: every collective adds its own bytes there,
+except one issued with `plain=False`, which stands in for a plain collective that
+its caller charges instead with `charge_plain` (qwZ's INT8 all-gather for the
+16-bit all-gather over the world, hpZ's intra-node gather for the same, qgZ's two
+all-to-alls for one reduce-scatter).
 """
 from __future__ import annotations
 
@@ -128,10 +137,16 @@ class CommStats:
     by_phase: dict = field(default_factory=lambda: defaultdict(_pair))   # phase -> [intra, inter]
     by_op: dict = field(default_factory=lambda: defaultdict(_pair))      # collective -> [intra, inter]
     calls: dict = field(default_factory=lambda: defaultdict(int))        # phase -> collectives issued
+    plain_intra_node_bytes: int = 0   # the same step without ZeRO++ (module docstring)
+    plain_inter_node_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
         return self.intra_node_bytes + self.inter_node_bytes
+
+    def add_plain(self, intra: int, inter: int):
+        self.plain_intra_node_bytes += intra
+        self.plain_inter_node_bytes += inter
 
     def add(self, op: str, phase: str, intra: int, inter: int):
         self.intra_node_bytes += intra
@@ -149,7 +164,9 @@ class CommStats:
                 "total_bytes": self.total_bytes,
                 "by_phase": split(self.by_phase),
                 "by_op": split(self.by_op),
-                "calls": dict(self.calls)}
+                "calls": dict(self.calls),
+                "plain_intra_node_bytes": self.plain_intra_node_bytes,
+                "plain_inter_node_bytes": self.plain_inter_node_bytes}
 
 
 class _Done:
@@ -184,10 +201,22 @@ class Communicator:
             self._group_ranks[key] = ranks
         return self._group_ranks[key]
 
-    def _charge(self, op: str, phase: str, group, nbytes: int, src: int | None = None):
-        intra, inter = wire_bytes(op, self.group_ranks(group), self.topology.rank, nbytes,
-                                  self.topology.node_of, src=src)
+    def _wire(self, op: str, group, nbytes: int, src: int | None = None) -> tuple[int, int]:
+        return wire_bytes(op, self.group_ranks(group), self.topology.rank, nbytes,
+                          self.topology.node_of, src=src)
+
+    def _charge(self, op: str, phase: str, group, nbytes: int, src: int | None = None,
+                plain: bool = True):
+        intra, inter = self._wire(op, group, nbytes, src)
         self.stats.add(op, phase, intra, inter)
+        if plain:
+            self.stats.add_plain(intra, inter)
+
+    def charge_plain(self, op: str, group, nbytes: int):
+        """Count, as the plain equivalent only, the collective `op` of `nbytes`
+        (the size argument its method would charge) over `group`."""
+        if self._size(group) > 1:
+            self.stats.add_plain(*self._wire(op, group, nbytes))
 
     def _issued(self, work, async_op: bool):
         if async_op and work is not None:
@@ -210,12 +239,12 @@ class Communicator:
         self._charge("all_reduce", phase, group, self._nbytes(tensor))
         return self._issued(dist.all_reduce(tensor, op=op, group=group, async_op=async_op), async_op)
 
-    def all_gather(self, output, input, group=None, async_op=False, phase="other"):
+    def all_gather(self, output, input, group=None, async_op=False, phase="other", plain=True):
         """Gather equal `input` tensors of every member into flat `output`."""
         if self._size(group) == 1:
             output.copy_(input.view_as(output))
             return _Done()
-        self._charge("all_gather", phase, group, self._nbytes(input))
+        self._charge("all_gather", phase, group, self._nbytes(input), plain=plain)
         return self._issued(_all_gather_flat(output, input, group=group, async_op=async_op), async_op)
 
     def reduce_scatter(self, output, input, op=dist.ReduceOp.SUM, group=None, async_op=False,
@@ -228,12 +257,12 @@ class Communicator:
         return self._issued(_reduce_scatter_flat(output, input, op=op, group=group, async_op=async_op),
                             async_op)
 
-    def all_to_all(self, output, input, group=None, async_op=False, phase="other"):
+    def all_to_all(self, output, input, group=None, async_op=False, phase="other", plain=True):
         """Chunk j of flat `input` goes to member j; chunk j of `output` comes from it."""
         if self._size(group) == 1:
             output.copy_(input)
             return _Done()
-        self._charge("all_to_all", phase, group, self._nbytes(input))
+        self._charge("all_to_all", phase, group, self._nbytes(input), plain=plain)
         return self._issued(dist.all_to_all_single(output, input, group=group, async_op=async_op),
                             async_op)
 

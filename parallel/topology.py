@@ -70,6 +70,26 @@ class Topology:
                 self.inter_node_group = g
         return self
 
+    def subgroup_ranks(self, size: int) -> list[int]:
+        """This rank's group of `size` consecutive ranks inside its node (hpZ's
+        secondary partition); `size` must divide the ranks per node."""
+        if size < 1 or self.ranks_per_node % size:
+            raise TopologyError(f"a group of {size} ranks must divide the {self.ranks_per_node} ranks per node")
+        first = self.rank // size * size
+        return list(range(first, first + size))
+
+    def build_subgroup(self, size: int):
+        """The process group of `subgroup_ranks(size)` (collective on all ranks:
+        each calls new_group for every subgroup, in the same order)."""
+        if size == self.ranks_per_node and self.intra_node_group is not None:
+            return self.intra_node_group
+        mine = None
+        for first in range(0, self.world_size, size):
+            g = dist.new_group(list(range(first, first + size)))
+            if first <= self.rank < first + size:
+                mine = g
+        return mine
+
 
 def topology_from_env(ranks_per_node: int | None = None) -> Topology:
     """The topology of the running job. With no override, torchrun's

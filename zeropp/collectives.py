@@ -48,15 +48,17 @@ class ShardGather:
         self.comm = comm
 
     def start(self, inp: torch.Tensor, partition: Partition, phase: str, async_op: bool = True,
-              out: torch.Tensor | None = None):
-        """`out`: where the [N, total] result goes (default: a new tensor)."""
+              out: torch.Tensor | None = None, plain: bool = True):
+        """`out`: where the [N, total] result goes (default: a new tensor).
+        `plain=False`: this gather stands in for another, which the caller
+        charges as the plain equivalent (parallel/comm.py)."""
         if out is None:
             out = torch.empty(partition.size, inp.numel(), dtype=inp.dtype, device=inp.device)
         if partition.size == 1:
             out[0].copy_(inp)
             return _Ready(out)
         work = self.comm.all_gather(out.view(-1), inp, group=partition.group, async_op=async_op,
-                                    phase=phase)
+                                    phase=phase, plain=plain)
         return _Pending(work, out)
 
 

@@ -51,6 +51,9 @@ class ZeroConfig:
     zero_hpz_partition_size: int = 1
     zero_quantized_weights: bool = False
     zero_quantized_gradients: bool = False
+    # This product's keys (DeepSpeed fixes these): elements per fp32 scale (zeropp/quant.py).
+    zero_quantized_weights_block_size: int = 256      # qwZ, INT8
+    zero_quantized_gradients_block_size: int = 128    # qgZ, INT4
     allgather_partitions: bool = True        # true only
     round_robin_gradients: bool = False      # false only
     sub_group_size: int = 1_000_000_000      # the default only
@@ -79,6 +82,11 @@ class ZeroConfig:
         if self.zero_hpz_partition_size < 1:
             raise ConfigError(f"{where}.zero_hpz_partition_size must be >= 1 "
                               f"(1 turns hpZ off), got {self.zero_hpz_partition_size}")
+        for name in ("zero_quantized_weights_block_size", "zero_quantized_gradients_block_size"):
+            b = getattr(self, name)
+            if b < 2 or b & (b - 1):
+                raise ConfigError(f"{where}.{name} must be a power of two >= 2 (elements per scale), "
+                                  f"got {b}; the default is {getattr(ZeroConfig, name)}")
         zpp = [k for k in ("zero_quantized_weights", "zero_quantized_gradients") if getattr(self, k)]
         if self.zero_hpz_partition_size > 1:
             zpp.append("zero_hpz_partition_size")

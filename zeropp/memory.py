@@ -25,6 +25,10 @@ micro-steps of gradient accumulation, where stage 1 keeps a full-size
 accumulator (4 bytes per parameter in 16-bit) and stage 2 does not. SGD
 without momentum has no optimizer state (K = 0, or 4 for the 16-bit master).
 
+hpZ (ZeRO++) adds the secondary partition: the 16-bit weights again, split
+over the h ranks of a node group, w/h bytes per parameter on top of stage 3's
+parameters (`hpz_secondary_bytes` is that buffer alone).
+
 Padding to a multiple of N, stage 3's persistent (unpartitioned) small
 parameters and Adam's scalar step counters make the measurement slightly
 larger than the formula; `ratio` = measured / predicted shows by how much.
@@ -89,6 +93,9 @@ def memory_report(engine) -> dict:
     if world == 1:
         stage = 0  # every stage runs unsharded at world size 1
     per = predicted_bytes_per_param(stage, world, engine.dtype, _optimizer_bytes(engine))
+    secondary = getattr(engine, "secondary_flat", None)
+    if secondary is not None:
+        per["parameters"] += engine.dtype.itemsize / engine.secondary_partition.size
     measured = measure(engine.model_state_tensors())
     predicted = {k: v * psi for k, v in per.items()}
     total_m, total_p = sum(measured.values()), sum(predicted.values())
@@ -101,6 +108,7 @@ def memory_report(engine) -> dict:
         "ratio": {**{k: (measured[k] / predicted[k] if predicted[k] else float("nan")) for k in measured},
                   "total": total_m / total_p},
         "peaks": engine.peak_buffers(),
+        "hpz_secondary_bytes": 0 if secondary is None else secondary.untyped_storage().nbytes(),
     }
 
 

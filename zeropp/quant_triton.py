@@ -12,6 +12,8 @@ tensors when TRITON_INTERPRET=1 was set before triton was imported (tests).
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -19,6 +21,9 @@ import triton.language as tl
 from zeropp.quant import QMAX, Quantized, _num_blocks
 
 _MAGIC = 12582912.0
+# No fused multiply-add: the sum of dequantized parts (a + q * s) must round like torch's
+# separate product and sum, so both backends give the same bits (found on an H100).
+_EXACT = {} if os.environ.get("TRITON_INTERPRET") == "1" else {"enable_fp_fusion": False}
 
 
 @triton.jit
@@ -35,7 +40,7 @@ def _quant_vals(x, scale, QMAX_: tl.constexpr):
 
 @triton.jit
 def _block_scale(amax, nan_count, QMAX_: tl.constexpr):
-    scale = amax / QMAX_
+    scale = tl.math.div_rn(amax, QMAX_ * 1.0)  # IEEE division: '/' is approximate on GPU
     # tl.max may drop NaNs on GPU (max.f32); make a NaN input give a NaN scale explicitly.
     return tl.where(nan_count > 0, float("nan"), scale)
 
@@ -184,7 +189,8 @@ def quantize(x: torch.Tensor, bits: int, block_size: int) -> Quantized:
     dtype = torch.int8 if bits == 8 else torch.uint8
     data = torch.empty(nb * block_size * bits // 8, dtype=dtype, device=x.device)
     scales = torch.empty(nb, dtype=torch.float32, device=x.device)
-    _quantize_kernel[(nb,)](x, data, scales, n, BLOCK=block_size, BITS=bits, QMAX_=QMAX[bits])
+    _quantize_kernel[(nb,)](x, data, scales, n, BLOCK=block_size, BITS=bits, QMAX_=QMAX[bits],
+                            **_EXACT)
     return Quantized(data, scales, n, bits, block_size)
 
 
@@ -205,7 +211,7 @@ def _reduce_out(st: Quantized, dtype: torch.dtype, factor: float) -> torch.Tenso
     _reduce_kernel[(st.num_blocks,)](data, scales, data.shape[0], data.stride(0), scales.stride(0),
                                      st.numel, float(factor), out, scales,
                                      BLOCK=st.block_size, BITS_IN=st.bits, MODE=0,
-                                     BITS_OUT=st.bits, QMAX_OUT=QMAX[st.bits])
+                                     BITS_OUT=st.bits, QMAX_OUT=QMAX[st.bits], **_EXACT)
     return out
 
 
@@ -227,5 +233,6 @@ def dequantize_reduce_requantize(st: Quantized, bits_out: int) -> Quantized:
     out_scales = torch.empty(nb, dtype=torch.float32, device=data.device)
     _reduce_kernel[(nb,)](data, scales, data.shape[0], data.stride(0), scales.stride(0),
                           st.numel, 1.0, out, out_scales,
-                          BLOCK=bs, BITS_IN=st.bits, MODE=1, BITS_OUT=bits_out, QMAX_OUT=QMAX[bits_out])
+                          BLOCK=bs, BITS_IN=st.bits, MODE=1, BITS_OUT=bits_out, QMAX_OUT=QMAX[bits_out],
+                          **_EXACT)
     return Quantized(out, out_scales, st.numel, bits_out, bs)

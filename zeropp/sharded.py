@@ -38,8 +38,8 @@ class ShardedEngineBase(Engine):
         topo = comm.topology
         self.partition = Partition(group=None, size=topo.world_size, rank=topo.rank)
         self.world, self.rank = self.partition.size, self.partition.rank
-        self.gather = ShardGather(comm)
-        self.reduce = ShardReduce(comm)
+        self.gather = ShardGather(comm)   # exact: state dicts, stage 1/2 weights, persistent weights
+        self.reduce = self._gradient_reduce()
 
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
@@ -72,6 +72,9 @@ class ShardedEngineBase(Engine):
             communication_dtype(config), device, self.zero.overlap, pre=pre, post=post)
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._grad_hook)
+
+    def _gradient_reduce(self) -> ShardReduce:
+        return ShardReduce(self.comm)
 
     def _allocate_partitions(self):
         """fp32 gradient partition and (16-bit training) fp32 masters: one flat

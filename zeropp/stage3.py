@@ -36,6 +36,20 @@ per collective):
   forward to backward (DeepSpeed's default 1e9 holds every weight of a small
   model; 0 re-gathers everything in backward).
 
+ZeRO++ (REFERENCE.md section 2), each switch on its own:
+- qwZ (`zero_quantized_weights`): the weight gathers above go through
+  `QuantizedShardGather` (INT8 blocks); fp32 masters stay exact.
+- hpZ (`zero_hpz_partition_size` h): when a weight arrives from the primary
+  partition, each rank keeps a slice of it partitioned over its group of h
+  ranks inside the node (the secondary partition, 2M/h bytes in 16-bit). Every
+  later gather of that weight (backward, checkpoint recompute, the next
+  micro-step's forward, eval) reads the secondary partition inside the group
+  only, with the exact gather. The secondary copy holds exactly the values the
+  primary gather produced, so results are bit-identical to plain ZeRO-3. It
+  goes stale after each optimizer step and each load of weights.
+- qgZ (`zero_quantized_gradients`): gradient buckets go through
+  `HierarchicalQuantizedReduce` instead of a reduce-scatter.
+
 Stage 3 needs every rank to run the same modules in forward (as DeepSpeed and
 FSDP do); what reaches the loss may differ.
 """
@@ -46,8 +60,10 @@ import enum
 
 import torch
 
+from zeropp.collectives import ShardReduce
 from zeropp.init import replace_data
-from zeropp.partition import ShardedParam, bucketize
+from zeropp.partition import Partition, ShardedParam, bucketize
+from zeropp.quantized_collectives import HierarchicalQuantizedReduce, QuantizedShardGather
 from zeropp.sharded import ShardedEngineBase
 
 
@@ -69,13 +85,18 @@ class Stage3Param(ShardedParam):
         self.bucket: _Gather | None = None       # the collective bringing it, while GATHERING
         self.hold = False   # stays live from forward to backward (reuse distance)
         self.keep = False   # once read outside its module in forward: live from first use to its end
+        # hpZ: this rank's slice of the weight in its node group (sec_chunk elements, padded)
+        self.sec_chunk = self.sec_lo = self.sec_hi = 0
+        self.secondary: torch.Tensor | None = None
+        self.sec_fresh = False   # holds the weights of the current step
 
 
 class _Gather:
-    """One in-flight all-gather of several weights."""
+    """One in-flight all-gather of several weights, from the primary partition
+    or (hpZ) from the secondary one."""
 
-    def __init__(self, params: list[Stage3Param], pending):
-        self.params, self.pending = params, pending
+    def __init__(self, params: list[Stage3Param], pending, secondary: bool):
+        self.params, self.pending, self.secondary = params, pending, secondary
 
 
 class _Schedule:
@@ -94,6 +115,7 @@ class _Schedule:
 class Stage3Engine(ShardedEngineBase):
     def __init__(self, module, config, comm, device, optim, gradient_accumulation_steps=1, param_init=None):
         self._init_state(config.zero_optimization)
+        self._init_zeropp(config.zero_optimization, comm)
         super().__init__(module, config, comm, device, optim, gradient_accumulation_steps, param_init)
         self._install_hooks(module)
 
@@ -116,6 +138,23 @@ class Stage3Engine(ShardedEngineBase):
         self.live_bytes = 0
         self.peak_live_bytes = 0
 
+    def _init_zeropp(self, zero, comm):
+        """The ZeRO++ switches: which collectives, and hpZ's group."""
+        self.weight_gather = (QuantizedShardGather(comm, zero.zero_quantized_weights_block_size)
+                              if zero.zero_quantized_weights else None)   # None: the exact gather
+        topo = comm.topology
+        h = zero.zero_hpz_partition_size
+        # A group as large as the world is the primary partition itself: nothing to add.
+        self.secondary_partition = None
+        if 1 < h < topo.world_size:
+            self.secondary_partition = Partition(group=topo.build_subgroup(h), size=h, rank=topo.rank % h)
+        self.secondary_flat: torch.Tensor | None = None
+
+    def _gradient_reduce(self) -> ShardReduce:
+        if self.zero.zero_quantized_gradients:
+            return HierarchicalQuantizedReduce(self.comm, self.zero.zero_quantized_gradients_block_size)
+        return super()._gradient_reduce()
+
     def _allocate_partitions(self):
         super()._allocate_partitions()
         part = []
@@ -128,6 +167,18 @@ class Stage3Engine(ShardedEngineBase):
         for s in part:
             s.shard = self.param_flat[off:off + s.chunk]
             off += s.chunk
+        sec = self.secondary_partition
+        if sec is not None:  # hpZ: the same layout over the h ranks of the group
+            for s in part:
+                s.sec_chunk = max(1, -(-s.numel // sec.size))
+                s.sec_lo = min(sec.rank * s.sec_chunk, s.numel)
+                s.sec_hi = min(s.sec_lo + s.sec_chunk, s.numel)
+            self.secondary_flat = torch.zeros(sum(s.sec_chunk for s in part), dtype=self.dtype,
+                                              device=self.device)
+            off = 0
+            for s in part:
+                s.secondary = self.secondary_flat[off:off + s.sec_chunk]
+                off += s.sec_chunk
         # Released weights are a NaN broadcast to the full shape (one element of
         # storage): AccumulateGrad accepts a full-size gradient for it, and a
         # weight used without being gathered shows up as NaN.
@@ -139,6 +190,7 @@ class Stage3Engine(ShardedEngineBase):
             return
         if s.state is not WeightState.RELEASED:
             self._release(s)
+        s.sec_fresh = False
         s.shard.zero_()
         s.shard[:s.valid].copy_(full_fp32[s.lo:s.hi])
         if s.full is None:
@@ -162,7 +214,8 @@ class Stage3Engine(ShardedEngineBase):
 
     # -- gather / release -----------------------------------------------------------
     def _issue(self, params: list[Stage3Param]):
-        """One all-gather for the released weights among `params`."""
+        """All-gather the released weights among `params`: one collective from
+        the primary partition, one (hpZ) for those the secondary one holds."""
         todo = [s for s in params if not s.persistent and s.state is WeightState.RELEASED]
         if not todo:
             return
@@ -170,17 +223,34 @@ class Stage3Engine(ShardedEngineBase):
             s.full.untyped_storage().resize_(s.numel * s.full.element_size())
             self.live_bytes += s.numel * s.full.element_size()
         self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
-        first, n = todo[0], self.partition.size
-        total = sum(s.chunk for s in todo)
-        if all(b.shard.data_ptr() == a.shard.data_ptr() + a.chunk * a.shard.element_size()
-               for a, b in zip(todo, todo[1:])):
-            inp = self.param_flat.as_strided((total,), (1,), first.shard.storage_offset())  # adjacent
-        else:
-            inp = torch.cat([s.shard for s in todo])
-        # One unpadded weight is gathered straight into its own storage.
-        out = first.full.view(n, first.chunk) if len(todo) == 1 and first.numel == first.chunk * n else None
         phase = "backward_gather" if self._phase == "backward" else "forward_gather"
-        g = _Gather(todo, self.gather.start(inp, self.partition, phase, out=out))
+        primary = [s for s in todo if not s.sec_fresh]
+        secondary = [s for s in todo if s.sec_fresh]
+        if primary:
+            self._issue_from(primary, self.partition, self.param_flat, lambda s: s.shard,
+                             lambda s: s.chunk, self.weight_gather or self.gather, phase, False)
+        if secondary:
+            self._issue_from(secondary, self.secondary_partition, self.secondary_flat,
+                             lambda s: s.secondary, lambda s: s.sec_chunk, self.gather, phase, True)
+
+    def _issue_from(self, todo, partition, flat, shard_of, chunk_of, gather, phase, secondary):
+        first, n = todo[0], partition.size
+        total = sum(chunk_of(s) for s in todo)
+        if all(shard_of(b).data_ptr() == shard_of(a).data_ptr() + chunk_of(a) * flat.element_size()
+               for a, b in zip(todo, todo[1:])):
+            inp = flat.as_strided((total,), (1,), shard_of(first).storage_offset())  # adjacent
+        else:
+            inp = torch.cat([shard_of(s) for s in todo])
+        # One unpadded weight is gathered straight into its own storage.
+        c = chunk_of(first)
+        out = first.full.view(n, c) if len(todo) == 1 and first.numel == c * n else None
+        if secondary:  # inside the node group, in place of a gather over the world
+            self.comm.charge_plain("all_gather", self.partition.group,
+                                   sum(s.chunk for s in todo) * flat.element_size())
+            pending = gather.start(inp, partition, phase, out=out, plain=False)
+        else:
+            pending = gather.start(inp, partition, phase, out=out)
+        g = _Gather(todo, pending, secondary)
         for s in todo:
             s.state, s.bucket = WeightState.GATHERING, g
 
@@ -188,9 +258,13 @@ class Stage3Engine(ShardedEngineBase):
         rows = g.pending.wait()
         off = 0
         for s in g.params:  # copy each weight out of the bucket into its own storage
+            c = s.sec_chunk if g.secondary else s.chunk
             if rows.data_ptr() != s.full.data_ptr():
-                s.full.view(-1).copy_(rows[:, off:off + s.chunk].reshape(-1)[:s.numel])
-            off += s.chunk
+                s.full.view(-1).copy_(rows[:, off:off + c].reshape(-1)[:s.numel])
+            off += c
+            if s.secondary is not None and not g.secondary:  # hpZ: keep my slice for later gathers
+                s.secondary[:s.sec_hi - s.sec_lo].copy_(s.full.view(-1)[s.sec_lo:s.sec_hi])
+                s.sec_fresh = True
             s.param.data = s.full
             s.state, s.bucket = WeightState.LIVE, None
             self._live_storage[s.full.untyped_storage().data_ptr()] = s
@@ -392,7 +466,17 @@ class Stage3Engine(ShardedEngineBase):
         self._release(s)
 
     # -- Engine hooks ------------------------------------------------------------------
+    def _weights_changed(self):
+        self._invalidate_secondary()
+
+    def _invalidate_secondary(self):
+        """hpZ: the secondary partition holds last step's weights (or weights
+        from before a load): the next gather goes to the primary partition."""
+        for s in self.shards:
+            s.sec_fresh = False
+
     def _publish_weights(self):
+        self._invalidate_secondary()
         with torch.no_grad():
             if self.master_flat is not None:  # 16-bit: round the updated masters into the shards
                 for s in self.shards:
@@ -403,7 +487,7 @@ class Stage3Engine(ShardedEngineBase):
 
     def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
         live = [s.param.data for s in self.shards if s.persistent or s.state is WeightState.LIVE]
-        return {"parameters": [self.param_flat] + live, "gradients": [self.grad_flat],
+        return {"parameters": [self.param_flat, self.secondary_flat] + live, "gradients": [self.grad_flat],
                 "optimizer": self._optimizer_tensors()}
 
     def peak_buffers(self) -> dict:
