@@ -429,10 +429,12 @@ def bytes_run(rank, world_size):
         engine.backward(engine(x[:, :-1], x[:, 1:]))
         engine.step()
         engine.comm.reset_stats()
-        engine.backward(engine(x[:, :-1], x[:, 1:]))
+        loss = engine(x[:, :-1], x[:, 1:])
+        engine.backward(loss)
         engine.step()
         out[name] = {p: summed(engine.comm, p)[1]
                      for p in ("forward_gather", "backward_gather", "grad_reduce")}
+        out[name]["loss"] = loss.item()
         out[name]["plain"] = summed(engine.comm, plain=True)[1]
         out[name]["total"] = summed(engine.comm)[1]
     return out
@@ -475,6 +477,8 @@ def test_cross_node_bytes_match_theory():
          (qw8 + qgz_ratio) * fwd)
     for name in r:   # every run reports what plain ZeRO-3 would have sent: exactly that
         assert r[name]["plain"] == z3["total"], name
+        # bf16 weights and gradients through the quantizers: the second step's loss agrees
+        assert abs(r[name]["loss"] - z3["loss"]) < 0.01 * z3["loss"], (name, r[name]["loss"], z3["loss"])
     ratio = r["all3"]["total"] / z3["total"]
     assert ratio < 0.25, ratio
 

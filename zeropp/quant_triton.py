@@ -92,10 +92,9 @@ def _quantize_kernel(x_ptr, data_ptr, scale_ptr, numel,
         tl.store(data_ptr + base + offs, q.to(tl.int8))
     else:
         HALF: tl.constexpr = BLOCK // 2
-        h = tl.arange(0, HALF)
-        oe = base + 2 * h
-        xe = tl.load(x_ptr + oe, mask=oe < numel, other=0.0).to(tl.float32)
-        xo = tl.load(x_ptr + oe + 1, mask=oe + 1 < numel, other=0.0).to(tl.float32)
+        offs = tl.arange(0, BLOCK)  # one contiguous (coalesced) load, split into even / odd
+        x = tl.load(x_ptr + base + offs, mask=base + offs < numel, other=0.0).to(tl.float32)
+        xe, xo = tl.split(tl.reshape(x, (HALF, 2)))
         amax = tl.maximum(tl.max(tl.abs(xe), axis=0), tl.max(tl.abs(xo), axis=0))
         nan_count = tl.sum((xe != xe).to(tl.int32), axis=0) + tl.sum((xo != xo).to(tl.int32), axis=0)
         scale = _block_scale(amax, nan_count, QMAX_)
@@ -155,11 +154,9 @@ def _reduce_kernel(data_ptr, scale_ptr, K, data_stride, scale_stride, numel, fac
             tl.store(out_scale_ptr + pid, scale)
     else:
         HALF: tl.constexpr = BLOCK // 2
-        h = tl.arange(0, HALF)
-        if MODE == 0:
-            oe = pid * BLOCK + 2 * h
-            _store_out(out_ptr, oe, a * factor, oe < numel)
-            _store_out(out_ptr, oe + 1, b * factor, oe + 1 < numel)
+        if MODE == 0:  # interleave even / odd back into one contiguous store
+            o = pid * BLOCK + tl.arange(0, BLOCK)
+            _store_out(out_ptr, o, tl.reshape(tl.join(a * factor, b * factor), (BLOCK,)), o < numel)
         else:
             amax = tl.maximum(tl.max(tl.abs(a), axis=0), tl.max(tl.abs(b), axis=0))
             nan_count = tl.sum((a != a).to(tl.int32), axis=0) + tl.sum((b != b).to(tl.int32), axis=0)

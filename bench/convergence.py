@@ -1,0 +1,405 @@
+#!/usr/bin/env python
+"""Convergence benchmark (issue 7): ZeRO-3 against ZeRO++ (qwZ + hpZ + qgZ) on the bundled corpus.
+
+    .venv/bin/python -m bench.convergence                 # 600 iterations per run, a few minutes each on 2 cores
+    .venv/bin/python -m bench.convergence --iters 1000
+    .venv/bin/python -m bench.convergence --quick         # ~30 iterations: a smoke test of the harness
+
+Both runs are `train.py --config configs/demo.yaml` under torchrun with 4 ranks as
+2 emulated nodes x 2 (`--ranks-per-node 2`), the same seed, the same data order
+and the same tiny GPT (flags below override demo.yaml); the only difference is
+the ZeRO flags:
+
+    ZeRO-3   --zero-stage 3
+    ZeRO++   --zero-stage 3 --zero-quantized-weights --zero-hpz-size 2 --zero-quantized-gradients
+
+The harness parses train.py's Megatron-style stdout: the training lines
+("iteration N/ M | ... | lm loss: X | ... | inter-node MB: Y |") and the
+"validation loss at iteration N | lm loss value: X" lines. Criterion (issue 7):
+ZeRO++'s final validation loss within 1% of ZeRO-3's, |ZeRO++/ZeRO-3 - 1| <= 0.01.
+
+Writes bench/results/convergence.{json,png,md} (with --quick: a temporary
+directory unless --out-dir is given). Each run is a subprocess with a time
+limit; its process group is killed when the limit passes.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA_PREFIX = "work_dir/kjv_text_document"
+TOKENIZER = "work_dir/kjv_sp.model"
+
+ZERO3_FLAGS = ["--zero-stage", "3"]
+ZEROPP_FLAGS = ["--zero-stage", "3", "--zero-quantized-weights", "--zero-hpz-size", "2",
+                "--zero-quantized-gradients"]
+
+TRAIN_RE = re.compile(
+    r"iteration\s+(\d+)/\s*(\d+) \|.*?elapsed time per iteration \(ms\): ([\d.]+) \|.*?"
+    r"\| lm loss: ([-+\d.eE]+|nan|inf) \|.*?grad norm: ([-+\d.eEnaif]+) \|.*?"
+    r"intra-node MB: ([\d.]+) \| inter-node MB: ([\d.]+) \|")
+EVAL_RE = re.compile(r"(validation|test) loss at iteration (\d+) \| lm loss value: ([-+\d.eE]+|nan|inf)")
+TOLERANCE = 0.01
+
+
+def check_data():
+    missing = [p for p in (DATA_PREFIX + ".bin", DATA_PREFIX + ".idx", TOKENIZER) if not (ROOT / p).is_file()]
+    if missing:
+        sys.exit(f"error: missing {', '.join(missing)}.\n"
+                 f"Build the bundled corpus first: `bash scripts/quickstart.sh --train-iters 1` (sets up "
+                 f".venv, builds the corpus, tokenizer and .bin/.idx, then trains briefly), or run just its "
+                 f"data commands (python -m data.corpus, data.train_tokenizer, data.preprocess).")
+
+
+def model_flags(a) -> list[str]:
+    return ["--num-layers", str(a.num_layers), "--hidden-size", str(a.hidden_size),
+            "--num-attention-heads", str(a.heads), "--seq-length", str(a.seq_length),
+            "--max-position-embeddings", str(a.seq_length),
+            "--micro-batch-size", str(a.micro_batch), "--global-batch-size", str(a.micro_batch * a.nproc),
+            "--train-iters", str(a.iters), "--lr-warmup-iters", str(a.warmup),
+            "--eval-interval", str(a.eval_interval), "--eval-iters", str(a.eval_iters),
+            "--log-interval", str(a.log_interval), "--seed", str(a.seed),
+            "--ranks-per-node", str(a.ranks_per_node)]
+
+
+def command(a, zero_flags: list[str], scratch: Path) -> list[str]:
+    return ([str(ROOT / ".venv/bin/torchrun"), "--standalone", "--nproc-per-node", str(a.nproc), "train.py",
+             "--config", "configs/demo.yaml"] + model_flags(a) + zero_flags +
+            ["--save", str(scratch / "checkpoints"), "--save-interval", "0",
+             "--tensorboard-dir", str(scratch / "tensorboard")])
+
+
+def parse_log(text: str) -> dict:
+    train, valid, test = [], [], None
+    for line in text.splitlines():
+        m = TRAIN_RE.search(line)
+        if m:
+            train.append({"iteration": int(m[1]), "iter_ms": float(m[3]), "loss": float(m[4]),
+                          "grad_norm": float(m[5]), "intra_mb": float(m[6]), "inter_mb": float(m[7])})
+            continue
+        m = EVAL_RE.search(line)
+        if m:
+            if m[1] == "validation":
+                valid.append({"iteration": int(m[2]), "loss": float(m[3])})
+            else:
+                test = {"iteration": int(m[2]), "loss": float(m[3])}
+    return {"train": train, "validation": valid, "test": test}
+
+
+def run_one(name: str, cmd: list[str], log_path: Path, timeout: float) -> dict:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    print(f"[{name}] {shlex.join(cmd)}", flush=True)
+    print(f"[{name}] log: {log_path} (time limit {timeout:.0f} s)", flush=True)
+    start = time.time()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # its own process group: killable as a whole
+        try:
+            rc = proc.wait(timeout=timeout)
+            error = None if rc == 0 else f"exit status {rc}"
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            error = f"timed out after {timeout:.0f} s"
+    wall = time.time() - start
+    text = log_path.read_text(errors="replace")
+    result = {"name": name, "command": shlex.join(cmd), "wall_s": round(wall, 1), "error": error}
+    result.update(parse_log(text))
+    if error is None and not result["validation"]:
+        result["error"] = "no validation loss in the log"
+    if result["error"]:
+        tail = "\n".join(text.splitlines()[-25:])
+        result["log_tail"] = tail
+        print(f"[{name}] FAILED ({result['error']}); last lines of the log:\n{tail}", flush=True)
+    else:
+        print(f"[{name}] done in {wall:.0f} s: final validation loss {result['validation'][-1]['loss']:.4f}",
+              flush=True)
+    return result
+
+
+def summarize(r: dict, skip_first: bool = True) -> dict:
+    train = r["train"]
+    steady = train[1:] if skip_first and len(train) > 1 else train  # the first window holds start-up
+    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+    return {
+        "final_validation_loss": r["validation"][-1]["loss"] if r["validation"] else None,
+        "final_validation_iteration": r["validation"][-1]["iteration"] if r["validation"] else None,
+        "final_train_loss": train[-1]["loss"] if train else None,
+        "test_loss": r["test"]["loss"] if r["test"] else None,
+        "inter_node_mb_per_iter": round(mean([t["inter_mb"] for t in steady]), 3),
+        "intra_node_mb_per_iter": round(mean([t["intra_mb"] for t in steady]), 3),
+        "ms_per_iter": round(mean([t["iter_ms"] for t in steady]), 1),
+        "wall_s": r["wall_s"],
+    }
+
+
+def fmt(x, spec=".4f"):
+    return "-" if x is None else format(x, spec)
+
+
+def table(runs: dict, summary: dict) -> str:
+    rows = [("run", "final val loss", "test loss", "final train loss", "inter-node MB/iter",
+             "intra-node MB/iter", "ms/iter", "wall s")]
+    for name, s in summary.items():
+        if runs[name]["error"]:
+            rows.append((name, "FAILED: " + runs[name]["error"], "", "", "", "", "", fmt(s["wall_s"], ".0f")))
+            continue
+        rows.append((name, fmt(s["final_validation_loss"]), fmt(s["test_loss"]), fmt(s["final_train_loss"]),
+                     fmt(s["inter_node_mb_per_iter"], ".2f"), fmt(s["intra_node_mb_per_iter"], ".2f"),
+                     fmt(s["ms_per_iter"], ".0f"), fmt(s["wall_s"], ".0f")))
+    return "\n".join("| " + " | ".join(r) + " |" + ("\n|" + "---|" * len(r) if i == 0 else "")
+                     for i, r in enumerate(rows))
+
+
+def plot(runs: dict, verdict: dict, path: Path, title: str):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(8, 7), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
+    colors = {"ZeRO-3": "tab:blue", "ZeRO++": "tab:orange", "ZeRO-3 (seed+1)": "tab:gray"}
+    for name, r in runs.items():
+        if not r["train"]:
+            continue
+        c = colors.get(name)
+        ax.plot([t["iteration"] for t in r["train"]], [t["loss"] for t in r["train"]], color=c, lw=1.3,
+                label=f"{name} training loss", ls="--" if "seed" in name else "-")
+        if r["validation"]:
+            style = {"ZeRO-3": dict(marker="o", ms=9, mfc="none", mew=1.5), "ZeRO++": dict(marker="x", ms=6, mew=1.5)}
+            ax.plot([v["iteration"] for v in r["validation"]], [v["loss"] for v in r["validation"]], ls="none",
+                    color=c, label=f"{name} validation loss", **style.get(name, dict(marker="s", ms=5, mfc="none")))
+    ax.set_ylabel("lm loss (nats)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    base, cand = runs.get("ZeRO-3"), runs.get("ZeRO++")
+    if base and cand and base["train"] and cand["train"]:
+        b = {t["iteration"]: t["loss"] for t in base["train"]}
+        pts = [(t["iteration"], 100 * (t["loss"] / b[t["iteration"]] - 1)) for t in cand["train"]
+               if t["iteration"] in b]
+        ax2.plot([p[0] for p in pts], [p[1] for p in pts], color="tab:orange", lw=1.2, label="ZeRO++ training")
+        bv = {v["iteration"]: v["loss"] for v in base["validation"]}
+        vp = [(v["iteration"], 100 * (v["loss"] / bv[v["iteration"]] - 1)) for v in cand["validation"]
+              if v["iteration"] in bv]
+        ax2.plot([p[0] for p in vp], [p[1] for p in vp], "x", color="tab:orange", ms=5, mew=1.5,
+                 label="ZeRO++ validation")
+        ctrl = runs.get("ZeRO-3 (seed+1)")
+        if ctrl and ctrl["validation"]:
+            cp = [(v["iteration"], 100 * (v["loss"] / bv[v["iteration"]] - 1)) for v in ctrl["validation"]
+                  if v["iteration"] in bv]
+            ax2.plot([q[0] for q in cp], [q[1] for q in cp], "s", color="tab:gray", ms=4, mfc="none",
+                     label="ZeRO-3 seed+1 validation")
+        ax2.axhspan(-100 * TOLERANCE, 100 * TOLERANCE, color="tab:green", alpha=0.12, label="±1%")
+        ax2.axhline(0, color="k", lw=0.6)
+        ax2.set_ylabel("vs ZeRO-3 (%)")
+        ax2.legend(fontsize=7, loc="lower center", ncol=4)
+    ax2.set_xlabel("iteration")
+    ax2.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def notes(runs: dict, summary: dict, verdict: dict, setup: dict) -> list[str]:
+    """A few sentences for the README, from the numbers."""
+    out = []
+    base, cand = runs.get("ZeRO-3"), runs.get("ZeRO++")
+    if verdict.get("ratio") is not None:
+        b = {t["iteration"]: t["loss"] for t in base["train"]}
+        diffs = [(t["iteration"], 100 * (t["loss"] / b[t["iteration"]] - 1)) for t in cand["train"]
+                 if t["iteration"] in b]
+        late = [d for i, d in diffs if i > setup["iters"] // 2]
+        out.append(f"- Same seed, initial weights and data order; only the ZeRO flags differ. ZeRO++ ends "
+                   f"{verdict['relative_difference_pct']:+.2f}% from ZeRO-3 in final validation loss "
+                   f"({summary['ZeRO++']['final_validation_loss']:.4f} vs "
+                   f"{summary['ZeRO-3']['final_validation_loss']:.4f}): {verdict['result']} against the 1% criterion.")
+        if late:
+            out.append(f"- Training loss (each point a {setup['log_interval']}-iteration mean), second half of "
+                       f"the run: ZeRO++ vs ZeRO-3 {sum(late) / len(late):+.2f}% on average, "
+                       f"{min(late):+.2f}% to {max(late):+.2f}%; largest gap over the whole run "
+                       f"{max(diffs, key=lambda x: abs(x[1]))[1]:+.2f}% (iteration "
+                       f"{max(diffs, key=lambda x: abs(x[1]))[0]}).")
+        if "seed_control_ratio" in verdict:
+            sc = 100 * (verdict["seed_control_ratio"] - 1)
+            out.append(f"- For scale: ZeRO-3 with seed {setup['seed'] + 1} (other initial weights, data order "
+                       f"and validation samples) ends {sc:+.2f}% from seed {setup['seed']}, about "
+                       f"{abs(sc / verdict['relative_difference_pct']) if verdict['relative_difference_pct'] else float('inf'):.0f}x "
+                       f"the gap ZeRO++ makes (one pair of seeds, not a spread).")
+        if verdict.get("inter_node_bytes_ratio") is not None:
+            out.append(f"- Cross-node traffic (mean over ranks, per iteration): "
+                       f"{summary['ZeRO++']['inter_node_mb_per_iter']:.2f} MB with ZeRO++ vs "
+                       f"{summary['ZeRO-3']['inter_node_mb_per_iter']:.2f} MB with ZeRO-3 "
+                       f"({verdict['inter_node_bytes_ratio']:.2f}x).")
+    out.append("- ms/iter and wall times come from 2 shared CPU cores running other jobs too; they are not a "
+               "speed comparison.")
+    return out + [""]
+
+
+def report(runs: dict, setup: dict, out_dir: Path) -> dict:
+    """Summary, verdict, convergence.{json,png,md} in out_dir, and the printed table."""
+    summary = {name: summarize(r) for name, r in runs.items()}
+
+    base, cand = summary["ZeRO-3"], summary.get("ZeRO++")
+    verdict = {"criterion": f"|ZeRO++ final validation loss / ZeRO-3 final validation loss - 1| <= {TOLERANCE}"}
+    if cand is None:
+        verdict.update(ratio=None, result="NOT RUN", reason="--baseline-only: ZeRO++ was not run")
+    elif runs["ZeRO-3"]["error"] or runs["ZeRO++"]["error"]:
+        verdict.update(ratio=None, result="FAIL", reason="a run failed")
+    else:
+        ratio = cand["final_validation_loss"] / base["final_validation_loss"]
+        verdict.update(ratio=round(ratio, 6), relative_difference_pct=round(100 * (ratio - 1), 3),
+                       result="PASS" if abs(ratio - 1) <= TOLERANCE else "FAIL",
+                       inter_node_bytes_ratio=(round(cand["inter_node_mb_per_iter"] / base["inter_node_mb_per_iter"], 4)
+                                               if base["inter_node_mb_per_iter"] else None))
+        if "ZeRO-3 (seed+1)" in summary and not runs["ZeRO-3 (seed+1)"]["error"]:
+            verdict["seed_control_ratio"] = round(summary["ZeRO-3 (seed+1)"]["final_validation_loss"] /
+                                                  base["final_validation_loss"], 6)
+
+    result = {"setup": setup, "verdict": verdict, "summary": summary, "runs": runs}
+    (out_dir / "convergence.json").write_text(json.dumps(result, indent=1) + "\n")
+
+    tbl = table(runs, summary)
+    if verdict["ratio"] is not None:
+        line = (f"ZeRO++ / ZeRO-3 final validation loss: {verdict['ratio']:.4f} "
+                f"({verdict['relative_difference_pct']:+.2f}%), criterion within 1%: {verdict['result']}")
+        if verdict.get("inter_node_bytes_ratio") is not None:
+            line += f"; inter-node bytes per iteration: {verdict['inter_node_bytes_ratio']:.3f}x ZeRO-3's"
+        if "seed_control_ratio" in verdict:
+            line += (f"; seed control (ZeRO-3, seed+1 / ZeRO-3): "
+                     f"{verdict['seed_control_ratio']:.4f} ({100 * (verdict['seed_control_ratio'] - 1):+.2f}%)")
+    else:
+        line = f"criterion within 1%: {verdict['result']} ({verdict['reason']})"
+    m, nodes = setup["model"], setup["ranks"] // setup["ranks_per_node"]
+    title = (f"GPT {m['num_layers']}L/{m['hidden_size']}h, seq {m['seq_length']}, batch {setup['global_batch']}, "
+             f"{setup['ranks']} ranks = {nodes} nodes x {setup['ranks_per_node']}, {setup['iters']} iters\n"
+             + (f"final val loss ZeRO++/ZeRO-3 = {verdict['ratio']:.4f} ({verdict['result']})"
+                if verdict["ratio"] is not None else verdict["reason"]))
+    try:
+        plot(runs, verdict, out_dir / "convergence.png", title)
+    except Exception as e:  # the numbers matter more than the figure
+        print(f"warning: no plot ({e!r})")
+    md = [f"Convergence, ZeRO-3 vs ZeRO++ (`{setup['zeropp_flags']}`): {m['num_layers']}-layer GPT, "
+          f"hidden {m['hidden_size']}, seq {m['seq_length']}, global batch {setup['global_batch']}, "
+          f"{setup['iters']} iterations, {setup['ranks']} CPU ranks as {nodes} emulated nodes x "
+          f"{setup['ranks_per_node']}, seed {setup['seed']}, `{setup.get('invocation', 'python -m bench.convergence')}`:",
+          "", tbl, "", line, ""] + notes(runs, summary, verdict, setup)
+    (out_dir / "convergence.md").write_text("\n".join(md))
+
+    print()
+    print(tbl)
+    print()
+    print(line)
+    print(f"results: {out_dir / 'convergence.json'}, {out_dir / 'convergence.png'}, {out_dir / 'convergence.md'}")
+    return verdict
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--iters", type=int, default=None, help="training iterations per run (default 600; 30 with --quick)")
+    p.add_argument("--quick", action="store_true",
+                   help="~30 iterations, results to a temporary directory unless --out-dir: a smoke test")
+    p.add_argument("--num-layers", type=int, default=2)
+    p.add_argument("--hidden-size", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq-length", type=int, default=64)
+    p.add_argument("--micro-batch", type=int, default=8, help="per rank; global batch = micro x ranks")
+    p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--ranks-per-node", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=None, help="lr warmup iterations (default: iters/20)")
+    p.add_argument("--eval-interval", type=int, default=None, help="default: iters/12")
+    p.add_argument("--eval-iters", type=int, default=None, help="global batches per evaluation (default 8)")
+    p.add_argument("--log-interval", type=int, default=None, help="default: 10 (5 with --quick)")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--seed-control", action="store_true",
+                   help="also run ZeRO-3 with --seed + 1: the seed-to-seed spread of the final loss, "
+                        "to put the 1%% criterion in context")
+    p.add_argument("--baseline-only", action="store_true",
+                   help="run ZeRO-3 only (no comparison; for a build without ZeRO++)")
+    p.add_argument("--zeropp-flags", default=shlex.join(ZEROPP_FLAGS),
+                   help="the candidate's ZeRO flags (default: %(default)s)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds per run (default: 180 + 3 s per iteration)")
+    p.add_argument("--out-dir", default=None, help="default: bench/results (a temporary directory with --quick)")
+    p.add_argument("--keep-logs", action="store_true", help="keep the runs' logs and checkpoints")
+    p.add_argument("--replot", metavar="JSON",
+                   help="no runs: redo the table, figure and markdown from a convergence.json")
+    a = p.parse_args(argv)
+    if a.replot:
+        data = json.loads(Path(a.replot).read_text())
+        out_dir = Path(a.out_dir) if a.out_dir else Path(a.replot).parent
+        out_dir.mkdir(parents=True, exist_ok=True)
+        verdict = report(data["runs"], data["setup"], out_dir)
+        return 0 if verdict["result"] in ("PASS", "NOT RUN") else 1
+    a.iters = a.iters or (30 if a.quick else 600)
+    a.warmup = a.warmup if a.warmup is not None else max(1, a.iters // 20)
+    a.eval_interval = a.eval_interval or max(1, a.iters // (3 if a.quick else 12))
+    a.eval_iters = a.eval_iters or (2 if a.quick else 8)
+    a.log_interval = a.log_interval or (5 if a.quick else 10)
+    timeout = a.timeout or 180 + 3.0 * a.iters
+
+    check_data()
+    scratch = Path(tempfile.mkdtemp(prefix="convergence-"))
+    out_dir = Path(a.out_dir) if a.out_dir else (scratch / "results" if a.quick else ROOT / "bench/results")
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    variants = [("ZeRO-3", ZERO3_FLAGS, a.seed)]
+    if not a.baseline_only:
+        variants.append(("ZeRO++", shlex.split(a.zeropp_flags), a.seed))
+    if a.seed_control:
+        variants.append(("ZeRO-3 (seed+1)", ZERO3_FLAGS, a.seed + 1))
+    runs = {}
+    try:
+        for name, flags, seed in variants:
+            tag = re.sub(r"\W+", "_", name.replace("++", "pp")).strip("_")
+            (scratch / tag).mkdir()
+            sub = argparse.Namespace(**{**vars(a), "seed": seed})
+            runs[name] = run_one(name, command(sub, flags, scratch / tag), scratch / f"{tag}.log", timeout)
+    finally:
+        if not a.keep_logs:
+            for child in scratch.iterdir():
+                if child != out_dir:
+                    shutil.rmtree(child) if child.is_dir() else child.unlink()
+    import torch
+    invocation = ("python -m bench.convergence" + (f" --iters {a.iters}" if a.iters != 600 and not a.quick else "")
+                  + (" --quick" if a.quick else "") + (" --seed-control" if a.seed_control else "")
+                  + (" --baseline-only" if a.baseline_only else ""))
+    setup = {"invocation": invocation,
+             "model": {"num_layers": a.num_layers, "hidden_size": a.hidden_size, "heads": a.heads,
+                       "seq_length": a.seq_length},
+             "ranks": a.nproc, "ranks_per_node": a.ranks_per_node, "micro_batch": a.micro_batch,
+             "global_batch": a.micro_batch * a.nproc, "iters": a.iters, "warmup": a.warmup,
+             "eval_interval": a.eval_interval, "eval_iters": a.eval_iters, "log_interval": a.log_interval,
+             "seed": a.seed, "config": "configs/demo.yaml (lr 1e-3 cosine to 1e-4, AdamW, wd 0.1, clip 1.0, fp32)",
+             "zero3_flags": shlex.join(ZERO3_FLAGS), "zeropp_flags": a.zeropp_flags,
+             "inter_node_mb_note": "mean over ranks of the bytes sent across emulated nodes per iteration, "
+                                   "averaged over the log windows after the first",
+             "host": platform.node(), "cpus": os.cpu_count(), "torch": torch.__version__,
+             "python": platform.python_version(),
+             "date": datetime.datetime.now().isoformat(timespec="seconds")}
+    verdict = report(runs, setup, out_dir)
+    if a.keep_logs:
+        print(f"logs and checkpoints: {scratch}")
+    elif not any(scratch.iterdir()):
+        scratch.rmdir()
+    return 0 if verdict["result"] in ("PASS", "NOT RUN") and not any(r["error"] for r in runs.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
