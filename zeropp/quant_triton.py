@@ -1,8 +1,8 @@
 """Triton kernels for zeropp.quant (same format, same results bit for bit).
 
-One program per block of BLOCK (a power of two) elements.  INT4 programs handle the even
-and odd elements of their block as two vectors of BLOCK // 2 so that packing (low nibble =
-even element) needs no shuffles.  Rounding: clamp to [-qmax, qmax], then
+Every kernel works on tiles of ROWS blocks of BLOCK (a power of two) elements, one block
+per row; INT4 bytes are split into (even, odd) nibbles and joined back in element order.
+Rounding: clamp to [-qmax, qmax], then
 ``(y + 1.5 * 2**23) - 1.5 * 2**23`` which is round-to-nearest-even for |y| < 2**22, the
 same arithmetic as the torch path (libdevice.rint is not available under
 TRITON_INTERPRET=1).  Division is ``tl.math.div_rn`` (IEEE round to nearest), as torch.
@@ -23,6 +23,7 @@ from zeropp.quant import QMAX, Quantized, _num_blocks
 _MAGIC = 12582912.0
 # No fused multiply-add: the sum of dequantized parts (a + q * s) must round like torch's
 # separate product and sum, so both backends give the same bits (found on an H100).
+_TILE = 2048   # elements per quantize program
 _EXACT = {} if os.environ.get("TRITON_INTERPRET") == "1" else {"enable_fp_fusion": False}
 
 
@@ -46,11 +47,23 @@ def _block_scale(amax, nan_count, QMAX_: tl.constexpr):
 
 
 @triton.jit
-def _pack_store(q_e, q_o, out_ptr, pid, HALF: tl.constexpr):
-    h = tl.arange(0, HALF)
-    lo = q_e.to(tl.int32) & 0xF
-    hi = q_o.to(tl.int32) & 0xF
-    tl.store(out_ptr + pid * HALF + h, (lo | (hi << 4)).to(tl.uint8))
+def _store_quantized(v, row, live, data_ptr, scale_ptr,
+                     BLOCK: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr, QMAX_: tl.constexpr):
+    """Quantize the fp32 tile v [ROWS, BLOCK] (row r = block `row[r]`) and store its
+    data and scales; rows where `live` is false are not stored."""
+    amax = tl.max(tl.abs(v), axis=1)
+    nan_count = tl.sum((v != v).to(tl.int32), axis=1)
+    scale = _block_scale(amax, nan_count, QMAX_)
+    q = _quant_vals(v, scale[:, None], QMAX_)
+    if BITS == 8:
+        offs = row[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+        tl.store(data_ptr + offs, q.to(tl.int8), mask=live[:, None])
+    else:  # two values per byte, low nibble = even element
+        HALF: tl.constexpr = BLOCK // 2
+        qe, qo = tl.split(tl.reshape(q.to(tl.int32), (ROWS, HALF, 2)))
+        packed = ((qe & 0xF) | ((qo & 0xF) << 4)).to(tl.uint8)
+        tl.store(data_ptr + row[:, None] * HALF + tl.arange(0, HALF)[None, :], packed, mask=live[:, None])
+    tl.store(scale_ptr + row, scale, mask=live)
 
 
 @triton.jit
@@ -77,98 +90,55 @@ def _unpack(b):
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, data_ptr, scale_ptr, numel,
-                     BLOCK: tl.constexpr, BITS: tl.constexpr, QMAX_: tl.constexpr):
-    pid = tl.program_id(0)
-    base = pid.to(tl.int64) * BLOCK
-    if BITS == 8:
-        offs = tl.arange(0, BLOCK)
-        m = base + offs < numel
-        x = tl.load(x_ptr + base + offs, mask=m, other=0.0).to(tl.float32)
-        amax = tl.max(tl.abs(x), axis=0)
-        nan_count = tl.sum((x != x).to(tl.int32), axis=0)
-        scale = _block_scale(amax, nan_count, QMAX_)
-        q = _quant_vals(x, scale, QMAX_)
-        tl.store(data_ptr + base + offs, q.to(tl.int8))
-    else:
-        HALF: tl.constexpr = BLOCK // 2
-        offs = tl.arange(0, BLOCK)  # one contiguous (coalesced) load, split into even / odd
-        x = tl.load(x_ptr + base + offs, mask=base + offs < numel, other=0.0).to(tl.float32)
-        xe, xo = tl.split(tl.reshape(x, (HALF, 2)))
-        amax = tl.maximum(tl.max(tl.abs(xe), axis=0), tl.max(tl.abs(xo), axis=0))
-        nan_count = tl.sum((xe != xe).to(tl.int32), axis=0) + tl.sum((xo != xo).to(tl.int32), axis=0)
-        scale = _block_scale(amax, nan_count, QMAX_)
-        _pack_store(_quant_vals(xe, scale, QMAX_), _quant_vals(xo, scale, QMAX_), data_ptr, pid.to(tl.int64), HALF)
-    tl.store(scale_ptr + pid, scale)
+def _quantize_kernel(x_ptr, data_ptr, scale_ptr, numel, num_blocks,
+                     BLOCK: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr, QMAX_: tl.constexpr):
+    """ROWS quantization blocks per program, one per row of a [ROWS, BLOCK] tile
+    (small blocks alone would make programs too small to keep the GPU busy)."""
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)   # block indices
+    offs = row[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    x = tl.load(x_ptr + offs, mask=offs < numel, other=0.0).to(tl.float32)
+    _store_quantized(x, row, row < num_blocks, data_ptr, scale_ptr, BLOCK, ROWS, BITS, QMAX_)
 
 
 @triton.jit
-def _load_deq(data_ptr, scale_ptr, k, data_stride, scale_stride, pid,
-              BLOCK: tl.constexpr, BITS: tl.constexpr):
-    """Dequantize block pid of part k -> (even, odd) fp32 vectors for INT4, or
-    (all, all) for INT8 (second value unused)."""
-    s = tl.load(scale_ptr + k * scale_stride + pid)
+def _load_deq(data_ptr, scale_ptr, k, data_stride, scale_stride, row, live,
+              BLOCK: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr):
+    """Blocks `row` of part k, dequantized: an fp32 tile [ROWS, BLOCK] in element order."""
+    s = tl.load(scale_ptr + k * scale_stride + row, mask=live, other=0.0)
     if BITS == 8:
-        offs = tl.arange(0, BLOCK)
-        v = tl.load(data_ptr + k * data_stride + pid * BLOCK + offs).to(tl.float32) * s
-        return v, v
+        offs = row[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+        v = tl.load(data_ptr + k * data_stride + offs, mask=live[:, None], other=0).to(tl.float32)
     else:
         HALF: tl.constexpr = BLOCK // 2
-        h = tl.arange(0, HALF)
-        b = tl.load(data_ptr + k * data_stride + pid * HALF + h)
+        b = tl.load(data_ptr + k * data_stride + row[:, None] * HALF + tl.arange(0, HALF)[None, :],
+                    mask=live[:, None], other=0)
         lo, hi = _unpack(b)
-        return lo * s, hi * s
+        v = tl.reshape(tl.join(lo, hi), (ROWS, BLOCK))
+    return v * s[:, None]
 
 
 @triton.jit
-def _reduce_kernel(data_ptr, scale_ptr, K, data_stride, scale_stride, numel, factor,
+def _reduce_kernel(data_ptr, scale_ptr, K, data_stride, scale_stride, numel, num_blocks, factor,
                    out_ptr, out_scale_ptr,
-                   BLOCK: tl.constexpr, BITS_IN: tl.constexpr, MODE: tl.constexpr,
+                   BLOCK: tl.constexpr, ROWS: tl.constexpr, BITS_IN: tl.constexpr, MODE: tl.constexpr,
                    BITS_OUT: tl.constexpr, QMAX_OUT: tl.constexpr):
-    """Sum K parts block-wise in fp32 (part 0 first).  MODE 0: write the sum * factor,
-    cast to out's dtype, [numel] (dequantize / dequantize_reduce).  MODE 1: re-quantize
-    the sum to BITS_OUT with the same block size."""
-    pid = tl.program_id(0).to(tl.int64)
-    a, b = _load_deq(data_ptr, scale_ptr, 0, data_stride, scale_stride, pid, BLOCK, BITS_IN)
+    """Sum K parts block-wise in fp32 (part 0 first), ROWS blocks per program.  MODE 0:
+    write the sum * factor, cast to out's dtype, [numel] (dequantize / dequantize_reduce).
+    MODE 1: re-quantize the sum to BITS_OUT with the same block size."""
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    live = row < num_blocks
+    a = _load_deq(data_ptr, scale_ptr, 0, data_stride, scale_stride, row, live, BLOCK, ROWS, BITS_IN)
     for k in range(1, K):
-        a2, b2 = _load_deq(data_ptr, scale_ptr, k, data_stride, scale_stride, pid, BLOCK, BITS_IN)
-        a += a2
-        b += b2
-    if BITS_IN == 8:
-        # a holds the whole block in order; view it as even/odd only when packing INT4 out.
-        if MODE == 0:
-            offs = tl.arange(0, BLOCK)
-            o = pid * BLOCK + offs
-            _store_out(out_ptr, o, a * factor, o < numel)
-        else:
-            amax = tl.max(tl.abs(a), axis=0)
-            nan_count = tl.sum((a != a).to(tl.int32), axis=0)
-            scale = _block_scale(amax, nan_count, QMAX_OUT)
-            q = _quant_vals(a, scale, QMAX_OUT)
-            if BITS_OUT == 8:
-                tl.store(out_ptr + pid * BLOCK + tl.arange(0, BLOCK), q.to(tl.int8))
-            else:
-                qq = tl.reshape(q.to(tl.int32), (BLOCK // 2, 2))
-                lo, hi = tl.split(qq)
-                _pack_store(lo, hi, out_ptr, pid, BLOCK // 2)
-            tl.store(out_scale_ptr + pid, scale)
+        a += _load_deq(data_ptr, scale_ptr, k, data_stride, scale_stride, row, live, BLOCK, ROWS, BITS_IN)
+    if MODE == 0:
+        offs = row[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+        _store_out(out_ptr, offs, a * factor, offs < numel)
     else:
-        HALF: tl.constexpr = BLOCK // 2
-        if MODE == 0:  # interleave even / odd back into one contiguous store
-            o = pid * BLOCK + tl.arange(0, BLOCK)
-            _store_out(out_ptr, o, tl.reshape(tl.join(a * factor, b * factor), (BLOCK,)), o < numel)
-        else:
-            amax = tl.maximum(tl.max(tl.abs(a), axis=0), tl.max(tl.abs(b), axis=0))
-            nan_count = tl.sum((a != a).to(tl.int32), axis=0) + tl.sum((b != b).to(tl.int32), axis=0)
-            scale = _block_scale(amax, nan_count, QMAX_OUT)
-            qa = _quant_vals(a, scale, QMAX_OUT)
-            qb = _quant_vals(b, scale, QMAX_OUT)
-            if BITS_OUT == 4:
-                _pack_store(qa, qb, out_ptr, pid, HALF)
-            else:
-                q = tl.reshape(tl.join(qa, qb), (BLOCK,))
-                tl.store(out_ptr + pid * BLOCK + tl.arange(0, BLOCK), q.to(tl.int8))
-            tl.store(out_scale_ptr + pid, scale)
+        _store_quantized(a, row, live, out_ptr, out_scale_ptr, BLOCK, ROWS, BITS_OUT, QMAX_OUT)
+
+
+def _rows(block_size: int) -> int:
+    return max(1, _TILE // block_size)
 
 
 def _check_block(block_size: int):
@@ -186,8 +156,9 @@ def quantize(x: torch.Tensor, bits: int, block_size: int) -> Quantized:
     dtype = torch.int8 if bits == 8 else torch.uint8
     data = torch.empty(nb * block_size * bits // 8, dtype=dtype, device=x.device)
     scales = torch.empty(nb, dtype=torch.float32, device=x.device)
-    _quantize_kernel[(nb,)](x, data, scales, n, BLOCK=block_size, BITS=bits, QMAX_=QMAX[bits],
-                            **_EXACT)
+    rows = _rows(block_size)
+    _quantize_kernel[(triton.cdiv(nb, rows),)](x, data, scales, n, nb, BLOCK=block_size, ROWS=rows, BITS=bits,
+                                               QMAX_=QMAX[bits], **_EXACT)
     return Quantized(data, scales, n, bits, block_size)
 
 
@@ -205,10 +176,11 @@ def _stacked_args(st: Quantized):
 def _reduce_out(st: Quantized, dtype: torch.dtype, factor: float) -> torch.Tensor:
     data, scales = _stacked_args(st)
     out = torch.empty(st.numel, dtype=dtype, device=data.device)
-    _reduce_kernel[(st.num_blocks,)](data, scales, data.shape[0], data.stride(0), scales.stride(0),
-                                     st.numel, float(factor), out, scales,
-                                     BLOCK=st.block_size, BITS_IN=st.bits, MODE=0,
-                                     BITS_OUT=st.bits, QMAX_OUT=QMAX[st.bits], **_EXACT)
+    nb, rows = st.num_blocks, _rows(st.block_size)
+    _reduce_kernel[(triton.cdiv(nb, rows),)](data, scales, data.shape[0], data.stride(0), scales.stride(0),
+                                             st.numel, nb, float(factor), out, scales,
+                                             BLOCK=st.block_size, ROWS=rows, BITS_IN=st.bits, MODE=0,
+                                             BITS_OUT=st.bits, QMAX_OUT=QMAX[st.bits], **_EXACT)
     return out
 
 
@@ -228,8 +200,9 @@ def dequantize_reduce_requantize(st: Quantized, bits_out: int) -> Quantized:
     odt = torch.int8 if bits_out == 8 else torch.uint8
     out = torch.empty(nb * bs * bits_out // 8, dtype=odt, device=data.device)
     out_scales = torch.empty(nb, dtype=torch.float32, device=data.device)
-    _reduce_kernel[(nb,)](data, scales, data.shape[0], data.stride(0), scales.stride(0),
-                          st.numel, 1.0, out, out_scales,
-                          BLOCK=bs, BITS_IN=st.bits, MODE=1, BITS_OUT=bits_out, QMAX_OUT=QMAX[bits_out],
-                          **_EXACT)
+    rows = _rows(bs)
+    _reduce_kernel[(triton.cdiv(nb, rows),)](data, scales, data.shape[0], data.stride(0), scales.stride(0),
+                                             st.numel, nb, 1.0, out, out_scales,
+                                             BLOCK=bs, ROWS=rows, BITS_IN=st.bits, MODE=1, BITS_OUT=bits_out,
+                                             QMAX_OUT=QMAX[bits_out], **_EXACT)
     return Quantized(out, out_scales, st.numel, bits_out, bs)
