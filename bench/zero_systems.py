@@ -6,6 +6,7 @@ them. Imported by the spawned ranks, so it must not start anything on import.
 """
 from __future__ import annotations
 
+import os
 import resource
 import threading
 import time
@@ -13,27 +14,53 @@ import time
 import torch
 import torch.distributed as dist
 
-OURS = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "zero3-reuse0": 3}
-DEEPSPEED = {"deepspeed-z1": 1, "deepspeed-z2": 2, "deepspeed-z3": 3, "deepspeed-z3-reuse0": 3}
-ALL_SYSTEMS = list(OURS) + ["fsdp2"] + list(DEEPSPEED)
+# ZeRO++ rows (bench/slow_link.py): our reuse-0 ZeRO-3 plus one or all of qwZ, hpZ, qgZ.
+# hpZ's partition size is the number of ranks per node (a["ranks_per_node"]).
+ZEROPP = {"zeropp-qwz": ("qwz",), "zeropp-hpz": ("hpz",), "zeropp-qgz": ("qgz",),
+          "zeropp": ("qwz", "hpz", "qgz"), "deepspeed-z3-hpz": ("hpz",)}
+OURS = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "zero3-reuse0": 3,
+        "zeropp-qwz": 3, "zeropp-hpz": 3, "zeropp-qgz": 3, "zeropp": 3}
+DEEPSPEED = {"deepspeed-z1": 1, "deepspeed-z2": 2, "deepspeed-z3": 3, "deepspeed-z3-reuse0": 3,
+             "deepspeed-z3-hpz": 3}
+FSDP2 = ("fsdp2", "fsdp2-hpz")
+# bench/zero_bench.py's systems (one node); the ZeRO++ rows need several nodes: SLOW_LINK_SYSTEMS.
+ALL_SYSTEMS = ["ddp", "zero1", "zero2", "zero3", "zero3-reuse0", "fsdp2", "deepspeed-z1", "deepspeed-z2",
+               "deepspeed-z3", "deepspeed-z3-reuse0"]
+SLOW_LINK_SYSTEMS = ["zero3-reuse0", "zeropp-qwz", "zeropp-hpz", "zeropp-qgz", "zeropp", "fsdp2",
+                     "fsdp2-hpz", "deepspeed-z3-reuse0", "deepspeed-z3-hpz"]
 DEFAULT_SYSTEMS = ["ddp", "zero1", "zero2", "zero3", "zero3-reuse0", "fsdp2", "deepspeed-z3"]
 WORLD1_SYSTEMS = ["plain", "ddp", "zero3"]
 LABELS = {"ddp": "ours stage 0 (DDPEngine)", "zero1": "ours ZeRO-1", "zero2": "ours ZeRO-2",
           "zero3": "ours ZeRO-3", "zero3-reuse0": "ours ZeRO-3 (reuse 0)",
           "fsdp2": "PyTorch FSDP2 (reshard)", "deepspeed-z1": "DeepSpeed ZeRO-1",
           "deepspeed-z2": "DeepSpeed ZeRO-2", "deepspeed-z3": "DeepSpeed ZeRO-3",
-          "deepspeed-z3-reuse0": "DeepSpeed ZeRO-3 (reuse 0)", "plain": "plain PyTorch loop"}
+          "deepspeed-z3-reuse0": "DeepSpeed ZeRO-3 (reuse 0)", "plain": "plain PyTorch loop",
+          "zeropp-qwz": "ours ZeRO-3 + qwZ", "zeropp-hpz": "ours ZeRO-3 + hpZ",
+          "zeropp-qgz": "ours ZeRO-3 + qgZ", "zeropp": "ours ZeRO++ (qwZ+hpZ+qgZ)",
+          "fsdp2-hpz": "PyTorch FSDP2 (reshard to node)",
+          "deepspeed-z3-hpz": "DeepSpeed ZeRO-3 + hpZ (reuse 0)"}
 PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's default stage3_param_persistence_threshold (1e5)
 # The "reuse 0" rows: weights are released after their forward use and gathered again in
 # backward (stage3_max_reuse_distance 0), with a prefetch bucket of this fraction of the
 # model's elements, as a model larger than its prefetch bucket behaves.
-REUSE0 = ("zero3-reuse0", "deepspeed-z3-reuse0")
+REUSE0 = ("zero3-reuse0", "deepspeed-z3-reuse0", "zeropp-qwz", "zeropp-hpz", "zeropp-qgz", "zeropp",
+          "deepspeed-z3-hpz")
 REUSE0_PREFETCH_FRACTION = 4
 OPTIM = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
 
 
 def stage_of(system: str) -> int:
-    return OURS.get(system, DEEPSPEED.get(system, 3 if system == "fsdp2" else 0))
+    return OURS.get(system, DEEPSPEED.get(system, 3 if system in FSDP2 else 0))
+
+
+def ranks_per_node(a) -> int:
+    """Ranks per node for hpZ: a["ranks_per_node"], else torchrun's LOCAL_WORLD_SIZE."""
+    return int(a.get("ranks_per_node") or os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def bf16(a) -> bool:
+    """a["dtype"] == "bf16": 16-bit weights/gradients (all systems); default fp32."""
+    return a.get("dtype", "fp32") == "bf16"
 
 
 def zero_section(system: str, a) -> dict:
@@ -45,6 +72,13 @@ def zero_section(system: str, a) -> dict:
     if system in REUSE0:
         zero["stage3_max_reuse_distance"] = 0
         zero["stage3_prefetch_bucket_size"] = num_params(a) // REUSE0_PREFETCH_FRACTION
+    switches = ZEROPP.get(system, ())
+    if "qwz" in switches:
+        zero["zero_quantized_weights"] = True
+    if "hpz" in switches:
+        zero["zero_hpz_partition_size"] = ranks_per_node(a)
+    if "qgz" in switches:
+        zero["zero_quantized_gradients"] = True
     return zero
 
 
@@ -65,12 +99,16 @@ _OP_OF = {"all_gather_into_tensor": "all_gather", "all_gather_single": "all_gath
 class DistCounter:
     def __init__(self):
         self.enabled = False
+        # node of a global rank; everything on one node unless a multi-node harness sets it
+        # (bench/slow_link.py: lambda r: r // ranks_per_node)
+        self.node_of = lambda r: 0
         self._local = threading.local()
         self._orig = {}
         self.reset()
 
     def reset(self):
         self.bytes = 0
+        self.inter_bytes = 0   # the part of `bytes` charged to links that leave the node
         self.calls = 0
         self.by_op: dict[str, int] = {}        # torch.distributed function -> bytes
         self.calls_by_op: dict[str, int] = {}  # torch.distributed function -> calls
@@ -84,8 +122,9 @@ class DistCounter:
         ranks = list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
         if len(ranks) <= 1:
             return  # a group of one issues no collective (as our Communicator counts)
-        intra, inter = wire_bytes(_OP_OF[name], ranks, dist.get_rank(), nbytes, lambda r: 0, src=src)
+        intra, inter = wire_bytes(_OP_OF[name], ranks, dist.get_rank(), nbytes, self.node_of, src=src)
         self.bytes += intra + inter
+        self.inter_bytes += inter
         self.calls += 1
         self.by_op[name] = self.by_op.get(name, 0) + intra + inter
         self.calls_by_op[name] = self.calls_by_op.get(name, 0) + 1
@@ -220,7 +259,10 @@ def setup_ours(a, system, world):
     import zeropp
     from parallel.comm import Communicator
     from parallel.topology import topology_from_env
-    ds = zeropp.DeepSpeedConfig.from_dict({"zero_optimization": zero_section(system, a)})
+    raw = {"zero_optimization": zero_section(system, a)}
+    if bf16(a):
+        raw["bf16"] = {"enabled": True}
+    ds = zeropp.DeepSpeedConfig.from_dict(raw)
     comm = Communicator(topology_from_env())
     model = make_model(a, meta=True)  # no memory until the engine materializes its shards
     engine = zeropp.initialize(model, ds, comm, torch.device("cpu"),
@@ -247,7 +289,8 @@ def setup_ours(a, system, world):
 
     def counted():
         s = comm.stats
-        return {"bytes": s.total_bytes, "calls": sum(s.calls.values()),
+        return {"bytes": s.total_bytes, "inter_bytes": s.inter_node_bytes, "calls": sum(s.calls.values()),
+                "inter_by_phase": {k: v[1] for k, v in s.by_phase.items()},
                 "by_op": {k: v[0] + v[1] for k, v in s.by_op.items()},
                 "by_phase": {k: v[0] + v[1] for k, v in s.by_phase.items()},
                 "calls_by_phase": dict(s.calls)}
@@ -283,16 +326,25 @@ def setup_plain(a, world):
     return torch_loop(make_model(a))
 
 
-def setup_fsdp2(a, world):
+def setup_fsdp2(a, world, system="fsdp2"):
     """Each transformer block, then the root, resharded after forward (all-gathered
     again in backward). `reshard_after_forward=True` is FSDP2's default for non-root
     modules; we pass it to the root too (its default there keeps wte/wpe/ln_f gathered
-    from forward to backward), so that every weight is re-gathered, as in our reuse-0 row."""
+    from forward to backward), so that every weight is re-gathered, as in our reuse-0 row.
+    "fsdp2-hpz": reshard_after_forward = ranks per node (an int): after forward each rank
+    keeps a 1/L shard of the gathered weights, and backward gathers inside the node only
+    (FSDP2's counterpart of hpZ). a["dtype"] == "bf16": MixedPrecisionPolicy(param_dtype=bf16,
+    reduce_dtype=bf16) over fp32 master weights."""
     from torch.distributed.fsdp import fully_shard
+    kw = {}
+    if bf16(a):
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    reshard = ranks_per_node(a) if system == "fsdp2-hpz" else True
     model = make_model(a)
     for block in model.blocks:
-        fully_shard(block, reshard_after_forward=True)
-    fully_shard(model, reshard_after_forward=True)
+        fully_shard(block, reshard_after_forward=reshard, **kw)
+    fully_shard(model, reshard_after_forward=reshard, **kw)
     return torch_loop(model)
 
 
@@ -311,6 +363,8 @@ def setup_deepspeed(a, system, world):
               "train_batch_size": a["micro_batch"] * world, "gradient_clipping": 0.0,
               "zero_optimization": zero, "zero_allow_untested_optimizer": True,
               "steps_per_print": 10 ** 9, "wall_clock_breakdown": False}
+    if bf16(a):
+        config["bf16"] = {"enabled": True}
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
     torch.set_num_threads(1)  # in case DeepSpeed's CPU accelerator changed it
 
@@ -348,7 +402,8 @@ def setup_deepspeed(a, system, world):
 # --------------------------------------------------------------------------------------
 # One rank of one system.
 # --------------------------------------------------------------------------------------
-def run_rank(rank, world, system, a):
+def build_system(rank, world, system, a):
+    """Set up `system` on this rank: its step functions (see the section above)."""
     torch.set_num_threads(1)
     if system in DEEPSPEED:
         import deepspeed  # noqa: F401  (its import is not the system's memory)
@@ -357,12 +412,27 @@ def run_rank(rank, world, system, a):
         sysd = setup_deepspeed(a, system, world)
     elif system in OURS:
         sysd = setup_ours(a, system, world)
-    elif system == "fsdp2":
-        sysd = setup_fsdp2(a, world)
+    elif system in FSDP2:
+        sysd = setup_fsdp2(a, world, system)
     elif system == "plain":
         sysd = setup_plain(a, world)
     else:
         raise ValueError(f"unknown system {system}")
+    sysd["base_rss"] = base_rss
+    return sysd
+
+
+def run_rank(rank, world, system, a, hook=None):
+    """Build `system`, then `timed_loop`."""
+    return timed_loop(rank, world, build_system(rank, world, system, a), a, hook=hook)
+
+
+def timed_loop(rank, world, sysd, a, hook=None):
+    """a["warmup"] + a["steps"] steps of `sysd`; the last a["steps"] are counted.
+    `hook(event)`, if given, is called on every rank with "start" just before the first
+    timed step's barrier and with "end" after the last step (bench/slow_link.py reads the
+    link's byte counters there). May be called again on the same `sysd` (more steps)."""
+    base_rss = sysd["base_rss"]
     batches = make_batches(a, world)
     micro = a["micro_batch"]
     n_total = a["warmup"] + a["steps"]
@@ -376,6 +446,10 @@ def run_rank(rank, world, system, a):
                 sysd["reset"]()
         mine = batch[rank * micro:(rank + 1) * micro]
         x, y = mine[:, :-1].contiguous(), mine[:, 1:].contiguous()
+        if hook is not None and i == a["warmup"]:
+            was, COUNTER.enabled = COUNTER.enabled, False
+            hook("start")
+            COUNTER.enabled = was
         if sync:
             was, COUNTER.enabled = COUNTER.enabled, False
             dist.barrier()
@@ -391,9 +465,11 @@ def run_rank(rank, world, system, a):
         times.append((t1 - t0) + (t3 - t2))
         losses.append(float(loss.detach().float().item()))
     COUNTER.enabled = False
+    if hook is not None:
+        hook("end")
     counted = sysd["counted"]() if "counted" in sysd else None
-    intercepted = {"bytes": COUNTER.bytes, "calls": COUNTER.calls, "by_op": dict(COUNTER.by_op),
-                   "calls_by_op": dict(COUNTER.calls_by_op)}
+    intercepted = {"bytes": COUNTER.bytes, "inter_bytes": COUNTER.inter_bytes, "calls": COUNTER.calls,
+                   "by_op": dict(COUNTER.by_op), "calls_by_op": dict(COUNTER.calls_by_op)}
     # One step's time is its slowest rank's; the loss is the mean over ranks.
     t = torch.tensor(times, dtype=torch.float64)
     l = torch.tensor(losses, dtype=torch.float64)
