@@ -57,10 +57,13 @@ def rank_main(rank, world, a):
                                  "stage3_prefetch_bucket_size": a.bucket,
                                  "stage3_max_live_parameters": a.max_live,
                                  "stage3_max_reuse_distance": 0, "overlap_comm": a.overlap}}
+    if a.zeropp:  # qwZ, hpZ over each emulated node, qgZ
+        raw["zero_optimization"].update(zero_quantized_weights=True, zero_quantized_gradients=True,
+                                        zero_hpz_partition_size=a.ranks_per_node)
     if a.dtype != "fp32":
         raw[a.dtype] = {"enabled": True}
     ds = zeropp.DeepSpeedConfig.from_dict(raw)
-    comm = Communicator(topology_from_env())
+    comm = Communicator(topology_from_env(a.ranks_per_node))
     start_rss = rss_mb("VmRSS")
     t0 = time.time()
     with torch.device("meta"):
@@ -82,6 +85,8 @@ def rank_main(rank, world, a):
         losses.append(loss.item())
         swap = max(swap, rss_mb("VmSwap"))
     peaks = engine.peak_buffers()
+    secondary = getattr(engine, "secondary_flat", None)
+    peaks["hpz_secondary_bytes"] = 0 if secondary is None else secondary.untyped_storage().nbytes()
     return {"rank": rank, "start_rss_mb": start_rss, "peak_rss_after_construction_mb": after_construct,
             "peak_rss_mb": rss_mb("VmHWM"), "swap_after_steps_mb": swap, "construct_s": construct_s, "step_s": step_s,
             "losses": losses, "peaks": peaks, "num_parameters": num_parameters(cfg)}
@@ -105,6 +110,8 @@ def main():
                    help="recompute blocks in backward (gathers a whole block at once)")
     p.add_argument("--overlap", action="store_true",
                    help="overlap_comm: keeps up to 3 gradient buckets alive")
+    p.add_argument("--ranks-per-node", type=int, default=None, help="emulated node size (default: --world)")
+    p.add_argument("--zeropp", action="store_true", help="ZeRO++: qwZ, hpZ (over --ranks-per-node), qgZ")
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--out", default=str(ROOT / "bench/results/large_model.json"))
     a = p.parse_args()
@@ -119,15 +126,18 @@ def main():
     unsharded_gb = psi * (w + 4 + k) / 2**30   # weights + fp32 gradient + optimizer, whole
     sharded_gb = psi * (w + 4 + k) / a.world / 2**30
     print(f"GPT {a.num_layers} layers, hidden {a.hidden}, vocab {a.vocab}: {psi:,} parameters "
-          f"({psi * 4 / 2**30:.2f} GiB in fp32); {a.world} ranks, ZeRO-3, {a.dtype}, {a.optimizer}")
+          f"({psi * 4 / 2**30:.2f} GiB in fp32); {a.world} ranks, ZeRO-3{' + ZeRO++' if a.zeropp else ''}, "
+          f"{a.dtype}, {a.optimizer}")
     print(f"model states per rank: unsharded {unsharded_gb:.2f} GiB, ZeRO-3 {sharded_gb:.2f} GiB")
     print(f"{'rank':>4} {'construct s':>11} {'RSS after build MB':>18} {'peak RSS MB':>11} "
-          f"{'step s':>8} {'loss':>8} {'peak gathered MB':>16} {'peak grad bufs MB':>17} {'swap MB':>7}")
+          f"{'step s':>8} {'loss':>8} {'peak gathered MB':>16} {'peak grad bufs MB':>17} {'hpZ MB':>6} "
+          f"{'swap MB':>7}")
     for r in results:
         print(f"{r['rank']:>4} {r['construct_s']:>11.1f} {r['peak_rss_after_construction_mb']:>18.0f} "
               f"{r['peak_rss_mb']:>11.0f} {r['step_s'][-1]:>8.1f} {r['losses'][-1]:>8.4f} "
               f"{r['peaks'].get('gathered_weights_peak', 0) / 2**20:>16.0f} "
-              f"{r['peaks']['gradient_buckets_peak'] / 2**20:>17.0f} {r['swap_after_steps_mb']:>7.0f}")
+              f"{r['peaks']['gradient_buckets_peak'] / 2**20:>17.0f} "
+              f"{r['peaks']['hpz_secondary_bytes'] / 2**20:>6.0f} {r['swap_after_steps_mb']:>7.0f}")
     out = {"args": vars(a), "num_parameters": psi, "unsharded_model_states_gib_per_rank": unsharded_gb,
            "zero3_model_states_gib_per_rank": sharded_gb, "ranks": results,
            "command": " ".join(sys.argv)}
