@@ -80,6 +80,10 @@ def zeropp_label(zero) -> str:
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.dry_run:  # the planner: no process group, no memory, no data
+        from planner import print_plan
+        print_plan(args)
+        return
     device = init_distributed(args.distributed_backend)
     topology = topology_from_env(args.ranks_per_node)
     comm = Communicator(topology)

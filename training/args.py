@@ -124,12 +124,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--keep-last", type=int, default=None,
+                   help="keep only the K newest checkpoints in --save (older ones are removed after a newer one is complete)")
+    g.add_argument("--async-save", action="store_true",
+                   help="write checkpoints in the background while training continues")
+    g.add_argument("--max-nan-iters", type=int, default=None,
+                   help="stop (saving the last good state) after this many consecutive non-finite losses")
     g.add_argument("--eval-interval", type=int, default=1000)
     g.add_argument("--eval-iters", type=int, default=100)
     g.add_argument("--log-interval", type=int, default=100,
                    help="default: steps_per_print of --deepspeed_config if it sets it, else 100")
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--seed", type=int, default=1234)
+
+    g = p.add_argument_group("planning")
+    g.add_argument("--dry-run", action="store_true",
+                   help="print the memory, communication and time plan for --cluster and exit (no training)")
+    g.add_argument("--cluster", default=None, help="cluster description YAML for --dry-run (configs/clusters/)")
     return p
 
 
