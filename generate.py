@@ -5,24 +5,21 @@
 from __future__ import annotations
 
 import argparse
-import json
-import os
 
 import torch
 
 from data.tokenizer import build_tokenizer
 from model import GPT, GPTConfig
-from training.checkpoint import TRACKER
+from tools.export_checkpoint import consolidated_state_dict
+from training.checkpoint import CheckpointError
 
 
 def load_model(load_dir: str):
-    with open(os.path.join(load_dir, TRACKER)) as f:
-        path = os.path.join(load_dir, f"iter_{int(f.read().strip()):07d}")
-    with open(os.path.join(path, "meta.json")) as f:
-        meta = json.load(f)
+    sd, meta = consolidated_state_dict(load_dir)
     cfg = GPTConfig(**meta["model_config"])
-    model = GPT(cfg)
-    model.load_state_dict(torch.load(os.path.join(path, "model.pt"), map_location="cpu"))
+    with torch.device("meta"):
+        model = GPT(cfg)
+    model.load_state_dict(sd, assign=True)
     tokenizer = build_tokenizer(meta["tokenizer_type"], tokenizer_model=meta["tokenizer_model"],
                                 vocab_file=meta["vocab_file"], merge_file=meta["merge_file"])
     return model.eval(), tokenizer, meta
@@ -51,10 +48,11 @@ def main():
     p.add_argument("--top-k", type=int, default=40)
     p.add_argument("--seed", type=int, default=1234)
     args = p.parse_args()
-    if not os.path.exists(os.path.join(args.load, TRACKER)):
-        p.error(f"--load {args.load}: no {TRACKER} there; point it at a training run's --save directory")
     torch.manual_seed(args.seed)
-    model, tokenizer, meta = load_model(args.load)
+    try:
+        model, tokenizer, meta = load_model(args.load)
+    except CheckpointError as e:
+        p.error(str(e))
     ids = generate(model, tokenizer.tokenize(args.prompt), args.max_new_tokens, args.temperature,
                    args.top_k, tokenizer.vocab_size)
     print(f"[checkpoint iteration {meta['iteration']}]")

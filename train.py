@@ -28,9 +28,14 @@ from parallel.comm import Communicator
 from parallel.launch import init_distributed, print_rank0
 from parallel.topology import TopologyError, topology_from_env
 from training.args import parse_args, resolve_batch
-from training.checkpoint import load_checkpoint, save_checkpoint
+from training.checkpoint import CheckpointError, check_save_dir, checkpoint_bytes, load_checkpoint, save_checkpoint
 from training.logger import TrainingLogger, peak_memory_mb
 from training.lr_schedule import build_lr_schedule
+from training.signals import StopRequest
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss stayed non-finite: training stopped after saving the last good state."""
 
 
 def model_config(args, vocab_size: int, seed: int) -> GPTConfig:
@@ -93,6 +98,12 @@ def main(argv=None):
 
     tokenizer = build_tokenizer(args.tokenizer_type, tokenizer_model=args.tokenizer_model,
                                 vocab_file=args.vocab_file, merge_file=args.merge_file)
+    cfg = model_config(args, tokenizer.vocab_size, args.seed)
+    if args.save:  # before hours of training, not after
+        moments = {"sgd": int(args.optimizer_settings.momentum > 0)}.get(args.optimizer_settings.type, 2)
+        warning = check_save_dir(args.save, checkpoint_bytes(num_parameters(cfg), moments))
+        if warning:
+            print_rank0(f"> warning: {warning}")
     eval_runs = args.train_iters // args.eval_interval + 1
     num_samples = (args.train_iters * args.global_batch_size,
                    eval_runs * args.eval_iters * args.global_batch_size,
@@ -100,7 +111,6 @@ def main(argv=None):
     train_ds, valid_ds, test_ds = build_train_valid_test_datasets(
         args.data_path, args.split, args.seq_length, num_samples, args.seed, args.data_cache_path)
 
-    cfg = model_config(args, tokenizer.vocab_size, args.seed)
     with torch.device("meta"):  # no memory: the engine creates each weight, keeping its shard
         model = GPT(cfg)
     engine = zeropp.initialize(model, args.ds_config, comm, device, args.optimizer_settings,
@@ -119,16 +129,21 @@ def main(argv=None):
 
     iteration, consumed = 0, 0
     if args.load:
-        meta = load_checkpoint(args.load, engine, not args.no_load_optim, not args.no_load_rng)
+        start = time.time()
+        meta = load_checkpoint(args.load, engine, not args.no_load_optim, not args.no_load_rng,
+                               model_config=dataclasses.asdict(cfg))
         if meta is not None:
             iteration, consumed = meta["iteration"], meta["consumed_train_samples"]
-            print_rank0(f"> resumed from {args.load} at iteration {iteration}, {consumed} samples consumed")
+            print_rank0(f"> resumed from {args.load} at iteration {iteration}, {consumed} samples consumed "
+                        f"(saved by {meta['world_size']} ranks; loaded in {time.time() - start:.2f} s)")
         else:
             print_rank0(f"> no checkpoint in {args.load}; starting from scratch")
 
-    meta = {"model_config": dataclasses.asdict(cfg), "tokenizer_type": args.tokenizer_type,
-            "tokenizer_model": args.tokenizer_model, "vocab_file": args.vocab_file,
-            "merge_file": args.merge_file, "zero_stage": args.zero_stage, "argv": sys.argv[1:] if argv is None else argv}
+    meta = {"model_config": dataclasses.asdict(cfg),
+            "param_shapes": {n: list(p.shape) for n, p in model.named_parameters()},
+            "tokenizer_type": args.tokenizer_type, "tokenizer_model": args.tokenizer_model,
+            "vocab_file": args.vocab_file, "merge_file": args.merge_file, "zero_stage": args.zero_stage,
+            "argv": sys.argv[1:] if argv is None else argv}
     logger = TrainingLogger(args.tensorboard_dir)
     loader = iter(build_data_loader(train_ds, consumed, args.micro_batch_size, topology.rank, world,
                                     args.num_workers))
@@ -137,6 +152,17 @@ def main(argv=None):
     def new_window():  # what the next log line averages over
         return {"loss": 0.0, "steps": 0, "iters": 0, "skipped": 0, "nan": 0, "start": time.time()}
 
+    def save(iteration):
+        result = save_checkpoint(args.save, iteration, engine, consumed, meta, keep_last=args.keep_last)
+        print_rank0(f"> saved checkpoint at iteration {iteration} to {result.path} in {result.seconds:.2f} s: "
+                    f"{result.bytes_total / 2**20:.1f} MB written, {result.bytes_max_rank / 2**20:.1f} MB "
+                    f"by the largest rank")
+        return result.path
+
+    # fp16 skips overflowing steps and backs off its loss scale; in fp32/bf16 one bad step stops.
+    nan_limit = args.max_nan_iters or (None if engine.dtype == torch.float16 else 1)
+    bad_streak, diverged, signalled = 0, False, False
+    stop = StopRequest()
     window = new_window()
     total_skipped = total_nan = 0
     crossing = {"iters": 0, "inter": 0.0, "plain_inter": 0.0}  # for the summary at the end
@@ -165,6 +191,9 @@ def main(argv=None):
             window["nan"] += 1
 
         window["iters"] += 1
+        bad_streak = bad_streak + 1 if (result.skipped or not math.isfinite(step_loss)) else 0
+        diverged = nan_limit is not None and bad_streak >= nan_limit
+        signalled = stop.agreed(comm, device)
 
         if iteration % args.log_interval == 0 or iteration == args.train_iters:
             elapsed = (time.time() - window["start"]) / window["iters"]
@@ -189,22 +218,37 @@ def main(argv=None):
                 "intra_mb": intra / window["iters"] / 2**20,
                 "inter_mb": inter / window["iters"] / 2**20})
             window = new_window()
+        if diverged or signalled:
+            break
 
         if valid_ds is not None and args.eval_interval and iteration % args.eval_interval == 0:
             logger.validation_line(iteration, "validation", evaluate(engine, valid_ds, args, comm, device))
         if args.save and args.save_interval and iteration % args.save_interval == 0:
-            save_checkpoint(args.save, iteration, engine, consumed, meta)
-            print_rank0(f"> saved checkpoint at iteration {iteration} to {args.save}")
+            save(iteration)
         if window["iters"] == 0:
             window["start"] = time.time()  # evaluation and saving are not training time
+
+    stop.restore()
+    if diverged or signalled:
+        path = save(iteration) if args.save else None
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if signalled:
+            print_rank0(f"> {stop.name} received: stopped after iteration {iteration}; " + (
+                f"checkpoint {path}; resume with --load {args.save}" if path else "nothing saved (no --save)"))
+            return
+        raise TrainingDiverged(
+            f"the loss or gradient was not finite for {bad_streak} consecutive iteration(s), the last at "
+            f"iteration {iteration}; those steps were skipped, so the weights are the last good ones" +
+            (f", saved to {path}" if path else " (not saved: no --save)") +
+            "; lower --lr, check the data" + (", or raise --max-nan-iters" if args.max_nan_iters else ""))
 
     if valid_ds is not None and iteration % args.eval_interval != 0:
         logger.validation_line(iteration, "validation", evaluate(engine, valid_ds, args, comm, device))
     if test_ds is not None:
         logger.validation_line(iteration, "test", evaluate(engine, test_ds, args, comm, device))
     if args.save and not (args.save_interval and iteration % args.save_interval == 0):
-        save_checkpoint(args.save, iteration, engine, consumed, meta)
-        print_rank0(f"> saved checkpoint at iteration {iteration} to {args.save}")
+        save(iteration)
     print_rank0(f"> peak memory per rank: {peak_memory_mb():.0f} MB")
     if topology.num_nodes > 1 and crossing["iters"]:
         sent, plain = (crossing[k] / crossing["iters"] / 2**20 for k in ("inter", "plain_inter"))
@@ -222,3 +266,6 @@ if __name__ == "__main__":
     except (zeropp.ConfigError, TopologyError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except (CheckpointError, TrainingDiverged) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)

@@ -8,6 +8,7 @@ exception on any rank fails the call with that rank's traceback.
 """
 from __future__ import annotations
 
+import copy
 import os
 import pickle
 import queue as queue_module
@@ -71,3 +72,18 @@ def run_distributed(fn, world_size: int, args: tuple = (), env: dict | None = No
     if errors:
         raise RuntimeError("distributed run failed\n" + "\n".join(errors))
     return [results[r] for r in range(world_size)]
+
+
+def snapshot(engine) -> tuple[dict, dict]:
+    """A copy of what a checkpoint of `engine` holds on this rank."""
+    return ({k: v.local.clone() for k, v in engine.checkpoint_state().items()},
+            copy.deepcopy(engine.scalar_state()))
+
+
+def restore(engine, saved: tuple[dict, dict]):
+    """Load a snapshot() back, as load_checkpoint does from files."""
+    state = engine.checkpoint_state(for_load=True)
+    for k, v in state.items():
+        v.local.copy_(saved[0][k])
+    engine.checkpoint_loaded(state)
+    engine.load_scalar_state(copy.deepcopy(saved[1]))

@@ -9,7 +9,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import train
 from data.preprocess import preprocess
 from data.tokenizer import train_sentencepiece
-from training.checkpoint import TRACKER
+from tools.export_checkpoint import consolidated_state_dict
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +39,7 @@ def flags(corpus, out, iters, extra=()):
 
 
 def final_weights(save_dir):
-    with open(os.path.join(save_dir, TRACKER)) as f:
-        it = int(f.read())
-    return torch.load(os.path.join(save_dir, f"iter_{it:07d}", "model.pt"))
+    return consolidated_state_dict(str(save_dir))[0]
 
 
 def test_train_logs_and_learns(corpus, tmp_path, capsys):

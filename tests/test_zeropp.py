@@ -10,7 +10,6 @@
   skips the step on every rank.
 - Cross-node bytes against the theory of REFERENCE.md section 2.
 """
-import copy
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ import torch.nn.functional as F
 from model import GPT, GPTConfig
 from parallel.comm import Communicator
 from parallel.topology import Topology, topology_from_env
-from tests.distributed import run_distributed
+from tests.distributed import restore, run_distributed, snapshot
 import zeropp
 from zeropp.memory import memory_report
 from zeropp.partition import Partition
@@ -369,15 +368,14 @@ def reload_run(rank, world_size, zero):
 
     for i in range(2):
         step(i)
-    saved = engine.module_state_dict(), copy.deepcopy(engine.optimizer_state_dict())  # Adam updates in place
+    saved = snapshot(engine)  # a copy: Adam updates in place
     uninterrupted = [step(2), step(3)]
     engine.eval()
     with torch.no_grad():  # fills hpZ's secondary copy with the newest weights
         engine(tokens(rank, 7)[:, :-1])
         engine(tokens(rank, 7)[:, :-1])
     engine.train()
-    engine.load_module_state_dict(saved[0])
-    engine.load_optimizer_state_dict(saved[1])
+    restore(engine, saved)
     return uninterrupted, [step(2), step(3)]
 
 

@@ -125,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--keep-last", type=int, default=None,
-                   help="keep only the K newest checkpoints in --save (older ones are removed after a newer one is complete)")
+                   help="keep the K newest checkpoints in --save; older ones go once a newer one is complete")
     g.add_argument("--async-save", action="store_true",
                    help="write checkpoints in the background while training continues")
     g.add_argument("--max-nan-iters", type=int, default=None,

@@ -32,6 +32,17 @@ from zeropp.loss_scaler import LossScaler
 
 
 @dataclass
+class FlatState:
+    """One tensor of a checkpoint, flattened to 1-D. `sharded`: this rank holds
+    elements [r*c, min((r+1)*c, numel)) with c = ceil(numel / world), the
+    partition layout of zeropp/partition.py (and torch.chunk's); otherwise
+    `local` is the whole tensor, the same on every rank."""
+    local: torch.Tensor
+    numel: int
+    sharded: bool
+
+
+@dataclass
 class StepResult:
     skipped: bool          # an fp16 overflow was found on some rank: no update anywhere
     grad_norm: float       # global norm of the unscaled gradient before clipping (nan if skipped)
@@ -140,6 +151,75 @@ class Engine:
         return [t for st in self.optimizer.state.values() for t in st.values() if torch.is_tensor(t)]
 
 
+    # -- checkpoint state: what every engine shares --------------------------
+    # checkpoint_state() lists what this rank saves or loads as flat tensors
+    # (training/checkpoint.py writes them with torch.distributed.checkpoint):
+    #   model.<name>            the fp32 weight (the master in 16-bit training)
+    #   optim.<moment>.<name>   the optimizer's per-element state (Adam: exp_avg, exp_avg_sq)
+    #   optim.step              the optimizer's step count
+    # The stage-3 16-bit weights and hpZ's secondary partition are never saved:
+    # they are rebuilt from the masters by checkpoint_loaded().
+    def checkpoint_state(self, for_load: bool = False, optimizer: bool = True) -> dict[str, FlatState]:
+        """`for_load`: the tensors are the engine's own storage, to be filled in
+        place (optimizer state is created if it does not exist yet); then call
+        checkpoint_loaded(). Otherwise they are views to write out (no copy)."""
+        raise NotImplementedError
+
+    def checkpoint_loaded(self, state: dict[str, FlatState]):
+        """The tensors of checkpoint_state(for_load=True) were filled: rebuild the rest."""
+        raise NotImplementedError
+
+    def scalar_state(self) -> dict:
+        """Small state every rank holds the same copy of (goes to the checkpoint's metadata)."""
+        return {"loss_scaler": self.loss_scaler.state_dict(), "global_step": self.global_step}
+
+    def load_scalar_state(self, sd: dict):
+        self.loss_scaler.load_state_dict(sd["loss_scaler"])
+        self.global_step = sd["global_step"]
+
+    def _moment_names(self) -> tuple[str, ...]:
+        """The optimizer's per-element state tensors, by torch's names."""
+        s = self.optim_settings
+        if s.type == "sgd":
+            return ("momentum_buffer",) if s.momentum else ()
+        return ("exp_avg", "exp_avg_sq")
+
+    def _moment(self, master: torch.Tensor, key: str, create: bool) -> torch.Tensor:
+        """The optimizer's `key` state of `master`; zeros before the first step
+        (what a fresh Adam or momentum SGD is equivalent to)."""
+        state = self.optimizer.state[master] if create else self.optimizer.state.get(master, {})
+        if key in state:
+            return state[key]
+        zeros = torch.zeros_like(master, memory_format=torch.contiguous_format)
+        if create:
+            state[key] = zeros
+        return zeros
+
+    def _step_entry(self, masters: list[torch.Tensor]) -> FlatState:
+        steps = {float(self.optimizer.state[m]["step"]) for m in masters
+                 if "step" in self.optimizer.state.get(m, {})}
+        if len(steps) > 1:
+            raise RuntimeError(f"optimizer step counts differ between parameters: {sorted(steps)}")
+        return FlatState(torch.tensor([steps.pop() if steps else 0.0]), 1, sharded=False)
+
+    def _set_optimizer_step(self, state: dict[str, FlatState], masters: list[torch.Tensor]):
+        if "optim.step" not in state or self.optim_settings.type == "sgd":
+            return  # torch's SGD keeps no step count
+        step = state["optim.step"].local.item()
+        for m in masters:
+            if m.numel():
+                self.optimizer.state[m]["step"] = torch.tensor(step, dtype=torch.float32)
+
+    def _replicated_module_state(self) -> dict[str, FlatState]:
+        """Buffers and frozen parameters: whole, the same on every rank."""
+        trained = {id(p) for p in self.params}
+        out = {}
+        for n, t in self.module.state_dict(keep_vars=True).items():
+            if id(t) not in trained and t.is_floating_point():
+                out["model." + n] = FlatState(t.detach().view(-1), t.numel(), sharded=False)
+        return out
+
+
 class DDPEngine(Engine):
     """ZeRO stage 0, and every stage at world size 1: each rank holds the whole
     model, its gradients and the optimizer state. Gradients are all-reduced by
@@ -224,7 +304,7 @@ class DDPEngine(Engine):
             name = {id(p): n for n, p in self.module.named_parameters()}
             for p, m in zip(self.params, self.master):
                 sd[name[id(p)]] = m.detach().clone()
-        return {k: v.detach().cpu() for k, v in sd.items()}
+        return {k: v.detach().to("cpu", copy=True) for k, v in sd.items()}  # a copy, never the live weights
 
     def load_module_state_dict(self, sd: dict):
         self.module.load_state_dict({k: v.to(self.dtype) if v.is_floating_point() else v
@@ -235,14 +315,25 @@ class DDPEngine(Engine):
                 for p, m in zip(self.params, self.master):
                     m.copy_(sd[name[id(p)]])
 
-    def optimizer_state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "loss_scaler": self.loss_scaler.state_dict(),
-                "global_step": self.global_step}
+    def checkpoint_state(self, for_load: bool = False, optimizer: bool = True) -> dict[str, FlatState]:
+        name = {id(p): n for n, p in self.module.named_parameters()}
+        out = self._replicated_module_state()
+        entries = [(name[id(p)], m) for p, m in zip(self.params, self.master)]
+        for n, m in entries:
+            out["model." + n] = FlatState(m.detach().view(-1), m.numel(), sharded=False)
+        if optimizer:
+            for n, m in entries:
+                for key in self._moment_names():
+                    out[f"optim.{key}.{n}"] = FlatState(self._moment(m, key, for_load).view(-1), m.numel(),
+                                                        sharded=False)
+            out["optim.step"] = self._step_entry([m for _, m in entries])
+        return out
 
-    def load_optimizer_state_dict(self, sd: dict):
-        self.optimizer.load_state_dict(sd["optimizer"])
-        self.loss_scaler.load_state_dict(sd["loss_scaler"])
-        self.global_step = sd["global_step"]
+    def checkpoint_loaded(self, state: dict[str, FlatState]):
+        if self.master is not self.params:  # 16-bit: the loaded fp32 masters, rounded into the weights
+            with torch.no_grad():
+                torch._foreach_copy_([p.data for p in self.params], self.master)
+        self._set_optimizer_step(state, self.master)
 
     def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """What this rank holds, by kind, for memory_report()."""

@@ -15,7 +15,7 @@ import torch
 
 from zeropp.collectives import GradientReducer, ShardGather, ShardReduce, gather_bucketed
 from zeropp.config import DeepSpeedConfig
-from zeropp.engine import Engine, compute_dtype
+from zeropp.engine import Engine, FlatState, compute_dtype
 from zeropp.init import ParamInit, full_value, materialize_rest, replace_data
 from zeropp.partition import Partition, ShardedParam
 
@@ -192,17 +192,24 @@ class ShardedEngineBase(Engine):
     def _weights_changed(self):
         """Hook: the weights were replaced from outside (a state-dict load)."""
 
-    def optimizer_state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "loss_scaler": self.loss_scaler.state_dict(),
-                "global_step": self.global_step, "rank": self.rank, "world_size": self.world}
+    def checkpoint_state(self, for_load: bool = False, optimizer: bool = True) -> dict:
+        """This rank's slices: the fp32 masters and their optimizer state (see Engine)."""
+        out = self._replicated_module_state()
+        empty = torch.zeros(0, dtype=torch.float32, device=self.device)
+        for s in self.shards:
+            out["model." + s.name] = FlatState(s.master if s.valid else empty, s.numel, sharded=True)
+        if optimizer:
+            for s in self.shards:
+                for key in self._moment_names():
+                    local = self._moment(s.master, key, for_load) if s.valid else empty
+                    out[f"optim.{key}.{s.name}"] = FlatState(local, s.numel, sharded=True)
+            out["optim.step"] = self._step_entry([s.master for s in self.shards if s.valid])
+        return out
 
-    def load_optimizer_state_dict(self, sd: dict):
-        if sd.get("world_size", self.world) != self.world:
-            raise ValueError(f"optimizer shard saved with {sd['world_size']} ranks, loading on "
-                             f"{self.world}: ZeRO shards are per rank")
-        self.optimizer.load_state_dict(sd["optimizer"])
-        self.loss_scaler.load_state_dict(sd["loss_scaler"])
-        self.global_step = sd["global_step"]
+    def checkpoint_loaded(self, state: dict):
+        self._publish_weights()   # masters -> 16-bit weights, gathered where this stage keeps them whole
+        self._weights_changed()
+        self._set_optimizer_step(state, [s.master for s in self.shards if s.valid])
 
     def _optimizer_tensors(self) -> list[torch.Tensor]:
         return super()._optimizer_tensors() + [s.master for s in self.shards if s.valid]

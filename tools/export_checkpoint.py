@@ -1,0 +1,167 @@
+"""Turn a sharded checkpoint into one file, or into a Hugging Face GPT-2.
+
+    python -m tools.export_checkpoint --load runs/demo/checkpoints --format torch --output model.pt [--dtype bf16]
+    python -m tools.export_checkpoint --load runs/demo/checkpoints --format hf --output hf_gpt2/
+
+No process group and no particular world size: each tensor is read on its own
+from the torch.distributed.checkpoint files (whatever ranks wrote it) and
+reshaped. `torch` writes the model's state dict (its parameter names);
+`hf` writes a `transformers` GPT2LMHeadModel directory: config.json and
+safetensors files of at most --max-shard-size each (with an index when there
+are several), plus the tokenizer (GPT-2 BPE as tokenizer.json; a
+sentencepiece model is copied as tokenizer.model). Memory: the output (torch)
+or one safetensors shard (hf), plus the tensor being read.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from training.checkpoint import CheckpointError, read_meta, resolve_checkpoint, verify_checksums
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def open_checkpoint(load: str) -> tuple[str, dict]:
+    """The checkpoint directory `load` names (a save directory or an iter_* one) and its meta."""
+    path = resolve_checkpoint(load)
+    if path is None:
+        raise CheckpointError(f"--load {load}: no checkpoint there (no {os.path.join(load, 'meta.json')} "
+                              f"and no latest_checkpointed_iteration.txt)")
+    meta = read_meta(path)
+    problems = verify_checksums(path)
+    if problems:
+        raise CheckpointError(f"checkpoint {path} is damaged: {problems[0]}")
+    return path, meta
+
+
+def model_tensors(path: str, meta: dict, dtype: torch.dtype = torch.float32):
+    """(name, tensor) for every model weight, one at a time, in the model's shapes."""
+    reader = dcp.FileSystemReader(path)
+    for name, shape in meta["param_shapes"].items():
+        flat = torch.empty(torch.Size(shape).numel(), dtype=torch.float32)
+        dcp.load({"model." + name: flat}, storage_reader=reader, no_dist=True)
+        yield name, flat.view(shape).to(dtype)
+
+
+def consolidated_state_dict(load: str, dtype: torch.dtype = torch.float32) -> tuple[dict, dict]:
+    """The whole model state dict (on CPU) and the checkpoint's meta."""
+    path, meta = open_checkpoint(load)
+    return dict(model_tensors(path, meta, dtype)), meta
+
+
+# -- Hugging Face -------------------------------------------------------------------------
+def hf_config(model_config: dict, eod: int | None):
+    from transformers import GPT2Config
+    padded = -(-model_config["vocab_size"] // model_config["make_vocab_size_divisible_by"]) \
+        * model_config["make_vocab_size_divisible_by"]
+    return GPT2Config(
+        vocab_size=padded, n_positions=model_config["max_position_embeddings"],
+        n_embd=model_config["hidden_size"], n_layer=model_config["num_layers"],
+        n_head=model_config["num_attention_heads"], n_inner=model_config["ffn_hidden_size"],
+        activation_function="gelu_new",   # GPT-2's tanh approximation, as model/gpt.py
+        layer_norm_epsilon=model_config["layernorm_epsilon"],
+        resid_pdrop=model_config["hidden_dropout"], embd_pdrop=model_config["hidden_dropout"],
+        attn_pdrop=model_config["attention_dropout"], initializer_range=model_config["init_method_std"],
+        tie_word_embeddings=True, bos_token_id=eod, eos_token_id=eod,
+        architectures=["GPT2LMHeadModel"])
+
+
+def hf_name(name: str) -> tuple[str, bool]:
+    """Our parameter name -> (GPT2LMHeadModel's name, transposed?). GPT-2's
+    Conv1D stores [in, out], the transpose of nn.Linear's weight."""
+    parts = name.split(".")
+    if parts[0] in ("wte", "wpe", "ln_f"):
+        return "transformer." + name, False
+    assert parts[0] == "blocks", name
+    layer, rest = parts[1], ".".join(parts[2:])
+    table = {"ln1": "ln_1", "ln2": "ln_2", "attn.qkv": "attn.c_attn", "attn.proj": "attn.c_proj",
+             "mlp.fc": "mlp.c_fc", "mlp.proj": "mlp.c_proj"}
+    module, kind = rest.rsplit(".", 1)
+    return f"transformer.h.{layer}.{table[module]}.{kind}", kind == "weight" and module not in ("ln1", "ln2")
+
+
+def export_hf(load: str, output: str, dtype: torch.dtype = torch.float32, max_shard_bytes: int = 5 * 2**30):
+    from safetensors.torch import save_file
+    path, meta = open_checkpoint(load)
+    os.makedirs(output, exist_ok=True)
+    itemsize = torch.tensor([], dtype=dtype).element_size()
+    # Shards planned from the shapes, so file names are known before any tensor is read.
+    shards, size = [[]], 0
+    for name, shape in meta["param_shapes"].items():
+        nbytes = torch.Size(shape).numel() * itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    files = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    shard_of = {name: i for i, names in enumerate(shards) for name in names}
+    weight_map, current, index = {}, {}, 0
+    for name, tensor in model_tensors(path, meta, dtype):
+        if shard_of[name] != index:
+            save_file(current, os.path.join(output, files[index]), metadata={"format": "pt"})
+            current, index = {}, shard_of[name]
+        key, transpose = hf_name(name)
+        current[key] = tensor.t().contiguous() if transpose else tensor
+        weight_map[key] = files[index]
+    save_file(current, os.path.join(output, files[index]), metadata={"format": "pt"})
+    if len(files) > 1:
+        total = sum(torch.Size(s).numel() for s in meta["param_shapes"].values()) * itemsize
+        with open(os.path.join(output, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    eod = _export_tokenizer(meta, output)
+    config = hf_config(meta["model_config"], eod)
+    config.torch_dtype = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype]
+    config.save_pretrained(output)
+    return files
+
+
+def _export_tokenizer(meta: dict, output: str) -> int | None:
+    """Write the tokenizer next to the weights where it can be; returns the end-of-document id."""
+    from data.tokenizer import build_tokenizer
+    kind = meta.get("tokenizer_type")
+    try:
+        tok = build_tokenizer(kind, tokenizer_model=meta.get("tokenizer_model"),
+                              vocab_file=meta.get("vocab_file"), merge_file=meta.get("merge_file"))
+    except (OSError, ValueError) as e:
+        print(f"> tokenizer not exported ({e})", file=sys.stderr)
+        return None
+    if kind == "GPT2BPETokenizer":
+        from transformers import GPT2TokenizerFast
+        GPT2TokenizerFast(vocab_file=meta["vocab_file"], merges_file=meta["merge_file"]).save_pretrained(output)
+    else:  # transformers has no exact loader for an arbitrary sentencepiece BPE: ship the model file
+        shutil.copyfile(meta["tokenizer_model"], os.path.join(output, "tokenizer.model"))
+    return tok.eod
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p.add_argument("--load", required=True, help="a --save directory (its latest checkpoint) or an iter_* directory")
+    p.add_argument("--format", choices=["torch", "hf"], required=True)
+    p.add_argument("--output", required=True, help="a file (torch) or a directory (hf)")
+    p.add_argument("--dtype", choices=list(DTYPES), default="fp32")
+    p.add_argument("--max-shard-size", type=float, default=5.0, help="GiB per safetensors file (hf)")
+    args = p.parse_args(argv)
+    try:
+        if args.format == "torch":
+            sd, meta = consolidated_state_dict(args.load, DTYPES[args.dtype])
+            torch.save(sd, args.output)
+            print(f"> wrote {len(sd)} tensors of iteration {meta['iteration']} to {args.output}")
+        else:
+            files = export_hf(args.load, args.output, DTYPES[args.dtype], int(args.max_shard_size * 2**30))
+            print(f"> wrote a GPT2LMHeadModel to {args.output} ({len(files)} safetensors file(s))")
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

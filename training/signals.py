@@ -1,0 +1,38 @@
+"""Stop cleanly when the scheduler asks: SIGTERM (what SLURM and Kubernetes
+send before preemption) or SIGINT (Ctrl-C) sets a flag; the training loop
+finishes its step, agrees with the other ranks that someone was signalled,
+saves and exits 0. A second SIGINT interrupts at once."""
+from __future__ import annotations
+
+import signal
+
+import torch
+
+
+class StopRequest:
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+
+    def _handle(self, signum, frame):
+        self.signum = signum
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C stops at once
+
+    def agreed(self, comm, device: torch.device) -> bool:
+        """True on every rank if any rank was signalled (collective: one 4-byte all-reduce)."""
+        flag = torch.tensor([self.signum or 0], dtype=torch.int32, device=device)
+        comm.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, phase="other")
+        if self.signum is None and flag.item():
+            self.signum = int(flag.item())
+        return bool(flag.item())
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum else ""
+
+    def restore(self):
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
