@@ -22,15 +22,15 @@ from zeropp.memory import memory_report
 from data.gpt_dataset import build_train_valid_test_datasets
 from data.sampler import build_data_loader
 from data.stats import unigram_entropy
-from data.tokenizer import build_tokenizer
 from model import GPT, GPTConfig, flops_per_iteration, num_parameters
 from parallel.comm import Communicator
 from parallel.launch import init_distributed, print_rank0
-from parallel.topology import TopologyError, topology_from_env
+from parallel.topology import topology_from_env
 from training.args import parse_args, resolve_batch
 from training.checkpoint import load_checkpoint, save_checkpoint
 from training.logger import TrainingLogger, peak_memory_mb
 from training.lr_schedule import build_lr_schedule
+from training.preflight import check_inputs
 
 
 def model_config(args, vocab_size: int, seed: int) -> GPTConfig:
@@ -41,7 +41,8 @@ def model_config(args, vocab_size: int, seed: int) -> GPTConfig:
         attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
         layernorm_epsilon=args.layernorm_epsilon,
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-        checkpoint_activations=args.checkpoint_activations)
+        checkpoint_activations=args.checkpoint_activations,
+        recompute_attention=args.recompute_granularity == "selective")
 
 
 def mean_over_ranks(comm: Communicator, values, device: torch.device):
@@ -84,6 +85,7 @@ def main(argv=None):
         from planner import print_plan
         print_plan(args)
         return
+    tokenizer = check_inputs(args)  # data, split and tokenizer files, before any expensive work
     device = init_distributed(args.distributed_backend)
     topology = topology_from_env(args.ranks_per_node)
     comm = Communicator(topology)
@@ -91,8 +93,6 @@ def main(argv=None):
     resolve_batch(args, world)
     torch.manual_seed(args.seed)
 
-    tokenizer = build_tokenizer(args.tokenizer_type, tokenizer_model=args.tokenizer_model,
-                                vocab_file=args.vocab_file, merge_file=args.merge_file)
     eval_runs = args.train_iters // args.eval_interval + 1
     num_samples = (args.train_iters * args.global_batch_size,
                    eval_runs * args.eval_iters * args.global_batch_size,
@@ -216,9 +216,21 @@ def main(argv=None):
         dist.destroy_process_group()
 
 
-if __name__ == "__main__":
+def run(argv=None) -> int:
+    """main() for the command line: a user error (zeropp.ConfigError, which data, tokenizer and
+    argument errors subclass) becomes one line on stderr and exit status 2, printed by rank 0 only
+    (under torchrun every rank finds the same error; the others exit quietly). Any other
+    exception is a bug and keeps its traceback."""
     try:
-        main()
-    except (zeropp.ConfigError, TopologyError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        main(argv)
+    except zeropp.ConfigError as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {' '.join(str(e).splitlines())}", file=sys.stderr, flush=True)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run())
