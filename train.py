@@ -138,7 +138,6 @@ def main(argv=None):
         return {"loss": 0.0, "steps": 0, "iters": 0, "skipped": 0, "nan": 0, "start": time.time()}
 
     window = new_window()
-    total_skipped = total_nan = 0
     crossing = {"iters": 0, "inter": 0.0, "plain_inter": 0.0}  # for the summary at the end
     comm.reset_stats()
     engine.train()
@@ -168,8 +167,6 @@ def main(argv=None):
 
         if iteration % args.log_interval == 0 or iteration == args.train_iters:
             elapsed = (time.time() - window["start"]) / window["iters"]
-            total_skipped += window["skipped"]
-            total_nan += window["nan"]
             stats = comm.reset_stats()
             # Bytes: the mean over ranks (in a ring some ranks send across nodes, others do not).
             loss_avg, intra, inter, plain_inter = mean_over_ranks(
@@ -182,8 +179,8 @@ def main(argv=None):
             logger.training_line(iteration, args.train_iters, {
                 "consumed": consumed, "iter_ms": elapsed * 1000, "lr": lr,
                 "global_batch": args.global_batch_size, "loss": loss_avg,
-                "loss_scale": result.loss_scale, "grad_norm": result.grad_norm,
-                "skipped": total_skipped, "nan": total_nan, "samples_per_s": samples_per_s,
+                "loss_scale": result.loss_scale, "grad_norm": None if result.skipped else result.grad_norm,
+                "skipped": window["skipped"], "nan": window["nan"], "samples_per_s": samples_per_s,
                 "tokens_per_s": samples_per_s * args.seq_length,
                 "tflops": flops / elapsed / world / 1e12,
                 "intra_mb": intra / window["iters"] / 2**20,
@@ -199,7 +196,8 @@ def main(argv=None):
             window["start"] = time.time()  # evaluation and saving are not training time
 
     if valid_ds is not None and iteration % args.eval_interval != 0:
-        logger.validation_line(iteration, "validation", evaluate(engine, valid_ds, args, comm, device))
+        logger.validation_line(iteration, "validation", evaluate(engine, valid_ds, args, comm, device),
+                               end_of_training=True)
     if test_ds is not None:
         logger.validation_line(iteration, "test", evaluate(engine, test_ds, args, comm, device))
     if args.save and not (args.save_interval and iteration % args.save_interval == 0):
