@@ -139,7 +139,7 @@ class TestYaml:
         ("num-layers: 2\n  bad: indent\n", ["is not valid YAML at line"]),
         ("- a list\n", ["must be a mapping"]),
         ("partition-activations: true\n", ["partition-activations is not supported"]),
-        ("min-lr: 0.5\n", ["min-lr in", "is above --lr"]),
+        ("min-lr: 0.5\n", ["--min-lr 0.5 (from", "is above --lr 0.001"]),
     ])
     def test_bad_yaml(self, corpus, tmp_path, capsys, text, names):
         (tmp_path / "run.yaml").write_text(text)

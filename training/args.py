@@ -289,10 +289,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def flag(args, dest: str) -> str:
-    """How to name an option in a message: `--min-lr`, or `min-lr in run.yaml` when the YAML set it."""
-    name = dest.replace("_", "-")
-    return f"{name} in {args.config}" if dest in getattr(args, "from_yaml", ()) else f"--{name}"
+def flag(args, dest: str, value=None) -> str:
+    """An option (and its value) as a message names it: `--min-lr 0.5`, or
+    `--min-lr 0.5 (from run.yaml)` when the --config YAML set it."""
+    text = "--" + dest.replace("_", "-") + ("" if value is None else f" {value}")
+    return f"{text} (from {args.config})" if dest in getattr(args, "from_yaml", ()) else text
 
 
 def _explicit_dests(parser: argparse.ArgumentParser, argv) -> set[str]:
@@ -386,10 +387,10 @@ def _apply_yaml(parser, args, explicit: set[str]):
 def _check_supported(args):
     for name, value in _MUST_BE.items():
         if getattr(args, name) != value:
-            raise ConfigError(f"{flag(args, name)} {getattr(args, name)} is not supported: {_NO_TP}; "
+            raise ConfigError(f"{flag(args, name, getattr(args, name))} is not supported: {_NO_TP}; "
                               f"use {value}")
     if args.data_impl not in (None, "mmap", "infer"):
-        raise ConfigError(f"{flag(args, 'data_impl')} {args.data_impl} is not supported: only Megatron's mmap "
+        raise ConfigError(f"{flag(args, 'data_impl', args.data_impl)} is not supported: only Megatron's mmap "
                           f".bin/.idx format is read (data.preprocess writes it); use mmap or drop the flag")
     full = args.checkpoint_activations or args.deepspeed_activation_checkpointing
     if args.recompute_activations and (full or args.recompute_granularity == "full"):
@@ -408,8 +409,8 @@ def _check_supported(args):
     if args.fp16 and args.bf16:
         raise ConfigError("--fp16 and --bf16 are both set; pick one")
     if args.hidden_size % args.num_attention_heads:
-        raise ConfigError(f"{flag(args, 'num_attention_heads')} {args.num_attention_heads} must divide "
-                          f"{flag(args, 'hidden_size')} {args.hidden_size}")
+        raise ConfigError(f"{flag(args, 'num_attention_heads', args.num_attention_heads)} must divide "
+                          f"{flag(args, 'hidden_size', args.hidden_size)}")
     # Tokenizer files the chosen tokenizer does not read would be ignored: refuse them.
     unused = ("vocab_file", "merge_file") if args.tokenizer_type == "SentencePieceTokenizer" else ("tokenizer_model",)
     unused = [flag(args, d) for d in unused if getattr(args, d) is not None]
@@ -569,8 +570,8 @@ def _derive(args):
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     if args.seq_length > args.max_position_embeddings:
-        raise ConfigError(f"{flag(args, 'seq_length')} {args.seq_length} exceeds "
-                          f"{flag(args, 'max_position_embeddings')} {args.max_position_embeddings}")
+        raise ConfigError(f"{flag(args, 'seq_length', args.seq_length)} exceeds "
+                          f"{flag(args, 'max_position_embeddings', args.max_position_embeddings)}")
     scheduler = args.ds_config.scheduler
     if args.lr is None and scheduler is not None and "warmup_max_lr" in scheduler.params:
         args.lr = args.optimizer_settings.lr = scheduler.params["warmup_max_lr"]  # the schedule's peak
@@ -593,7 +594,7 @@ def _derive(args):
     world = int(os.environ.get("WORLD_SIZE", 1))
     ranks_per_node = args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if world % ranks_per_node:
-        raise ConfigError(f"{flag(args, 'ranks_per_node')} {ranks_per_node} must divide the world size "
+        raise ConfigError(f"{flag(args, 'ranks_per_node', ranks_per_node)} must divide the world size "
                           f"{world}; pass a divisor of {world}")
     if "WORLD_SIZE" in os.environ:
         args.ds_config.zero_optimization.validate_topology(ranks_per_node, world)
@@ -619,7 +620,7 @@ def _check_schedule(args):
         raise ConfigError(f"{flag(args, 'lr_warmup_fraction')} and an explicit warmup length are both set; "
                           f"keep one")
     if args.ds_config.scheduler is None and args.min_lr > args.lr:
-        raise ConfigError(f"{flag(args, 'min_lr')} {args.min_lr} is above {flag(args, 'lr')} {args.lr}: the "
+        raise ConfigError(f"{flag(args, 'min_lr', args.min_lr)} is above {flag(args, 'lr', args.lr)}: the "
                           f"schedule decays from --lr down to --min-lr; lower --min-lr")
 
 
@@ -639,7 +640,7 @@ def samples_to_iterations(args):
     batch = args.global_batch_size
     args.train_iters = args.train_samples // batch
     if args.train_iters < 1:
-        raise ConfigError(f"{flag(args, 'train_samples')} {args.train_samples} is less than one global batch "
+        raise ConfigError(f"{flag(args, 'train_samples', args.train_samples)} is less than one global batch "
                           f"({batch} samples); raise it or lower the batch size")
     decay_samples = args.lr_decay_samples if args.lr_decay_samples is not None else args.train_samples
     args.lr_decay_iters = max(1, decay_samples // batch)
