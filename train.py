@@ -22,15 +22,15 @@ from zeropp.memory import memory_report
 from data.gpt_dataset import build_train_valid_test_datasets
 from data.sampler import build_data_loader
 from data.stats import unigram_entropy
-from data.tokenizer import build_tokenizer
 from model import GPT, GPTConfig, flops_per_iteration, num_parameters
 from parallel.comm import Communicator
 from parallel.launch import init_distributed, print_rank0
-from parallel.topology import TopologyError, topology_from_env
+from parallel.topology import topology_from_env
 from training.args import parse_args, resolve_batch
 from training.checkpoint import CheckpointError, check_save_dir, checkpoint_bytes, load_checkpoint, save_checkpoint
 from training.logger import TrainingLogger, peak_memory_mb
 from training.lr_schedule import build_lr_schedule
+from training.preflight import check_inputs
 from training.signals import StopRequest
 
 
@@ -46,7 +46,8 @@ def model_config(args, vocab_size: int, seed: int) -> GPTConfig:
         attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
         layernorm_epsilon=args.layernorm_epsilon,
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-        checkpoint_activations=args.checkpoint_activations)
+        checkpoint_activations=args.checkpoint_activations,
+        recompute_attention=args.recompute_granularity == "selective")
 
 
 def mean_over_ranks(comm: Communicator, values, device: torch.device):
@@ -89,6 +90,7 @@ def main(argv=None):
         from planner import print_plan
         print_plan(args)
         return
+    tokenizer = check_inputs(args)  # data, split and tokenizer files, before any expensive work
     device = init_distributed(args.distributed_backend)
     topology = topology_from_env(args.ranks_per_node)
     comm = Communicator(topology)
@@ -96,8 +98,6 @@ def main(argv=None):
     resolve_batch(args, world)
     torch.manual_seed(args.seed)
 
-    tokenizer = build_tokenizer(args.tokenizer_type, tokenizer_model=args.tokenizer_model,
-                                vocab_file=args.vocab_file, merge_file=args.merge_file)
     cfg = model_config(args, tokenizer.vocab_size, args.seed)
     if args.save:  # before hours of training, not after
         moments = {"sgd": int(args.optimizer_settings.momentum > 0)}.get(args.optimizer_settings.type, 2)
@@ -164,7 +164,6 @@ def main(argv=None):
     bad_streak, diverged, signalled = 0, False, False
     stop = StopRequest()
     window = new_window()
-    total_skipped = total_nan = 0
     crossing = {"iters": 0, "inter": 0.0, "plain_inter": 0.0}  # for the summary at the end
     comm.reset_stats()
     engine.train()
@@ -197,8 +196,6 @@ def main(argv=None):
 
         if iteration % args.log_interval == 0 or iteration == args.train_iters:
             elapsed = (time.time() - window["start"]) / window["iters"]
-            total_skipped += window["skipped"]
-            total_nan += window["nan"]
             stats = comm.reset_stats()
             # Bytes: the mean over ranks (in a ring some ranks send across nodes, others do not).
             loss_avg, intra, inter, plain_inter = mean_over_ranks(
@@ -211,8 +208,8 @@ def main(argv=None):
             logger.training_line(iteration, args.train_iters, {
                 "consumed": consumed, "iter_ms": elapsed * 1000, "lr": lr,
                 "global_batch": args.global_batch_size, "loss": loss_avg,
-                "loss_scale": result.loss_scale, "grad_norm": result.grad_norm,
-                "skipped": total_skipped, "nan": total_nan, "samples_per_s": samples_per_s,
+                "loss_scale": result.loss_scale, "grad_norm": None if result.skipped else result.grad_norm,
+                "skipped": window["skipped"], "nan": window["nan"], "samples_per_s": samples_per_s,
                 "tokens_per_s": samples_per_s * args.seq_length,
                 "tflops": flops / elapsed / world / 1e12,
                 "intra_mb": intra / window["iters"] / 2**20,
@@ -231,6 +228,7 @@ def main(argv=None):
     stop.restore()
     if diverged or signalled:
         path = save(iteration) if args.save else None
+        logger.close()
         if dist.is_initialized():
             dist.destroy_process_group()
         if signalled:
@@ -244,7 +242,8 @@ def main(argv=None):
             "; lower --lr, check the data" + (", or raise --max-nan-iters" if args.max_nan_iters else ""))
 
     if valid_ds is not None and iteration % args.eval_interval != 0:
-        logger.validation_line(iteration, "validation", evaluate(engine, valid_ds, args, comm, device))
+        logger.validation_line(iteration, "validation", evaluate(engine, valid_ds, args, comm, device),
+                               end_of_training=True)
     if test_ds is not None:
         logger.validation_line(iteration, "test", evaluate(engine, test_ds, args, comm, device))
     if args.save and not (args.save_interval and iteration % args.save_interval == 0):
@@ -260,12 +259,24 @@ def main(argv=None):
         dist.destroy_process_group()
 
 
-if __name__ == "__main__":
+def run(argv=None) -> int:
+    """main() for the command line: a user error (zeropp.ConfigError, which data, tokenizer and
+    argument errors subclass) becomes one line on stderr and exit status 2, printed by rank 0 only
+    (under torchrun every rank finds the same error; the others exit quietly). Any other
+    exception is a bug and keeps its traceback."""
     try:
-        main()
-    except (zeropp.ConfigError, TopologyError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except (CheckpointError, TrainingDiverged) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+        main(argv)
+    except (zeropp.ConfigError, CheckpointError, TrainingDiverged) as e:
+        # Checkpoint and divergence errors reach every rank alike too: a clear line, exit 1.
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {' '.join(str(e).splitlines())}", file=sys.stderr, flush=True)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return 2 if isinstance(e, zeropp.ConfigError) else 1
+    finally:  # past the training loop a SIGTERM (torchrun stopping a failed job) must stop us at once
+        StopRequest.restore_defaults()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run())

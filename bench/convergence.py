@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import re
@@ -49,9 +50,12 @@ ZEROPP_FLAGS = ["--zero-stage", "3", "--zero-quantized-weights", "--zero-hpz-siz
 
 TRAIN_RE = re.compile(
     r"iteration\s+(\d+)/\s*(\d+) \|.*?elapsed time per iteration \(ms\): ([\d.]+) \|.*?"
-    r"\| lm loss: ([-+\d.eE]+|nan|inf) \|.*?grad norm: ([-+\d.eEnaif]+) \|.*?"
+    r"\| lm loss: ([-+\d.eE]+|nan|inf) \|.*?"
     r"intra-node MB: ([\d.]+) \| inter-node MB: ([\d.]+) \|")
-EVAL_RE = re.compile(r"(validation|test) loss at iteration (\d+) \| lm loss value: ([-+\d.eE]+|nan|inf)")
+GRAD_RE = re.compile(r"\| grad norm: ([-+\d.eEnaif]+) \|")  # absent after a skipped step, as in Megatron
+# Megatron's wording: "validation loss at iteration N [on validation set | on test set] | lm loss value: X"
+EVAL_RE = re.compile(r"validation loss at iteration (\d+)(?: on (validation|test) set)? \| "
+                     r"lm loss value: ([-+\d.eE]+|nan|inf)")
 TOLERANCE = 0.01
 
 
@@ -88,14 +92,15 @@ def parse_log(text: str) -> dict:
         m = TRAIN_RE.search(line)
         if m:
             train.append({"iteration": int(m[1]), "iter_ms": float(m[3]), "loss": float(m[4]),
-                          "grad_norm": float(m[5]), "intra_mb": float(m[6]), "inter_mb": float(m[7])})
+                          "grad_norm": float(g[1]) if (g := GRAD_RE.search(line)) else math.nan,
+                          "intra_mb": float(m[5]), "inter_mb": float(m[6])})
             continue
         m = EVAL_RE.search(line)
         if m:
-            if m[1] == "validation":
-                valid.append({"iteration": int(m[2]), "loss": float(m[3])})
-            else:
-                test = {"iteration": int(m[2]), "loss": float(m[3])}
+            if m[2] == "test":
+                test = {"iteration": int(m[1]), "loss": float(m[3])}
+            elif not valid or valid[-1]["iteration"] != int(m[1]):
+                valid.append({"iteration": int(m[1]), "loss": float(m[3])})
     return {"train": train, "validation": valid, "test": test}
 
 

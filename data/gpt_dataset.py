@@ -27,7 +27,7 @@ import re
 import numpy as np
 import torch
 
-from data.indexed_dataset import IndexedDataset
+from data.indexed_dataset import DataError, IndexedDataset
 
 INDEX_FORMAT_VERSION = 1  # bump when the way the index arrays are built changes
 
@@ -149,7 +149,7 @@ class GPTDataset(torch.utils.data.Dataset):
         sizes = indexed_dataset.sequence_lengths
         tokens = int(sizes[start:end].sum())
         if tokens < seq_length + 1:
-            raise ValueError(
+            raise DataError(
                 f"the {name} split of {indexed_dataset.prefix} (documents {start}..{end}) has {tokens} tokens, "
                 f"fewer than one sample of --seq-length {seq_length} + 1; use a smaller --seq-length or a "
                 f"different --split")
@@ -220,7 +220,7 @@ def parse_split(split):
     except ValueError:
         values = []
     if not 1 <= len(values) <= 3 or any(v < 0 for v in values) or sum(values) == 0:
-        raise ValueError(f"--split {split!r} is malformed: expected up to three non-negative numbers that do not "
+        raise DataError(f"--split {split!r} is malformed: expected up to three non-negative numbers that do not "
                          "all equal 0, separated by commas or slashes, e.g. 949,50,1")
     values += [0.0] * (3 - len(values))
     return [v / sum(values) for v in values]
@@ -244,13 +244,13 @@ def parse_data_path(data_path):
     if len(data_path) == 1:
         return list(data_path), [1.0]
     if len(data_path) == 0 or len(data_path) % 2:
-        raise ValueError(f"--data-path {' '.join(data_path)!r} has {len(data_path)} entries; {expected}")
+        raise DataError(f"--data-path {' '.join(data_path)!r} has {len(data_path)} entries; {expected}")
     try:
         weights = [float(w) for w in data_path[0::2]]
     except ValueError:
-        raise ValueError(f"--data-path {' '.join(data_path)!r} has a non-numeric weight; {expected}") from None
+        raise DataError(f"--data-path {' '.join(data_path)!r} has a non-numeric weight; {expected}") from None
     if any(w < 0 for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"--data-path weights must be non-negative and not all 0; {expected}")
+        raise DataError(f"--data-path weights must be non-negative and not all 0; {expected}")
     return list(data_path[1::2]), [w / sum(weights) for w in weights]
 
 

@@ -27,6 +27,8 @@ import struct
 
 import numpy as np
 
+from zeropp.config import ConfigError
+
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, S, D -> 34 bytes
@@ -46,7 +48,11 @@ CODE_OF_DTYPE = {np.dtype(t): code for code, t in DTYPE_CODES.items()}
 PREPROCESS_HINT = "run `python -m data.preprocess --input DOCS.jsonl --output-prefix PREFIX ...` to create it"
 
 
-class IndexedDatasetError(ValueError):
+class DataError(ConfigError):
+    """A user error in the data (files, --data-path, --split): train.py reports it in one line."""
+
+
+class IndexedDatasetError(DataError):
     """A .bin/.idx pair that is missing or cannot be trusted."""
 
 
@@ -162,6 +168,10 @@ class IndexedDataset:
             raise IndexedDatasetError(f"{idx_path} has unknown dtype code {code} (known: {sorted(DTYPE_CODES)}); "
                                       f"{PREPROCESS_HINT} again")
         expected = HEADER.size + 12 * num_sequences + 8 * num_doc_entries
+        if num_sequences and idx_size == expected + num_sequences:
+            # Megatron-core's multimodal index appends one int8 mode per sequence.
+            raise IndexedDatasetError(f"{idx_path} is a multimodal index (it has sequence_modes); multimodal "
+                                      f"indexes are not supported: use a text dataset from data.preprocess")
         if idx_size != expected:
             what = "truncated" if idx_size < expected else "longer than its header says"
             raise IndexedDatasetError(f"{idx_path} is {what}: {idx_size} bytes, header implies {expected}; "
@@ -175,6 +185,7 @@ class IndexedDataset:
         self.sequence_pointers = np.frombuffer(self._idx, np.int64, num_sequences, offset)
         offset += self.sequence_pointers.nbytes
         self.document_indices = np.frombuffer(self._idx, np.int64, num_doc_entries, offset)
+        self._check_index(idx_path)
 
         bin_size = os.path.getsize(bin_path)
         expected_bin = int(self.sequence_pointers[-1] + self.sequence_lengths[-1] * self.dtype.itemsize) if num_sequences else 0
@@ -183,6 +194,37 @@ class IndexedDataset:
                                       f"the pair is out of sync, {PREPROCESS_HINT} again")
         # np.memmap refuses empty files; an empty dataset gets an empty array.
         self._bin = np.memmap(bin_path, mode="r", dtype=np.uint8) if bin_size else np.zeros(0, np.uint8)
+
+    def _check_index(self, idx_path):
+        """Values a corrupt or foreign index gets wrong; one pass over arrays the training reads anyway."""
+        if len(self.sequence_lengths) and int(self.sequence_lengths.min()) < 0:
+            i = int(np.argmin(self.sequence_lengths))
+            raise IndexedDatasetError(f"{idx_path} gives sequence {i} a negative length "
+                                      f"({int(self.sequence_lengths[i])}); the index is corrupt, "
+                                      f"{PREPROCESS_HINT} again")
+        docs = self.document_indices
+        if len(docs) == 0 or docs[0] != 0 or docs[-1] != len(self.sequence_lengths) or np.any(np.diff(docs) < 0):
+            raise IndexedDatasetError(f"{idx_path} has document indices that do not run from 0 up to its "
+                                      f"{len(self.sequence_lengths)} sequences; the index is corrupt, "
+                                      f"{PREPROCESS_HINT} again")
+
+    def token_range(self, full_scan_bytes=2**30, samples=64, sample_bytes=2**20):
+        """(smallest, largest token id, whether every token was read), to check the ids
+        against the tokenizer's vocabulary; None for an empty ``.bin``.
+
+        Up to ``full_scan_bytes`` every token is read (about a second per GiB). A bigger
+        file is sampled: ``samples`` evenly spaced windows of ``sample_bytes``. A dataset
+        made with another tokenizer has out-of-range ids all over, so the sample finds them;
+        a single stray id in a huge file can slip through (the embedding then fails on it).
+        """
+        tokens = np.frombuffer(self._bin, self.dtype, len(self._bin) // self.dtype.itemsize)
+        if len(tokens) == 0:
+            return None
+        if self._bin.nbytes <= full_scan_bytes:
+            return int(tokens.min()), int(tokens.max()), True
+        window = max(1, sample_bytes // self.dtype.itemsize)
+        pieces = [tokens[s:s + window] for s in np.linspace(0, len(tokens) - window, samples).astype(np.int64)]
+        return min(int(p.min()) for p in pieces), max(int(p.max()) for p in pieces), False
 
     def __len__(self):
         return len(self.sequence_lengths)

@@ -21,13 +21,15 @@ sequence per document; documents that tokenize to nothing are skipped.
 import argparse
 import multiprocessing
 import os
+import sys
 import time
 
 import numpy as np
 from tqdm import tqdm
 
+from data.cli import at_least, run
 from data.documents import expand_inputs, read_documents
-from data.indexed_dataset import IndexedDatasetBuilder, best_dtype
+from data.indexed_dataset import DataError, IndexedDatasetBuilder, best_dtype
 from data.tokenizer import TOKENIZER_TYPES, build_tokenizer
 
 
@@ -44,13 +46,13 @@ def read_hf_dataset(name_or_path, split, json_keys):
         extension = name_or_path.rsplit(".", 1)[-1]
         builder = {"jsonl": "json", "json": "json", "txt": "text", "csv": "csv", "parquet": "parquet"}.get(extension)
         if builder is None:
-            raise ValueError(f"--dataset {name_or_path}: unsupported file type .{extension}")
+            raise DataError(f"--dataset {name_or_path}: unsupported file type .{extension}")
         dataset = datasets.load_dataset(builder, data_files=name_or_path, split=split)
     else:
         dataset = datasets.load_dataset(name_or_path, split=split)
     missing = [k for k in json_keys if k not in dataset.column_names]
     if missing:
-        raise KeyError(f"--dataset {name_or_path} has no column {missing[0]!r}; columns: {dataset.column_names}; "
+        raise DataError(f"--dataset {name_or_path} has no column {missing[0]!r}; columns: {dataset.column_names}; "
                        "choose them with --json-keys")
     for row in dataset.select_columns(list(json_keys)):
         yield row
@@ -91,9 +93,9 @@ def preprocess(input=None, output_prefix=None, tokenizer_type="SentencePieceToke
     Returns a summary dict: output prefixes per key, documents, tokens, bytes, seconds.
     """
     if (input is None) == (dataset is None):
-        raise ValueError("give exactly one of --input or --dataset")
+        raise DataError("give exactly one of --input or --dataset")
     if output_prefix is None:
-        raise ValueError("--output-prefix is required")
+        raise DataError("--output-prefix is required")
     json_keys = list(json_keys)
     tokenizer_args = dict(tokenizer_type=tokenizer_type, tokenizer_model=tokenizer_model,
                           vocab_file=vocab_file, merge_file=merge_file)
@@ -162,8 +164,8 @@ def main(argv=None):
     group = parser.add_argument_group("output")
     group.add_argument("--output-prefix", required=True, help="writes PREFIX_{key}_document.bin/.idx")
     group = parser.add_argument_group("runtime")
-    group.add_argument("--workers", type=int, default=1, help="tokenizer processes")
-    group.add_argument("--log-interval", type=int, default=1000, help="progress update every N documents")
+    group.add_argument("--workers", type=at_least(1), default=1, help="tokenizer processes")
+    group.add_argument("--log-interval", type=at_least(1), default=1000, help="progress update every N documents")
     args = parser.parse_args(argv)
     if (args.input is None) == (args.dataset is None):
         parser.error("give exactly one of --input or --dataset")
@@ -175,4 +177,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run(main))

@@ -14,15 +14,22 @@ import sentencepiece as spm
 import tokenizers
 
 from data.documents import read_documents
+from zeropp.config import ConfigError
 
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer")
 GPT2_EOD_TOKEN = "<|endoftext|>"
 
 
+class TokenizerError(ConfigError):
+    """A tokenizer flag or file that cannot be used (a user error: train.py reports it in one line)."""
+
+
 def _require_file(path, flag, how_to_create):
     if path is None or not os.path.isfile(path):
         what = "is required" if path is None else f"points to a missing file {path}"
-        raise FileNotFoundError(f"{flag} {what}; {how_to_create}")
+        raise TokenizerError(f"{flag} {what}; {how_to_create}")
+    if not os.access(path, os.R_OK):
+        raise TokenizerError(f"{flag} {path} is not readable; check its permissions")
 
 
 class SentencePieceTokenizer:
@@ -32,11 +39,15 @@ class SentencePieceTokenizer:
         _require_file(model_file, "--tokenizer-model",
                       "train one with `python -m data.train_tokenizer --input DOCS.jsonl --vocab-size 8000 --model-prefix P` (writes P.model)")
         self.model_file = model_file
-        self._sp = spm.SentencePieceProcessor(model_file=model_file)
+        try:
+            self._sp = spm.SentencePieceProcessor(model_file=model_file)
+        except (RuntimeError, OSError):
+            raise TokenizerError(f"--tokenizer-model {model_file} is not a sentencepiece .model file; pass the "
+                                 f".model written by data.train_tokenizer (not the .vocab)") from None
         self.vocab_size = self._sp.get_piece_size()
         self.eod = self._sp.eos_id()
         if self.eod < 0:
-            raise ValueError(f"{model_file} has no end-of-sentence piece (eos_id=-1); retrain it with eos_id set, "
+            raise TokenizerError(f"{model_file} has no end-of-sentence piece (eos_id=-1); retrain it with eos_id set, "
                              "e.g. via data.tokenizer.train_sentencepiece")
 
     def tokenize(self, text):
@@ -53,11 +64,15 @@ class GPT2BPETokenizer:
         how = "use GPT-2's vocab.json/merges.txt, or train them with tokenizers.ByteLevelBPETokenizer(...).save_model(dir)"
         _require_file(vocab_file, "--vocab-file", how)
         _require_file(merge_file, "--merge-file", how)
-        self._tok = tokenizers.ByteLevelBPETokenizer(vocab_file, merge_file)
+        try:
+            self._tok = tokenizers.ByteLevelBPETokenizer(vocab_file, merge_file)
+        except Exception as e:  # the tokenizers library raises plain Exception on a bad file
+            raise TokenizerError(f"--vocab-file {vocab_file} / --merge-file {merge_file} are not GPT-2 BPE files "
+                                 f"(vocab.json and merges.txt): {str(e).splitlines()[0]}") from None
         self.vocab_size = self._tok.get_vocab_size()
         eod = self._tok.token_to_id(GPT2_EOD_TOKEN)
         if eod is None:
-            raise ValueError(f"{vocab_file} has no {GPT2_EOD_TOKEN} token, which GPT-2 uses as end of document")
+            raise TokenizerError(f"{vocab_file} has no {GPT2_EOD_TOKEN} token, which GPT-2 uses as end of document")
         self.eod = eod
 
     def tokenize(self, text):
@@ -72,7 +87,7 @@ def build_tokenizer(tokenizer_type, tokenizer_model=None, vocab_file=None, merge
         return SentencePieceTokenizer(tokenizer_model)
     if tokenizer_type == "GPT2BPETokenizer":
         return GPT2BPETokenizer(vocab_file, merge_file)
-    raise ValueError(f"unknown --tokenizer-type {tokenizer_type!r}; valid types: {', '.join(TOKENIZER_TYPES)}")
+    raise TokenizerError(f"unknown --tokenizer-type {tokenizer_type!r}; valid types: {', '.join(TOKENIZER_TYPES)}")
 
 
 def train_sentencepiece(inputs, model_prefix, vocab_size, json_keys=("text",), input_sentence_size=300_000,
@@ -110,5 +125,10 @@ def train_sentencepiece(inputs, model_prefix, vocab_size, json_keys=("text",), i
         minloglevel=2,  # quiet
     )
     settings.update(options)
-    spm.SentencePieceTrainer.train(sentence_iterator=lines, model_prefix=model_prefix, **settings)
+    try:
+        spm.SentencePieceTrainer.train(sentence_iterator=lines, model_prefix=model_prefix, **settings)
+    except RuntimeError as e:  # e.g. "Vocabulary size too high (8000). Please set it to a value <= 1203."
+        message = str(e).strip().splitlines()[-1].split("] ", 1)[-1] if str(e).strip() else "sentencepiece failed"
+        raise TokenizerError(f"--vocab-size {vocab_size}: sentencepiece could not train on this input: "
+                             f"{message}") from None
     return model_prefix + ".model"

@@ -30,6 +30,8 @@ class GPTConfig:
     init_seed: int = 1234            # with a weight's name, seeds its initial values
     make_vocab_size_divisible_by: int = 128
     checkpoint_activations: bool = False  # recompute each block in backward
+    # Megatron's selective recompute: only the attention core (softmax, dropout) is recomputed
+    recompute_attention: bool = False
 
     def __post_init__(self):
         if self.hidden_size % self.num_attention_heads:
@@ -52,12 +54,19 @@ class SelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
         self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
         self.dropout = cfg.attention_dropout
+        self.recompute = cfg.recompute_attention
+
+    def core(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                              dropout_p=self.dropout if self.training else 0.0)
 
     def forward(self, x):
         b, s, h = x.shape
         q, k, v = self.qkv(x).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        if self.recompute and self.training and torch.is_grad_enabled():
+            y = checkpoint(self.core, q, k, v, use_reentrant=False)  # restores the RNG: same dropout mask
+        else:
+            y = self.core(q, k, v)
         return self.proj(y.transpose(1, 2).reshape(b, s, h))
 
 

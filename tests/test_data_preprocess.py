@@ -7,7 +7,7 @@ import pytest
 
 from data import preprocess as preprocess_module
 from data.corpus import write_kjv_jsonl
-from data.indexed_dataset import IndexedDataset
+from data.indexed_dataset import DataError, IndexedDataset
 from data.preprocess import preprocess
 from data.tokenizer import build_tokenizer, train_sentencepiece
 
@@ -80,7 +80,7 @@ def test_hf_dataset_matches_jsonl(tmp_path, jsonl, sp_model):
 
 
 def test_missing_json_key_is_explained(tmp_path, jsonl, sp_model):
-    with pytest.raises(KeyError, match="--json-keys"):
+    with pytest.raises(DataError, match="--json-keys"):
         run(jsonl, str(tmp_path / "x"), sp_model, json_keys=["body"])
     assert not [f for f in os.listdir(tmp_path) if f.startswith("x_")]  # temp files cleaned up
 

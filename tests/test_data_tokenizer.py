@@ -6,7 +6,7 @@ import pytest
 import tokenizers
 
 from data import train_tokenizer
-from data.tokenizer import GPT2_EOD_TOKEN, build_tokenizer, train_sentencepiece
+from data.tokenizer import GPT2_EOD_TOKEN, TokenizerError, build_tokenizer, train_sentencepiece
 
 TEXTS = [
     "In the beginning God created the heaven and the earth.",
@@ -55,14 +55,14 @@ def test_gpt2_bpe_round_trip(tmp_path):
 
 
 def test_errors_name_the_flag(tmp_path):
-    with pytest.raises(FileNotFoundError, match="--tokenizer-model.*data.train_tokenizer"):
+    with pytest.raises(TokenizerError, match="--tokenizer-model.*data.train_tokenizer"):
         build_tokenizer("SentencePieceTokenizer", tokenizer_model=str(tmp_path / "nope.model"))
-    with pytest.raises(FileNotFoundError, match="--tokenizer-model is required"):
+    with pytest.raises(TokenizerError, match="--tokenizer-model is required"):
         build_tokenizer("SentencePieceTokenizer")
-    with pytest.raises(FileNotFoundError, match="--vocab-file"):
+    with pytest.raises(TokenizerError, match="--vocab-file"):
         build_tokenizer("GPT2BPETokenizer", vocab_file=str(tmp_path / "vocab.json"), merge_file="m.txt")
     (tmp_path / "vocab.json").write_text("{}")
-    with pytest.raises(FileNotFoundError, match="--merge-file"):
+    with pytest.raises(TokenizerError, match="--merge-file"):
         build_tokenizer("GPT2BPETokenizer", vocab_file=str(tmp_path / "vocab.json"), merge_file=str(tmp_path / "m.txt"))
-    with pytest.raises(ValueError, match="SentencePieceTokenizer, GPT2BPETokenizer"):
+    with pytest.raises(TokenizerError, match="SentencePieceTokenizer, GPT2BPETokenizer"):
         build_tokenizer("BertWordPieceLowerCase")

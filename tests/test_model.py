@@ -51,6 +51,20 @@ def test_activation_checkpointing_gives_same_gradients():
         torch.testing.assert_close(a.grad, b.grad, msg=n)
 
 
+def test_selective_recompute_gives_same_gradients_with_dropout():
+    """--recompute-activations (Megatron's selective recompute): the attention core runs again in
+    backward with the same dropout mask, so the gradients are those of the plain model."""
+    cfg = dict(vocab_size=200, num_layers=2, hidden_size=32, num_attention_heads=4, attention_dropout=0.2)
+    plain, selective = GPT(GPTConfig(**cfg)), GPT(GPTConfig(**cfg, recompute_attention=True))
+    selective.load_state_dict(plain.state_dict())
+    x = torch.randint(0, 200, (2, 16))
+    for m in (plain, selective):
+        torch.manual_seed(1)
+        m(x[:, :-1], x[:, 1:]).backward()
+    for (n, a), b in zip(plain.named_parameters(), selective.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, msg=n)
+
+
 def test_loss_decreases_over_a_few_steps():
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, num_layers=2, hidden_size=32, num_attention_heads=4))

@@ -95,3 +95,29 @@ def test_topology_error_is_one_line_and_exit_2(corpus, tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "error: --ranks-per-node 3 must divide the world size 1; pass a divisor of 1"]
+
+
+def test_log_lines_are_megatrons(capsys):
+    """Timestamp prefix, per-interval skipped/nan counts, no grad norm after a skipped step,
+    Megatron's evaluation wording; our throughput and byte fields come after Megatron's."""
+    import re
+    from training.logger import TrainingLogger
+    logger = TrainingLogger(None)
+    stats = {"consumed": 8, "iter_ms": 12.0, "lr": 1e-3, "global_batch": 4, "loss": 5.0, "loss_scale": 1024.0,
+             "grad_norm": None, "skipped": 1, "nan": 0, "samples_per_s": 3.0, "tokens_per_s": 48.0,
+             "tflops": 0.0, "intra_mb": 0.0, "inter_mb": 0.0}
+    logger.training_line(2, 10, stats)
+    logger.training_line(4, 10, {**stats, "grad_norm": 0.5, "skipped": 0})
+    logger.validation_line(4, "validation", 4.0)
+    logger.validation_line(10, "validation", 3.0, end_of_training=True)
+    logger.validation_line(10, "test", 3.5)
+    lines = capsys.readouterr().out.splitlines()
+    assert re.match(r"^ \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] iteration        2/      10 \| consumed samples: ", lines[0])
+    assert "grad norm" not in lines[0] and "| number of skipped iterations:   1 |" in lines[0]
+    assert "| loss scale: 1024.0 | grad norm: 0.500 | number of skipped iterations:   0 |" in lines[1]
+    assert lines[1].index("number of nan iterations") < lines[1].index("tokens per second")
+    assert any(line.startswith(" validation loss at iteration 4 | lm loss value: 4.000000E+00 | lm loss PPL: ")
+               for line in lines)
+    assert any(line.startswith(" validation loss at iteration 10 on validation set | lm loss value: ")
+               for line in lines)
+    assert any(line.startswith(" validation loss at iteration 10 on test set | ") for line in lines)

@@ -7,6 +7,12 @@ is reported as a UserWarning. Exception: the learning-rate schedule, where a JSO
 `scheduler` and Megatron's schedule flags together are an error (see
 training/lr_schedule.py). A JSON `optimizer` section brings DeepSpeed's defaults
 for the parameters it leaves out (e.g. weight_decay 0), not the flags' defaults.
+
+Every user error (a bad flag value, YAML key, JSON key, or a combination that
+would do nothing or the wrong thing) raises zeropp.ConfigError with one line
+that names the flag, key or file; train.py prints it and exits with status 2.
+Numeric flags check their range as they are parsed (the same check runs on
+YAML values), so nothing out of range reaches the model or the loop.
 """
 from __future__ import annotations
 
@@ -23,95 +29,210 @@ from training.lr_schedule import build_lr_schedule
 from zeropp.config import ConfigError, DeepSpeedConfig, OptimizerSettings, load_json, parse_int
 
 
-def _int(text: str) -> int:
-    """Integers, also written as 5e8."""
-    try:
-        return parse_int(text, "value")
-    except ConfigError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad command line raises ConfigError (one line, no usage dump),
+    so that train.py reports it like every other user error."""
+
+    def error(self, message):
+        if message.startswith("unrecognized arguments:"):
+            unknown = message.split(":", 1)[1].split()[0].split("=")[0]
+            flags = [s for a in self._actions for s in a.option_strings if a.help != argparse.SUPPRESS]
+            close = difflib.get_close_matches(unknown, flags, n=1)
+            hint = f"did you mean {close[0]}? " if close else ""
+            message += f"; {hint}see `python train.py --help`"
+        raise ConfigError(message)
+
+
+def _ranged(convert, rule: str, ok, hint: str = ""):
+    """An argparse type: `convert` the text, then require `ok(value)`; the message states `rule`."""
+    def parse(text):
+        try:
+            value = convert(text)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(f"expected {convert.__doc__}, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {text}{hint}")
+        return value
+    return parse
+
+
+def _whole(text) -> int:
+    """a whole number"""
+    return parse_int(str(text), "value")  # also 5e8; ConfigError is a ValueError
+
+
+def _real(text) -> float:
+    """a number"""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(text)
+    return value
+
+
+def _at_least(n: int, hint: str = ""):
+    return _ranged(_whole, f">= {n}", lambda v: v >= n, hint)
+
+
+_int = _at_least(1)                     # sizes, counts, intervals
+_count = _at_least(0)                   # may be 0
+_positive = _ranged(_real, "> 0", lambda v: v > 0)
+_non_negative = _ranged(_real, ">= 0", lambda v: v >= 0)
+_below_one = _ranged(_real, "in [0, 1)", lambda v: 0 <= v < 1)       # dropout, betas, momentum
+_fraction = _ranged(_real, "in [0, 1]", lambda v: 0 <= v <= 1)
+_power_of_two = _ranged(_real, "a power of two (e.g. 65536)", lambda v: v > 0 and math.log2(v).is_integer())
+_seed = _ranged(_whole, "in [0, 2**32)", lambda v: 0 <= v < 2**32)   # numpy's RandomState range
+
+
+class _Refused(argparse.Action):
+    """A Megatron/DeepSpeed flag for a feature this product does not have: refused by
+    name with the reason, never silently ignored. Hidden from --help."""
+
+    def __init__(self, option_strings, dest, reason="", **kwargs):
+        self.reason = reason
+        super().__init__(option_strings, dest, nargs="*", default=None, help=argparse.SUPPRESS)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        raise ConfigError(f"{option_string} is not supported: {self.reason}")
+
+
+_NO_TP = "this product does data parallelism with ZeRO sharding only"
+_GPT2 = "the model is GPT-2 (learned positions, GeLU MLP, LayerNorm, tied embeddings); remove the flag"
+# Flags found in Megatron-LM / Megatron-DeepSpeed pretrain_gpt scripts for features we lack.
+REFUSED_FLAGS = {
+    "--model-parallel-size": f"it is Megatron's old name; use --tensor-model-parallel-size ({_NO_TP}, so 1)",
+    "--num-layers-per-virtual-pipeline-stage": f"pipeline parallelism is not implemented ({_NO_TP})",
+    "--sequence-parallel": f"sequence parallelism needs tensor parallelism ({_NO_TP})",
+    "--ds-sequence-parallel-size": f"DeepSpeed-Ulysses sequence parallelism is not implemented ({_NO_TP})",
+    "--use-distributed-optimizer": "Megatron's distributed optimizer is ZeRO stage 1 here; use --zero-stage 1 "
+                                   "(or 2, 3)",
+    "--overlap-grad-reduce": "set zero_optimization.overlap_comm in --deepspeed_config instead",
+    "--overlap-param-gather": "set zero_optimization.overlap_comm in --deepspeed_config instead",
+    "--partition-activations": "DeepSpeed's partitioned activation checkpoints are not implemented; "
+                               "--checkpoint-activations recomputes each block",
+    "--contigious-checkpointing": "DeepSpeed's contiguous activation checkpoints are not implemented; "
+                                  "--checkpoint-activations recomputes each block",
+    "--checkpoint-in-cpu": "activation checkpoints stay on the device (no CPU offload)",
+    "--synchronize-each-layer": "DeepSpeed activation-checkpointing options are not implemented",
+    "--profile-backward": "DeepSpeed activation-checkpointing options are not implemented",
+    "--cpu-optimizer": "ZeRO-Offload is not implemented; the optimizer runs where the model does",
+    "--cpu-torch-adam": "ZeRO-Offload is not implemented; the optimizer runs where the model does",
+    "--use-flash-attn": "attention is torch's scaled_dot_product_attention, which picks a flash kernel "
+                        "by itself where it can; remove the flag",
+    "--use-flash-attn-v2": "attention is torch's scaled_dot_product_attention, which picks a flash kernel "
+                           "by itself where it can; remove the flag",
+    "--use-flash-attn-triton": "attention is torch's scaled_dot_product_attention; remove the flag",
+    "--num-experts": "mixture of experts is not implemented",
+    "--moe-expert-parallel-size": "mixture of experts is not implemented",
+    "--rampup-batch-size": "batch-size ramp-up is not implemented; use a fixed --global-batch-size",
+    "--use-checkpoint-lr-scheduler": "the schedule always follows the flags and the iteration count",
+    "--swiglu": _GPT2,
+    "--use-rotary-position-embeddings": _GPT2,
+    "--position-embedding-type": _GPT2,
+    "--normalization": _GPT2,
+    "--untie-embeddings-and-output-weights": _GPT2,
+    "--disable-bias-linear": _GPT2,
+    "--group-query-attention": _GPT2,
+    "--num-key-value-heads": _GPT2,
+    "--fp8-format": "fp8 training is not implemented; use --fp16 or --bf16",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="GPT-2 pretraining with ZeRO / ZeRO++", allow_abbrev=False)
+    p = _Parser(description="GPT-2 pretraining with ZeRO / ZeRO++", allow_abbrev=False)
     p.add_argument("--config", help="YAML file of flag values (keys as flag names); flags override it")
 
     g = p.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, default=12)
-    g.add_argument("--hidden-size", type=int, default=768)
-    g.add_argument("--num-attention-heads", type=int, default=12)
-    g.add_argument("--ffn-hidden-size", type=int, default=None)
-    g.add_argument("--seq-length", type=int, default=1024)
-    g.add_argument("--max-position-embeddings", type=int, default=None,
+    g.add_argument("--num-layers", type=_int, default=12)
+    g.add_argument("--hidden-size", type=_int, default=768)
+    g.add_argument("--num-attention-heads", type=_int, default=12)
+    g.add_argument("--ffn-hidden-size", type=_int, default=None)
+    g.add_argument("--seq-length", type=_int, default=1024)
+    g.add_argument("--max-position-embeddings", type=_int, default=None,
                    help="default: --seq-length")
-    g.add_argument("--hidden-dropout", type=float, default=0.1)
-    g.add_argument("--attention-dropout", type=float, default=0.1)
-    g.add_argument("--init-method-std", type=float, default=0.02)
-    g.add_argument("--layernorm-epsilon", type=float, default=1e-5)
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--hidden-dropout", type=_below_one, default=0.1)
+    g.add_argument("--attention-dropout", type=_below_one, default=0.1)
+    g.add_argument("--init-method-std", type=_positive, default=0.02)
+    g.add_argument("--layernorm-epsilon", type=_positive, default=1e-5)
+    g.add_argument("--make-vocab-size-divisible-by", type=_int, default=128)
     g.add_argument("--checkpoint-activations", action="store_true",
-                   help="recompute each transformer block in backward")
+                   help="recompute each transformer block in backward (= --recompute-granularity full)")
     g.add_argument("--deepspeed-activation-checkpointing", action="store_true",
                    help="same as --checkpoint-activations (DeepSpeed's name)")
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="Megatron's selective recompute (= --recompute-granularity selective): the attention "
+                        "core is recomputed in backward")
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
     g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
-    g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--recompute-num-layers", type=_int, default=None)
 
     g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--tensor-model-parallel-size", type=_int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=_int, default=1)
+    g.add_argument("--no-pipeline-parallel", action="store_true",
+                   help="accepted for Megatron-DeepSpeed scripts; there is no pipeline parallelism anyway")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
                    help="default: nccl with GPUs, gloo on CPU")
-    g.add_argument("--ranks-per-node", type=int, default=None,
+    g.add_argument("--ranks-per-node", type=_int, default=None,
                    help="emulate nodes of this many ranks (default: torchrun's LOCAL_WORLD_SIZE)")
-    g.add_argument("--local_rank", "--local-rank", type=int, default=None,
+    g.add_argument("--local_rank", "--local-rank", type=_count, default=None,
                    help="set by the deepspeed launcher; torchrun's LOCAL_RANK is used instead")
 
     g = p.add_argument_group("ZeRO (DeepSpeed-compatible)")
     g.add_argument("--deepspeed", action="store_true", help="accepted for compatibility; always on")
     g.add_argument("--deepspeed_config", "--deepspeed-config", default=None,
                    help="DeepSpeed-style JSON (.json or .config)")
-    g.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2, 3])
-    g.add_argument("--zero-hpz-size", type=int, default=None, help="zero_hpz_partition_size")
+    g.add_argument("--zero-stage", type=_whole, default=None, choices=[0, 1, 2, 3])
+    g.add_argument("--zero-hpz-size", type=_int, default=None, help="zero_hpz_partition_size")
     g.add_argument("--zero-quantized-weights", action="store_true", default=None)
     g.add_argument("--zero-quantized-gradients", action="store_true", default=None)
     g.add_argument("--zero-reduce-bucket-size", type=_int, default=None)
 
     g = p.add_argument_group("batch and schedule")
-    g.add_argument("--micro-batch-size", "--batch-size", dest="micro_batch_size", type=int, default=None,
+    g.add_argument("--micro-batch-size", "--batch-size", dest="micro_batch_size", type=_int, default=None,
                    help="per rank (--batch-size is Megatron's old name)")
-    g.add_argument("--global-batch-size", type=int, default=None,
+    g.add_argument("--global-batch-size", type=_int, default=None,
                    help="default: micro-batch-size x data-parallel size (no accumulation)")
-    g.add_argument("--train-iters", type=int, default=None)
-    g.add_argument("--lr", type=float, default=None)
-    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--train-iters", type=_int, default=None)
+    g.add_argument("--train-samples", type=_int, default=None,
+                   help="train for this many samples instead of --train-iters (iterations = samples // "
+                        "global batch size, as Megatron)")
+    g.add_argument("--lr", type=_non_negative, default=None)
+    g.add_argument("--min-lr", type=_non_negative, default=0.0)
     g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="linear")
-    g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
-    g.add_argument("--lr-warmup-iters", type=int, default=0)
-    g.add_argument("--lr-warmup-fraction", type=float, default=None)
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.999)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--clip-grad", type=float, default=None, help="global gradient norm; 0 = off (default 1.0)")
+    g.add_argument("--lr-decay-iters", type=_int, default=None, help="default: --train-iters")
+    g.add_argument("--lr-decay-samples", type=_int, default=None,
+                   help="with --train-samples (default: --train-samples)")
+    g.add_argument("--lr-warmup-iters", type=_count, default=0)
+    g.add_argument("--lr-warmup-samples", type=_count, default=0, help="with --train-samples")
+    g.add_argument("--lr-warmup-fraction", type=_fraction, default=None,
+                   help="warmup as a fraction of the decay iterations (or samples)")
+    g.add_argument("--weight-decay", type=_non_negative, default=0.01)
+    g.add_argument("--adam-beta1", type=_below_one, default=0.9)
+    g.add_argument("--adam-beta2", type=_below_one, default=0.999)
+    g.add_argument("--adam-eps", type=_positive, default=1e-8)
+    g.add_argument("--clip-grad", type=_non_negative, default=None,
+                   help="global gradient norm; 0 = off (default 1.0)")
     g.add_argument("--optimizer", choices=["adam", "adamw", "sgd"], default="adam",
                    help="adam and adamw both decouple weight decay, as Megatron's adam")
-    g.add_argument("--sgd-momentum", type=float, default=0.9, help="momentum of --optimizer sgd")
+    g.add_argument("--sgd-momentum", type=_below_one, default=0.9, help="momentum of --optimizer sgd")
 
     g = p.add_argument_group("mixed precision")
     g.add_argument("--fp16", action="store_true")
     g.add_argument("--bf16", action="store_true")
-    g.add_argument("--loss-scale", type=float, default=None, help="static fp16 loss scale")
-    g.add_argument("--initial-loss-scale", type=float, default=None, help="default 2**16")
-    g.add_argument("--min-loss-scale", type=float, default=None)
-    g.add_argument("--loss-scale-window", type=int, default=None)
-    g.add_argument("--hysteresis", type=int, default=None)
+    g.add_argument("--loss-scale", type=_positive, default=None, help="static fp16 loss scale")
+    g.add_argument("--initial-loss-scale", type=_power_of_two, default=None, help="default 2**16")
+    g.add_argument("--min-loss-scale", type=_positive, default=None)
+    g.add_argument("--loss-scale-window", type=_int, default=None)
+    g.add_argument("--hysteresis", type=_int, default=None)
 
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="+", default=None,
                    help="PREFIX, or a blend: W1 PREFIX1 W2 PREFIX2 ...")
+    g.add_argument("--data-impl", default=None,
+                   help="accepted for Megatron scripts: mmap (or infer) only, the .bin/.idx format")
     g.add_argument("--split", default="969,30,1")
     g.add_argument("--data-cache-path", default=None, help="where index .npy files go (default: beside the data)")
-    g.add_argument("--num-workers", type=int, default=0)
+    g.add_argument("--num-workers", type=_count, default=0)
     g.add_argument("--tokenizer-type", default="SentencePieceTokenizer",
                    choices=list(TOKENIZER_TYPES))
     g.add_argument("--tokenizer-model", default=None)
@@ -121,26 +242,30 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("checkpointing, evaluation, logging")
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
-    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--save-interval", type=_int, default=None)
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
-    g.add_argument("--keep-last", type=int, default=None,
+    g.add_argument("--keep-last", type=_int, default=None,
                    help="keep the K newest checkpoints in --save; older ones go once a newer one is complete")
     g.add_argument("--async-save", action="store_true",
                    help="write checkpoints in the background while training continues")
-    g.add_argument("--max-nan-iters", type=int, default=None,
+    g.add_argument("--max-nan-iters", type=_int, default=None,
                    help="stop (saving the last good state) after this many consecutive non-finite losses")
-    g.add_argument("--eval-interval", type=int, default=1000)
-    g.add_argument("--eval-iters", type=int, default=100)
-    g.add_argument("--log-interval", type=int, default=100,
+    g.add_argument("--eval-interval", type=_at_least(1, "; to turn evaluation off use --eval-iters 0"),
+                   default=1000)
+    g.add_argument("--eval-iters", type=_count, default=100, help="0 turns evaluation off")
+    g.add_argument("--log-interval", type=_int, default=100,
                    help="default: steps_per_print of --deepspeed_config if it sets it, else 100")
     g.add_argument("--tensorboard-dir", default=None)
-    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--seed", type=_seed, default=1234)
 
     g = p.add_argument_group("planning")
     g.add_argument("--dry-run", action="store_true",
                    help="print the memory, communication and time plan for --cluster and exit (no training)")
     g.add_argument("--cluster", default=None, help="cluster description YAML for --dry-run (configs/clusters/)")
+
+    for flag, reason in REFUSED_FLAGS.items():
+        p.add_argument(flag, action=_Refused, reason=reason)
     return p
 
 
@@ -153,6 +278,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     explicit = _explicit_dests(parser, argv)
+    args.from_yaml = set()
     if args.config:
         _apply_yaml(parser, args, explicit)
     args.explicit = explicit
@@ -161,6 +287,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     _derive(args)
     build_lr_schedule(args)  # a JSON scheduler against Megatron's schedule flags fails here, early
     return args
+
+
+def flag(args, dest: str, value=None) -> str:
+    """An option (and its value) as a message names it: `--min-lr 0.5`, or
+    `--min-lr 0.5 (from run.yaml)` when the --config YAML set it."""
+    text = "--" + dest.replace("_", "-") + ("" if value is None else f" {value}")
+    return f"{text} (from {args.config})" if dest in getattr(args, "from_yaml", ()) else text
 
 
 def _explicit_dests(parser: argparse.ArgumentParser, argv) -> set[str]:
@@ -175,52 +308,117 @@ def _explicit_dests(parser: argparse.ArgumentParser, argv) -> set[str]:
     return set(vars(shadow.parse_known_args(argv)[0]))
 
 
-def _apply_yaml(parser, args, explicit: set[str]):
+def _read_yaml(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise ConfigError(f"--config: no such file {path}")
     try:
-        with open(args.config) as f:
-            values = yaml.safe_load(f) or {}
-    except FileNotFoundError:
-        parser.error(f"--config: no such file {args.config}")
+        with open(path, encoding="utf-8") as f:
+            values = yaml.safe_load(f)
+    except OSError as e:
+        raise ConfigError(f"--config {path} cannot be read: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"--config {path} is not a text (UTF-8) file") from None
+    except yaml.YAMLError as e:
+        where = getattr(e, "problem_mark", None)
+        at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+        raise ConfigError(f"--config {path} is not valid YAML{at}: {getattr(e, 'problem', None) or e}") from None
+    if values is None:
+        return {}
     if not isinstance(values, dict):
-        parser.error(f"--config {args.config} must be a mapping of flag names to values")
+        raise ConfigError(f"--config {path} must be a mapping of flag names to values (key: value lines), "
+                          f"got a {type(values).__name__}")
+    return values
+
+
+def _yaml_value(action: argparse.Action, key: str, value, path: str):
+    """A YAML value for `action`, checked as strictly as the same flag on the command line."""
+    where = f"--config {path}: {key}"
+    if isinstance(action, _Refused):
+        if value in (None, False):
+            return None  # "off" asks for what happens anyway
+        raise ConfigError(f"{where} is not supported: {action.reason}")
+    if action.nargs == 0:  # on/off switches: a YAML true/false, never a string ("false" is true in Python)
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where} must be true or false (unquoted), got {value!r}")
+        return value
+    if action.nargs == "+":
+        items = value if isinstance(value, list) else str(value).split()
+        if not items or any(isinstance(v, (list, dict)) for v in items):
+            raise ConfigError(f"{where} must be a value or a list of values, got {value!r}")
+        return [str(v) for v in items]
+    if isinstance(value, (list, dict)):
+        raise ConfigError(f"{where} takes one value, got {value!r}")
+    if isinstance(value, bool) and action.type is None:
+        raise ConfigError(f"{where} takes a value, not {str(value).lower()}")
+    text = str(value)
+    if action.type is not None:
+        if isinstance(value, bool):  # str(True) would read as a number-parse error; say it plainly
+            raise ConfigError(f"{where} must be a number, got {str(value).lower()}")
+        try:
+            value = action.type(text)
+        except argparse.ArgumentTypeError as e:
+            raise ConfigError(f"{where}: {e}") from None
+    else:
+        value = text
+    if action.choices is not None and value not in action.choices:
+        raise ConfigError(f"{where} must be one of {', '.join(map(str, action.choices))}, got {value!r}")
+    return value
+
+
+def _apply_yaml(parser, args, explicit: set[str]):
+    values = _read_yaml(args.config)
     known = {a.dest: a for a in parser._actions if a.option_strings}
     for key, value in values.items():
-        dest = key.replace("-", "_")
-        if dest not in known or dest == "config":
-            close = difflib.get_close_matches(dest, list(known), n=1)
+        dest = str(key).replace("-", "_")
+        if dest not in known or dest in ("config", "help"):
+            close = difflib.get_close_matches(dest, [d for d, a in known.items() if a.help != argparse.SUPPRESS], n=1)
             hint = f"; did you mean '{close[0].replace('_', '-')}'?" if close else ""
-            parser.error(f"--config {args.config}: unknown key '{key}'{hint}")
-        if dest in explicit:
+            raise ConfigError(f"--config {args.config}: unknown key '{key}'{hint}")
+        if value is None:
+            continue  # `key:` with no value keeps the default
+        value = _yaml_value(known[dest], key, value, args.config)
+        if dest in explicit or value is None:
             continue  # the command line wins
-        action = known[dest]
-        if action.type is not None and isinstance(value, str):
-            value = action.type(value)  # e.g. "5e8" for an integer flag
-        if action.choices is not None and value not in action.choices:
-            parser.error(f"--config {args.config}: {key} must be one of {list(action.choices)}, got {value!r}")
-        if action.nargs == "+" and not isinstance(value, list):
-            value = str(value).split()
         setattr(args, dest, value)
         explicit.add(dest)
+        args.from_yaml.add(dest)
 
 
 def _check_supported(args):
     for name, value in _MUST_BE.items():
         if getattr(args, name) != value:
-            flag = "--" + name.replace("_", "-")
-            raise ConfigError(f"{flag} {getattr(args, name)} is not supported: this product does data "
-                              f"parallelism with ZeRO sharding only; use {flag} {value}")
-    if args.recompute_granularity == "selective":
-        raise ConfigError("--recompute-granularity selective is not supported; use full "
-                          "(or --checkpoint-activations)")
+            raise ConfigError(f"{flag(args, name, getattr(args, name))} is not supported: {_NO_TP}; "
+                              f"use {value}")
+    if args.data_impl not in (None, "mmap", "infer"):
+        raise ConfigError(f"{flag(args, 'data_impl', args.data_impl)} is not supported: only Megatron's mmap "
+                          f".bin/.idx format is read (data.preprocess writes it); use mmap or drop the flag")
+    full = args.checkpoint_activations or args.deepspeed_activation_checkpointing
+    if args.recompute_activations and (full or args.recompute_granularity == "full"):
+        raise ConfigError("--recompute-activations (selective recompute) and full recompute "
+                          "(--checkpoint-activations / --recompute-granularity full) are both set; pick one")
+    if args.recompute_granularity == "selective" and full:
+        raise ConfigError("--recompute-granularity selective and --checkpoint-activations are both set; pick one")
     if args.recompute_method == "block" or args.recompute_num_layers not in (None, 1):
         raise ConfigError("--recompute-method block and --recompute-num-layers above 1 are not supported: "
                           "each transformer block is recomputed on its own (Megatron's uniform method "
                           "with 1 layer); drop these flags")
+    selective = args.recompute_activations or args.recompute_granularity == "selective"
+    if selective and args.recompute_method is not None:
+        raise ConfigError("--recompute-method applies to full recompute only (as in Megatron); drop it "
+                          "with selective recompute")
     if args.fp16 and args.bf16:
         raise ConfigError("--fp16 and --bf16 are both set; pick one")
     if args.hidden_size % args.num_attention_heads:
-        raise ConfigError(f"--num-attention-heads {args.num_attention_heads} must divide "
-                          f"--hidden-size {args.hidden_size}")
+        raise ConfigError(f"{flag(args, 'num_attention_heads', args.num_attention_heads)} must divide "
+                          f"{flag(args, 'hidden_size', args.hidden_size)}")
+    # Tokenizer files the chosen tokenizer does not read would be ignored: refuse them.
+    unused = ("vocab_file", "merge_file") if args.tokenizer_type == "SentencePieceTokenizer" else ("tokenizer_model",)
+    unused = [flag(args, d) for d in unused if getattr(args, d) is not None]
+    if unused:
+        raise ConfigError(f"{', '.join(unused)} has no effect with --tokenizer-type {args.tokenizer_type}; "
+                          f"remove it or change --tokenizer-type")
+    if args.save_interval is not None and args.save is None:
+        raise ConfigError(f"{flag(args, 'save_interval')} has no effect without --save; add --save DIR")
 
 
 _GIVEN = object()  # merge(): "take the flag's value if it was given"
@@ -231,7 +429,7 @@ _MEGATRON_OPTIMIZERS = {"adam": "adamw", "adamw": "adamw", "sgd": "sgd"}
 def _merge_deepspeed_config(args, explicit: set[str]) -> DeepSpeedConfig:
     """One DeepSpeedConfig from the JSON and the flags; flags win and conflicts are reported."""
     path = args.deepspeed_config
-    raw = load_json(path) if path else {}
+    raw = _read_json(path) if path else {}
     ds = DeepSpeedConfig.from_dict(raw, where=path or "defaults")
     in_file = _dotted_keys(raw)
     zero = ds.zero_optimization
@@ -279,6 +477,7 @@ def _merge_deepspeed_config(args, explicit: set[str]) -> DeepSpeedConfig:
     args.global_batch_size = ds.train_batch_size
     args.clip_grad = ds.gradient_clipping
     ds.validate("flags and --deepspeed_config")
+    _check_loss_scaling(ds, path or "flags")
     return ds
 
 
@@ -337,30 +536,121 @@ def _dotted_keys(raw: dict, prefix: str = "") -> set[str]:
     return keys
 
 
+def _read_json(path: str) -> dict:
+    """The --deepspeed_config file, with a one-line error for a missing, unreadable or non-JSON file."""
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise ConfigError(f"--deepspeed_config {path} is a directory, not a JSON file")
+    try:
+        return load_json(path)
+    except OSError as e:
+        raise ConfigError(f"--deepspeed_config {path} cannot be read: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"--deepspeed_config {path} is not a text (UTF-8) JSON file") from None
+
+
+def _check_loss_scaling(ds: DeepSpeedConfig, where: str):
+    """fp16 settings the engine would take as they are (from the JSON; the flags check their own range)."""
+    fp16 = ds.fp16
+    for name, ok, rule in (("loss_scale", fp16.loss_scale >= 0, ">= 0 (0 = dynamic scaling)"),
+                           ("initial_scale_power", 0 <= fp16.initial_scale_power < 64, "in [0, 64)"),
+                           ("loss_scale_window", fp16.loss_scale_window >= 1, ">= 1"),
+                           ("hysteresis", fp16.hysteresis >= 1, ">= 1"),
+                           ("min_loss_scale", fp16.min_loss_scale > 0, "> 0")):
+        if not ok:
+            raise ConfigError(f"{where}: fp16.{name} must be {rule}, got {getattr(fp16, name)}")
+
+
 def _derive(args):
     if args.deepspeed_activation_checkpointing or args.recompute_granularity == "full":
         args.checkpoint_activations = True
+    if args.recompute_activations:  # Megatron: --recompute-activations means selective recompute
+        args.recompute_granularity = "selective"
+    if args.checkpoint_activations:
+        args.recompute_granularity = "full"
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     if args.seq_length > args.max_position_embeddings:
-        raise ConfigError(f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
-                          f"{args.max_position_embeddings}")
+        raise ConfigError(f"{flag(args, 'seq_length', args.seq_length)} exceeds "
+                          f"{flag(args, 'max_position_embeddings', args.max_position_embeddings)}")
     scheduler = args.ds_config.scheduler
     if args.lr is None and scheduler is not None and "warmup_max_lr" in scheduler.params:
         args.lr = args.optimizer_settings.lr = scheduler.params["warmup_max_lr"]  # the schedule's peak
-    for name in ("train_iters", "lr", "data_path"):
-        if getattr(args, name) is None:
-            raise ConfigError(f"--{name.replace('_', '-')} is required")
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
+    if args.lr is None:
+        raise ConfigError("--lr is required")
+    if not args.dry_run:  # the planner needs no data and no length of training
+        if args.data_path is None:
+            raise ConfigError("--data-path is required")
+        if args.train_iters is None and args.train_samples is None:
+            raise ConfigError("--train-iters (or --train-samples) is required")
+    _check_schedule(args)
+    if args.train_samples is None:  # iteration-based; sample-based converts in resolve_batch
+        if args.lr_decay_iters is None:
+            args.lr_decay_iters = args.train_iters
+        if args.lr_warmup_fraction is not None and args.lr_decay_iters is not None:
+            args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
+        _check_warmup(args)
     # Under torchrun the job's shape is known before any work (it sets these before starting
     # us); a single process (world size 1) runs unsharded and ZeRO++ has nothing to do.
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    ranks_per_node = args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if world % ranks_per_node:
+        raise ConfigError(f"{flag(args, 'ranks_per_node', ranks_per_node)} must divide the world size "
+                          f"{world}; pass a divisor of {world}")
     if "WORLD_SIZE" in os.environ:
-        world = int(os.environ["WORLD_SIZE"])
-        ranks_per_node = args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
         args.ds_config.zero_optimization.validate_topology(ranks_per_node, world)
+
+
+def _check_schedule(args):
+    """Megatron's rules: training and its schedule are counted in iterations or in samples, not both."""
+    given = lambda dest: getattr(args, dest) not in (None, 0)  # noqa: E731 (0: the warmup default)
+    if args.train_iters is not None and args.train_samples is not None:
+        raise ConfigError(f"{flag(args, 'train_iters')} and {flag(args, 'train_samples')} are both set; "
+                          f"keep one (Megatron counts training in iterations or in samples)")
+    if args.train_samples is not None:
+        wrong = [flag(args, d) for d in ("lr_decay_iters", "lr_warmup_iters") if given(d)]
+        if wrong:
+            raise ConfigError(f"{', '.join(wrong)} does not fit training counted in samples (--train-samples); "
+                              f"use --lr-decay-samples / --lr-warmup-samples")
+    else:
+        wrong = [flag(args, d) for d in ("lr_decay_samples", "lr_warmup_samples") if given(d)]
+        if wrong:
+            raise ConfigError(f"{', '.join(wrong)} needs --train-samples (training is counted in iterations "
+                              f"here); use --lr-decay-iters / --lr-warmup-iters")
+    if args.lr_warmup_fraction is not None and (given("lr_warmup_iters") or given("lr_warmup_samples")):
+        raise ConfigError(f"{flag(args, 'lr_warmup_fraction')} and an explicit warmup length are both set; "
+                          f"keep one")
+    if args.ds_config.scheduler is None and args.min_lr > args.lr:
+        raise ConfigError(f"{flag(args, 'min_lr', args.min_lr)} is above {flag(args, 'lr', args.lr)}: the "
+                          f"schedule decays from --lr down to --min-lr; lower --min-lr")
+
+
+def _check_warmup(args):
+    if (args.ds_config.scheduler is None and args.lr_decay_style != "constant" and args.lr_decay_iters is not None
+            and args.lr_warmup_iters > args.lr_decay_iters):
+        raise ConfigError(f"the warmup ({args.lr_warmup_iters} iterations) is longer than the decay "
+                          f"(--lr-decay-iters {args.lr_decay_iters}); shorten the warmup or lengthen the decay")
+
+
+def samples_to_iterations(args):
+    """Sample-based training (--train-samples, --lr-*-samples) in iterations, as Megatron
+    converts it: iterations = samples // global batch size. Needs the global batch size,
+    so resolve_batch calls it; a no-op for iteration-based training."""
+    if args.train_samples is None or args.global_batch_size is None:
+        return
+    batch = args.global_batch_size
+    args.train_iters = args.train_samples // batch
+    if args.train_iters < 1:
+        raise ConfigError(f"{flag(args, 'train_samples', args.train_samples)} is less than one global batch "
+                          f"({batch} samples); raise it or lower the batch size")
+    decay_samples = args.lr_decay_samples if args.lr_decay_samples is not None else args.train_samples
+    args.lr_decay_iters = max(1, decay_samples // batch)
     if args.lr_warmup_fraction is not None:
         args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
+    else:
+        args.lr_warmup_iters = args.lr_warmup_samples // batch
+    _check_warmup(args)
+    if args.ds_config.scheduler is not None:
+        build_lr_schedule(args)  # its check of train_iters against total_num_steps
 
 
 def resolve_batch(args, data_parallel_size: int):
@@ -399,3 +689,4 @@ def resolve_batch(args, data_parallel_size: int):
     args.micro_batch_size = ds.train_micro_batch_size_per_gpu = micro
     args.global_batch_size = ds.train_batch_size = train
     args.gradient_accumulation_steps = ds.gradient_accumulation_steps = accum
+    samples_to_iterations(args)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import resource
+from datetime import datetime
 
 import torch
 
@@ -36,11 +37,16 @@ class TrainingLogger:
                 self.writer.add_scalar(name, value, iteration)
 
     def training_line(self, it: int, train_iters: int, s: dict):
+        """Megatron's line (training.py, training_log): a timestamp, then its fields in its order,
+        with skipped and nan iterations counted over this log interval and no grad norm when
+        the last step was skipped; then ours (throughput and bytes sent)."""
+        grad_norm = "" if s["grad_norm"] is None else f"| grad norm: {s['grad_norm']:.3f} "
         print_rank0(
+            f" [{datetime.now().strftime('%Y-%m-%d %H:%M:%S')}]"
             f" iteration {it:8d}/{train_iters:8d} | consumed samples: {s['consumed']:12d} "
             f"| elapsed time per iteration (ms): {s['iter_ms']:.1f} | learning rate: {s['lr']:.6E} "
             f"| global batch size: {s['global_batch']:5d} | lm loss: {s['loss']:.6E} "
-            f"| loss scale: {s['loss_scale']:.1f} | grad norm: {s['grad_norm']:.3f} "
+            f"| loss scale: {s['loss_scale']:.1f} {grad_norm}"
             f"| number of skipped iterations: {s['skipped']:3d} | number of nan iterations: {s['nan']:3d} "
             f"| samples per second: {s['samples_per_s']:.1f} | tokens per second: {s['tokens_per_s']:.0f} "
             f"| TFLOPs: {s['tflops']:.3f} | intra-node MB: {s['intra_mb']:.1f} "
@@ -66,11 +72,13 @@ class TrainingLogger:
                      for name in ("gathered_weights", "gradient_buckets") if name + "_peak" in peaks]
             print_rank0(f"> peak during the step: {', '.join(parts).replace('_', ' ')}")
 
-    def validation_line(self, it: int, name: str, loss: float):
+    def validation_line(self, it: int, name: str, loss: float, end_of_training: bool = False):
+        """Megatron's evaluation block: ` validation loss at iteration N | ...` during training,
+        `... at iteration N on validation set | ...` / `... on test set | ...` at the end."""
         ppl = math.exp(min(20.0, loss))
-        text = (f" {name} loss at iteration {it} | lm loss value: {loss:.6E} "
-                f"| lm loss PPL: {ppl:.6E} | ")
-        print_rank0("-" * len(text) + "\n" + text + "\n" + "-" * len(text))
+        where = f"iteration {it}" + (f" on {name} set" if end_of_training or name == "test" else "")
+        text = f" validation loss at {where} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} | "
+        print_rank0("-" * (len(text) + 1) + "\n" + text + "\n" + "-" * (len(text) + 1))
         self.scalars(it, {f"{name}/lm-loss": loss, f"{name}/lm-loss-ppl": ppl})
 
     def close(self):

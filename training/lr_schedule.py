@@ -16,7 +16,8 @@ from typing import Callable
 from zeropp.config import ConfigError
 
 # Flags that shape Megatron's schedule; a JSON scheduler replaces all of them.
-MEGATRON_SCHEDULE_FLAGS = ("lr_decay_style", "lr_decay_iters", "lr_warmup_iters", "lr_warmup_fraction", "min_lr")
+MEGATRON_SCHEDULE_FLAGS = ("lr_decay_style", "lr_decay_iters", "lr_warmup_iters", "lr_warmup_fraction", "min_lr",
+                           "lr_decay_samples", "lr_warmup_samples")
 
 
 def learning_rate(iteration: int, *, lr: float, min_lr: float, warmup_iters: int, decay_iters: int,
@@ -95,7 +96,7 @@ def build_lr_schedule(args) -> Callable[[int], float]:
                           f"the learning-rate schedule; keep one: remove the flag(s) (also from the "
                           f"--config YAML) or the JSON scheduler section")
     total = scheduler.params.get("total_num_steps")
-    if scheduler.type == "WarmupCosineLR" and args.train_iters > total + 1:
+    if scheduler.type == "WarmupCosineLR" and args.train_iters is not None and args.train_iters > total + 1:
         warnings.warn(f"--train-iters {args.train_iters} exceeds scheduler total_num_steps {total}: "
                       f"DeepSpeed's cosine rises again after it", UserWarning, stacklevel=2)
     return partial(deepspeed_learning_rate, kind=scheduler.type, params=scheduler.params, base_lr=args.lr)

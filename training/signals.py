@@ -36,3 +36,9 @@ class StopRequest:
     def restore(self):
         for s, handler in self._previous.items():
             signal.signal(s, handler)
+
+    @classmethod
+    def restore_defaults(cls):
+        """Python's own handlers (a StopRequest left installed by an exception swallows SIGTERM)."""
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)

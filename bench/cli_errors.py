@@ -1,0 +1,213 @@
+"""Run bad or unusual inputs through the real commands and tabulate what each prints.
+
+    .venv/bin/python bench/cli_errors.py [--output cli_errors.md]
+
+Each case is a real process (`python train.py ...`, `python -m data.preprocess ...`)
+started from the repository root on the bundled corpus (work_dir/, see the README's
+quick start) with a 1-layer model, so an accepted input trains two iterations in
+seconds. The table gives the exit status and the line printed: for a user error the
+one `error: ...` line (status 2), for an accepted input the last log line's start.
+"""
+import argparse
+import os
+import struct
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from data.indexed_dataset import IndexedDatasetBuilder  # noqa: E402
+from data.tokenizer import train_sentencepiece  # noqa: E402
+
+DATA, MODEL = "work_dir/kjv_text_document", "work_dir/kjv_sp.model"
+
+
+def base(tmp):
+    return ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "16",
+            "--micro-batch-size", "1", "--train-iters", "2", "--lr", "1e-3", "--eval-iters", "0",
+            "--log-interval", "1", "--data-path", DATA, "--tokenizer-model", MODEL,
+            "--data-cache-path", f"{tmp}/cache"]
+
+
+def with_value(argv, flag, value):
+    argv = list(argv)
+    argv[argv.index(flag) + 1] = value
+    return argv
+
+
+def write_dataset(prefix, docs, extra_idx=b"", patch=None):
+    builder = IndexedDatasetBuilder(prefix + ".bin", np.uint16)
+    for doc in docs:
+        builder.add_document(doc)
+    builder.finalize(prefix + ".idx")
+    raw = bytearray(open(prefix + ".idx", "rb").read())
+    if patch:
+        offset, data = patch
+        raw[offset:offset + len(data)] = data
+    open(prefix + ".idx", "wb").write(bytes(raw) + extra_idx)
+    return prefix
+
+
+def files(tmp):
+    """The bad files the cases point at."""
+    count = iter(range(1000))
+
+    def text(name, content):
+        path = os.path.join(tmp, name)
+        with open(path, "w") as f:
+            f.write(content)
+        return path
+    small = train_sentencepiece([f"word{i} and more words {i * 3}" for i in range(200)], f"{tmp}/small",
+                                vocab_size=300)
+    return {
+        "small_model": small,
+        "neg": write_dataset(f"{tmp}/neg", [[1, 2, 3], [4, 5]], patch=(34 + 4, struct.pack("<i", -2))),
+        "multimodal": write_dataset(f"{tmp}/mm", [[1, 2, 3], [4, 5]], extra_idx=bytes([0, 0])),
+        "garbage": (text("garbage.idx", "not an index"), text("garbage.bin", "x"))[0][:-4],
+        "yaml": lambda body: text(f"run{next(count)}.yaml", body),  # one file per case
+        "json": lambda body: text(f"ds{next(count)}.json", body),
+        "bad_jsonl": text("bad.jsonl", '{"text": "fine"}\nnot json\n'),
+        "nokey_jsonl": text("nokey.jsonl", '{"body": "fine"}\n'),
+        "vocab_txt": text("small.vocab.txt", "not a model"),
+    }
+
+
+def cases(tmp, f):
+    b = base(tmp)
+    no_iters = b[:10] + b[12:]  # without --train-iters 2
+    assert b[10] == "--train-iters"
+    yaml, jsn = f["yaml"], f["json"]
+    train = ["train.py"]
+    out = [
+        ("--train-iters 0", train + with_value(b, "--train-iters", "0")),
+        ("--micro-batch-size 0", train + b + ["--micro-batch-size", "0"]),
+        ("--eval-interval 0", train + b + ["--eval-interval", "0"]),
+        ("--log-interval 0", train + with_value(b, "--log-interval", "0")),
+        ("--lr -0.0001", train + with_value(b, "--lr", "-0.0001")),
+        ("--adam-beta2 1.5", train + b + ["--adam-beta2", "1.5"]),
+        ("--hidden-dropout 1.5", train + b + ["--hidden-dropout", "1.5"]),
+        ("--min-lr 0.01 (above --lr 1e-3)", train + b + ["--min-lr", "0.01"]),
+        ("--weight-decay -0.1", train + b + ["--weight-decay", "-0.1"]),
+        ("--lr-warmup-fraction 2", train + b + ["--lr-warmup-fraction", "2"]),
+        ("--lr-decay-iters 0", train + b + ["--lr-decay-iters", "0"]),
+        ("--lr-warmup-iters 5 --lr-decay-iters 3", train + b + ["--lr-warmup-iters", "5", "--lr-decay-iters", "3"]),
+        ("--num-layers four", train + b + ["--num-layers", "four"]),
+        ("--hidden-size 100 --num-attention-heads 3", train + b + ["--hidden-size", "100",
+                                                                   "--num-attention-heads", "3"]),
+        ("--seq-length 2048 --max-position-embeddings 1024", train + b + ["--seq-length", "2048",
+                                                                          "--max-position-embeddings", "1024"]),
+        ("--initial-loss-scale 1000", train + b + ["--initial-loss-scale", "1000"]),
+        ("--seed -1", train + b + ["--seed", "-1"]),
+        ("--zero-stage 4", train + b + ["--zero-stage", "4"]),
+        ("--fp16 --bf16", train + b + ["--fp16", "--bf16"]),
+        ("--num-layer 2 (typo)", train + b + ["--num-layer", "2"]),
+        ("--save-interval 5 without --save", train + b + ["--save-interval", "5"]),
+        ("--vocab-file with SentencePieceTokenizer", train + b + ["--vocab-file", "v.json"]),
+        ("--train-iters and --train-samples", train + b + ["--train-samples", "64"]),
+        ("--lr-decay-samples with --train-iters", train + b + ["--lr-decay-samples", "64"]),
+        ("--model-parallel-size 2", train + b + ["--model-parallel-size", "2"]),
+        ("--tensor-model-parallel-size 2", train + b + ["--tensor-model-parallel-size", "2"]),
+        ("--partition-activations", train + b + ["--partition-activations"]),
+        ("--cpu-optimizer", train + b + ["--cpu-optimizer"]),
+        ("--sequence-parallel", train + b + ["--sequence-parallel"]),
+        ("--use-flash-attn", train + b + ["--use-flash-attn"]),
+        ("--swiglu", train + b + ["--swiglu"]),
+        ("--data-impl lazy", train + b + ["--data-impl", "lazy"]),
+        ("--recompute-activations --checkpoint-activations", train + b + ["--recompute-activations",
+                                                                          "--checkpoint-activations"]),
+        ("YAML `num-layers: four`", train + b + ["--config", yaml("num-layers: four\n")]),
+        ('YAML `fp16: "false"`', train + b + ["--config", yaml('fp16: "false"\n')]),
+        ("YAML `train-iters: 0`", train + no_iters + ["--config", yaml("train-iters: 0\n")]),
+        ("YAML unknown key `hiden-size: 64`", train + b + ["--config", yaml("hiden-size: 64\n")]),
+        ("YAML syntax error", train + b + ["--config", yaml("num-layers: 2\n  bad: indent\n")]),
+        ("YAML `min-lr: 0.5`", train + b + ["--config", yaml("min-lr: 0.5\n")]),
+        ("--config nope.yaml", train + b + ["--config", "nope.yaml"]),
+        ("JSON syntax error", train + b + ["--deepspeed_config", jsn("{not json")]),
+        ('JSON `"fp16": {"enabled": "false"}`', train + b + ["--deepspeed_config",
+                                                             jsn('{"fp16": {"enabled": "false"}}')]),
+        ('JSON `"train_batch_size": 0`', train + b + ["--deepspeed_config", jsn('{"train_batch_size": 0}')]),
+        ('JSON `"fp16": {"loss_scale_window": 0}`', train + b + ["--deepspeed_config",
+                                                                 jsn('{"fp16": {"loss_scale_window": 0}}')]),
+        ("JSON typo `zero_optimizaton`", train + b + ["--deepspeed_config", jsn('{"zero_optimizaton": {}}')]),
+        ("--deepspeed_config is a directory", train + b + ["--deepspeed_config", tmp]),
+        ("--data-path to a missing prefix", train + with_value(b, "--data-path", f"{tmp}/nope")),
+        ("--data-path to garbage .bin/.idx", train + with_value(b, "--data-path", f["garbage"])),
+        (".idx with a negative sequence length", train + with_value(b, "--data-path", f["neg"])),
+        (".idx with sequence_modes (multimodal)", train + with_value(b, "--data-path", f["multimodal"])),
+        ("--data-path 0.5 A 0.5 (odd blend)", train + with_value(b, "--data-path", "0.5") + ["--data-path", "0.5",
+                                                                                            DATA, "0.5"]),
+        ("--split 90,10,x", train + b + ["--split", "90,10,x"]),
+        ("--split 0,0,0", train + b + ["--split", "0,0,0"]),
+        ("--seq-length 100000 (longer than the valid split)",
+         train + b + ["--seq-length", "100000", "--split", "998,1,1", "--eval-iters", "1"]),
+        ("tokenizer vocab (300) smaller than the data's ids", train + with_value(b, "--tokenizer-model",
+                                                                                 f["small_model"])),
+        ("--tokenizer-model nope.model", train + with_value(b, "--tokenizer-model", "nope.model")),
+        ("--tokenizer-model pointing at a text file", train + with_value(b, "--tokenizer-model", f["vocab_txt"])),
+        ("--ranks-per-node 3 (world size 1)", train + b + ["--ranks-per-node", "3"]),
+        ("preprocess: --input missing.jsonl", ["-m", "data.preprocess", "--input", f"{tmp}/missing.jsonl",
+                                               "--output-prefix", f"{tmp}/o", "--tokenizer-type",
+                                               "SentencePieceTokenizer", "--tokenizer-model", MODEL]),
+        ("preprocess: a line that is not JSON", ["-m", "data.preprocess", "--input", f["bad_jsonl"],
+                                                 "--output-prefix", f"{tmp}/o", "--tokenizer-type",
+                                                 "SentencePieceTokenizer", "--tokenizer-model", MODEL]),
+        ("preprocess: missing --json-keys field", ["-m", "data.preprocess", "--input", f["nokey_jsonl"],
+                                                   "--output-prefix", f"{tmp}/o", "--tokenizer-type",
+                                                   "SentencePieceTokenizer", "--tokenizer-model", MODEL]),
+        ("preprocess: --workers 0", ["-m", "data.preprocess", "--input", f["nokey_jsonl"], "--output-prefix",
+                                     f"{tmp}/o", "--tokenizer-type", "SentencePieceTokenizer",
+                                     "--tokenizer-model", MODEL, "--workers", "0"]),
+        ("train_tokenizer: --vocab-size 8000 on a tiny input",
+         ["-m", "data.train_tokenizer", "--input", f["nokey_jsonl"], "--json-keys", "body", "--vocab-size",
+          "8000", "--model-prefix", f"{tmp}/t"]),
+        # Accepted: Megatron spellings with the same meaning.
+        ("accepted: --data-impl mmap --no-pipeline-parallel", train + b + ["--data-impl", "mmap",
+                                                                           "--no-pipeline-parallel"]),
+        ("accepted: --recompute-activations (selective)", train + b + ["--recompute-activations"]),
+        ("accepted: --train-samples 4 --lr-warmup-samples 2 (no --train-iters)",
+         train + no_iters + ["--train-samples", "4", "--lr-warmup-samples", "2"]),
+        ("accepted: YAML `fp16: false`", train + b + ["--config", yaml("fp16: false\n")]),
+    ]
+    return out
+
+
+def run(argv):
+    proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    if "Traceback" in proc.stderr:
+        message = "TRACEBACK: " + proc.stderr.strip().splitlines()[-1]
+    elif errors:
+        message = errors[-1]
+    elif proc.returncode:
+        message = proc.stderr.strip().splitlines()[-1]  # argparse's own "usage ... error:" of a data tool
+    else:
+        logged = [line for line in proc.stdout.splitlines() if " iteration " in line]
+        message = ("trains; last log line: `" + logged[-1].split("| elapsed")[0].strip() + " ...`"
+                   if logged else (proc.stdout.strip().splitlines() or [""])[-1])
+    return proc.returncode, message
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--output", default=os.path.join(ROOT, "cli_errors.md"))
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = []
+        for name, argv in cases(tmp, files(tmp)):
+            status, message = run(argv)
+            rows.append((name, status, message))
+            print(f"{status:3d}  {name}: {message}", flush=True)
+    escape = lambda s: s.replace("|", "\\|").replace(tmp, "$TMP")  # noqa: E731
+    lines = ["| input | exit status | message printed |", "|---|---|---|"]
+    lines += [f"| {escape(name)} | {status} | {escape(message)} |" for name, status, message in rows]
+    with open(args.output, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"{len(rows)} inputs -> {args.output}")
+
+
+if __name__ == "__main__":
+    main()

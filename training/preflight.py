@@ -1,0 +1,52 @@
+"""Checks of the input files before any expensive work (process group, index building, model).
+
+    tokenizer = check_inputs(args)   # raises a ConfigError subclass on a user error
+
+Every rank runs the same checks on the same files, so every rank fails the same
+way and none is left waiting at a barrier. Each check reads little: the .idx
+headers and arrays (memory-mapped), the tokenizer file, and the .bin's token ids
+(all of a file up to 1 GiB, a sample of a bigger one; see IndexedDataset.token_range).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from data.gpt_dataset import parse_data_path, parse_split
+from data.indexed_dataset import DataError, IndexedDataset
+from data.tokenizer import build_tokenizer
+
+
+def check_inputs(args):
+    """The tokenizer, once --data-path, --split and the tokenizer files have been checked
+    against each other (every token id of the data must exist in the vocabulary)."""
+    prefixes, _ = parse_data_path(args.data_path)
+    parse_split(args.split)
+    datasets = [IndexedDataset(prefix) for prefix in prefixes]
+    tokenizer = build_tokenizer(args.tokenizer_type, tokenizer_model=args.tokenizer_model,
+                                vocab_file=args.vocab_file, merge_file=args.merge_file)
+    for dataset in datasets:
+        check_token_ids(dataset, tokenizer)
+    return tokenizer
+
+
+def check_token_ids(dataset: IndexedDataset, tokenizer):
+    if not np.issubdtype(dataset.dtype, np.integer):
+        raise DataError(f"{dataset.prefix}.idx stores {dataset.dtype} tokens; token ids must be integers, "
+                        f"re-run data.preprocess")
+    if np.iinfo(dataset.dtype).max < tokenizer.vocab_size and np.iinfo(dataset.dtype).min >= 0:
+        return  # e.g. uint16 data and a vocabulary of 65536 or more: every id fits
+    found = dataset.token_range()
+    if found is None:
+        return
+    low, high, whole = found
+    how = "" if whole else " (in a sample of the file)"
+    files = (f"--tokenizer-model {tokenizer.model_file}" if hasattr(tokenizer, "model_file")
+             else "--vocab-file/--merge-file")
+    if high >= tokenizer.vocab_size:
+        raise DataError(f"{dataset.prefix}.bin holds token id {high}{how}, but the tokenizer ({files}) has "
+                        f"{tokenizer.vocab_size} tokens: the data was made with another tokenizer; pass the "
+                        f"one data.preprocess used, or re-run data.preprocess with this one")
+    if low < 0:
+        raise DataError(f"{dataset.prefix}.bin holds a negative token id ({low}){how}; the file is corrupt, "
+                        f"re-run data.preprocess")
+
