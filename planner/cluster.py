@@ -11,12 +11,14 @@
     inter_node_latency_us: 10
     link_efficiency: 0.95             # payload / wire bytes (headers); inter-node only
 
-Optional keys (defaults in `Cluster`): memory_gbps (GPU memory bandwidth, the
-optimizer step and quantization kernels are bound by it), quantize_gbps
-(bytes/s of input the (de)quantization kernels process; default memory_gbps / 4),
-overlap (whether communication runs under compute, as NCCL streams do),
+Optional keys (defaults in `Cluster`): peak_flops_fp32 (for fp32 runs),
+memory_gbps (GPU memory bandwidth in Gbit/s; the optimizer step is bound by it),
+int8_quantize_gelems / int4_quantize_gelems (billions of elements per second
+through one (de)quantization kernel), overlap (whether communication runs under compute, as NCCL streams do),
 reduce_scatter_factor (wire bytes of a reduce-scatter over the ring's: 1 for
-NCCL; 2 for gloo, which runs it as an all-reduce), reserved_gb (memory the
+NCCL; 2 for gloo, which runs it as an all-reduce), step_overhead_ms (host work per
+iteration the time model does not itemize: Python hooks, bucket copies; hidden
+under GPU kernels, measurable on CPU ranks), reserved_gb (memory the
 framework and allocator keep, per GPU), description.
 
 Every key is checked: a typo or a missing key is one ConfigError naming the
@@ -44,14 +46,21 @@ class Cluster:
     inter_node_gbps: float
     inter_node_latency_us: float
     compute_efficiency: float = 0.4
+    peak_flops_fp32: float | None = None   # used when training in fp32; default peak_flops / 8
     link_efficiency: float = 1.0
     memory_gbps: float = 7200.0          # 900 GB/s (V100 HBM2)
-    quantize_gbps: float | None = None   # default memory_gbps / 4
+    int8_quantize_gelems: float = 200.0  # billions of elements/s through one INT8 (de)quantize kernel
+    int4_quantize_gelems: float = 200.0  # the same for INT4
     overlap: bool = True
     reduce_scatter_factor: float = 1.0
+    step_overhead_ms: float = 0.0        # host time per iteration the model does not itemize
     reserved_gb: float = 1.0
     name: str = ""
     description: str = ""
+
+    @property
+    def fp32_flops(self) -> float:
+        return self.peak_flops_fp32 if self.peak_flops_fp32 is not None else self.peak_flops / 8
 
     @property
     def world_size(self) -> int:
@@ -70,9 +79,9 @@ class Cluster:
     def memory_bw(self) -> float:
         return self.memory_gbps * 1e9 / 8
 
-    @property
-    def quantize_bw(self) -> float:
-        return (self.quantize_gbps if self.quantize_gbps is not None else self.memory_gbps / 4) * 1e9 / 8
+    def quantize_rate(self, bits: int) -> float:
+        """Elements per second through one quantize or dequantize kernel."""
+        return (self.int8_quantize_gelems if bits == 8 else self.int4_quantize_gelems) * 1e9
 
     @property
     def gpu_memory_bytes(self) -> float:
@@ -123,7 +132,8 @@ def load_cluster(path: str | None) -> Cluster:
                 number = float(value)  # also "125e12" (YAML reads 125e12 as a string)
             except (TypeError, ValueError):
                 raise ConfigError(f"--cluster {path}: {key} must be a number, got {value!r}") from None
-            if number <= 0 and key not in ("intra_node_latency_us", "inter_node_latency_us", "reserved_gb"):
+            if number <= 0 and key not in ("intra_node_latency_us", "inter_node_latency_us", "reserved_gb",
+                                           "step_overhead_ms"):
                 raise ConfigError(f"--cluster {path}: {key} must be > 0, got {value!r}")
             values[key] = int(number) if typ.startswith("int") else number
     cluster = Cluster(**values, name=path)

@@ -12,7 +12,8 @@ Communicator's own charge model (NCCL rings; all-to-all direct).
 Per iteration (A = gradient accumulation steps, micro-step m = 0..A-1):
 - forward_gather, per micro-step, one all-gather per schedule bucket of T
   elements (sum of the weights' chunks): S = T w bytes over all W ranks
-  (qwZ: S = wire_nbytes(T, 8, block): INT8 + an fp32 scale per block); with
+  (qwZ: S = wire_nbytes(T, 8, block): INT8 + an fp32 scale per block; T
+  elements quantized, W T dequantized); with
   hpZ, micro-steps m > 0 gather the secondary partition inside the group of
   h ranks (S = sum of secondary chunks x w);
 - backward_gather, per micro-step, the weights backward needs that were not
@@ -22,7 +23,7 @@ Per iteration (A = gradient accumulation steps, micro-step m = 0..A-1):
   gradient bucket of T elements: reduce-scatter, S = T c bytes (c = bytes of
   the communication dtype); qgZ: all-to-all of L x wire_nbytes(N P, 4, block)
   inside the node, then of N x wire_nbytes(P, 4, block) between nodes, P = T
-  padded to whole blocks;
+  padded to whole blocks; (2W + N) P elements through the INT4 kernels;
 - optimizer: an all-reduce of the 8-byte squared gradient norm, then the
   persistent weights (stage 3) or all weights (stages 1-2) all-gathered in
   allgather_bucket_size buckets.
@@ -49,7 +50,8 @@ class Collective:
     op: str            # all_gather, reduce_scatter, all_reduce, all_to_all (parallel/comm.py OPS)
     group: str         # world, secondary (hpZ group), intra (my node), inter (my local index on every node)
     nbytes: int        # the size argument wire_bytes takes (see parallel/comm.py)
-    quant_bytes: int = 0   # bytes the (de)quantization kernels read around this collective
+    quant_elements: int = 0   # elements through (de)quantization kernels around this collective
+    quant_bits: int = 0       # 8 (qwZ) or 4 (qgZ)
     micro_step: int = 0
 
 
@@ -82,7 +84,7 @@ def iteration_collectives(shards, trace, zero: ZeroConfig, world: int, ranks_per
         total = sum(shards[i].chunk for i in bucket)
         if zero.zero_quantized_weights:
             add(Collective(phase, "all_gather", "world", wire_nbytes(total, 8, qw_block),
-                           quant_bytes=(1 + world) * total * weight_bytes, micro_step=m))
+                           quant_elements=(1 + world) * total, quant_bits=8, micro_step=m))
         else:
             add(Collective(phase, "all_gather", "world", total * weight_bytes, micro_step=m))
 
@@ -111,14 +113,16 @@ def iteration_collectives(shards, trace, zero: ZeroConfig, world: int, ranks_per
             total = sum(s.chunk for s in b)
             if zero.stage == 3 and zero.zero_quantized_gradients:
                 padded = -(-total // qg_block) * qg_block
-                q = (2 * world + nodes) * padded * grad_bytes
+                q = (2 * world + nodes) * padded   # quantize W rows, dequantize-requantize them, dequantize N
                 if local > 1:
                     add(Collective("grad_reduce", "all_to_all", "intra",
-                                   local * wire_nbytes(nodes * padded, 4, qg_block), quant_bytes=q, micro_step=m))
+                                   local * wire_nbytes(nodes * padded, 4, qg_block), quant_elements=q, quant_bits=4,
+                                   micro_step=m))
                     q = 0
                 if nodes > 1:
                     add(Collective("grad_reduce", "all_to_all", "inter",
-                                   nodes * wire_nbytes(padded, 4, qg_block), quant_bytes=q, micro_step=m))
+                                   nodes * wire_nbytes(padded, 4, qg_block), quant_elements=q, quant_bits=4,
+                                   micro_step=m))
             else:
                 add(Collective("grad_reduce", "reduce_scatter", "world", total * grad_bytes, micro_step=m))
 

@@ -10,6 +10,7 @@ is what `train.py --dry-run` calls.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -100,6 +101,8 @@ def plan_config(job: Job, zero: ZeroConfig, trace: ModelTrace, cluster: Cluster 
     per_rank = [bytes_by_phase(step, world, rpn, hpz, r) for r in sorted(layouts)]
     timing = None
     if cluster is not None:
+        if dtype == torch.float32:
+            cluster = dataclasses.replace(cluster, peak_flops=cluster.fp32_flops)
         flops = flops_per_iteration(job.cfg, job.micro_batch, job.seq_length, job.cfg.checkpoint_activations)
         owned = sum(s.valid for s in shards)
         timing = iteration_time(step, cluster, flops, job.cfg.checkpoint_activations, job.accumulation, owned,

@@ -16,7 +16,10 @@ its intra- and inter-node hops at once, so the slower side bounds it. Inter-node
 bandwidth is per node (all the node's NICs) times link_efficiency (headers),
 and every rank of a node that sends across shares it. f = reduce_scatter_factor
 for reduce-scatters (gloo sends an all-reduce's bytes), else 1.
-(De)quantization runs at quantize_bw on the bytes it reads (Collective.quant_bytes).
+(De)quantization costs Collective.quant_elements / the cluster's rate for its bit
+width (int8_quantize_gelems, int4_quantize_gelems: elements per second through one
+quantize or dequantize kernel; per element, since the CPU's torch path is compute
+bound whatever the input dtype, and a GPU's is memory bound at ~3 bytes per element).
 The optimizer step streams 16 bytes per owned element (fp32 master, gradient, two
 moments) at the GPU's memory bandwidth.
 
@@ -28,7 +31,8 @@ backward, so per micro-step
     t_bwd = max(compute_bwd + quant_bwd, backward gathers + gradient reductions but the last) + last reduction
 
 and without overlap every term adds up. The iteration is
-A x (t_fwd + t_bwd) + optimizer step + optimizer collectives.
+A x (t_fwd + t_bwd) + optimizer step + optimizer collectives + the cluster's
+step_overhead_ms (host work the model does not itemize; 0 unless measured).
 """
 from __future__ import annotations
 
@@ -80,7 +84,7 @@ def iteration_time(step, cluster, flops_per_micro: float, recompute: bool, accum
     quant_total = 0.0
     for c in step.collectives:
         t = collective_time(c, cluster, world, ranks_per_node, hpz)
-        q = c.quant_bytes / cluster.quantize_bw
+        q = c.quant_elements / cluster.quantize_rate(c.quant_bits) if c.quant_elements else 0.0
         comm[c.phase] += t
         quant_total += q
         times, quants = per_micro.setdefault(c.micro_step, ({}, {}))
@@ -104,7 +108,7 @@ def iteration_time(step, cluster, flops_per_micro: float, recompute: bool, accum
         exposed += t_fwd + t_bwd - (c_fwd + c_bwd + q_fwd + q_bwd)
         total += t_fwd + t_bwd
     opt = owned_elements * OPTIMIZER_BYTES_PER_ELEMENT / cluster.memory_bw
-    total += opt + comm["optimizer"]
+    total += opt + comm["optimizer"] + cluster.step_overhead_ms * 1e-3
     exposed += comm["optimizer"]
     return Timing(compute_fwd=c_fwd * accumulation, compute_bwd=c_bwd * accumulation, quant=quant_total,
                   comm=comm, optimizer=opt, iteration=total, exposed_comm=exposed)
