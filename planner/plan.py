@@ -22,7 +22,7 @@ from planner.comm import PHASES, Step, bytes_by_phase, iteration_collectives
 from planner.memory import buffer_bytes, formula_bytes, model_state_bytes
 from planner.timing import Timing, iteration_time
 from planner.trace import ModelTrace, shard_layout, trace_model
-from zeropp.config import ConfigError, DeepSpeedConfig, OptimizerSettings, ZeroConfig
+from zeropp.config import DeepSpeedConfig, OptimizerSettings, ZeroConfig
 from zeropp.engine import compute_dtype
 from zeropp.sharded import communication_dtype
 
@@ -40,6 +40,7 @@ class Job:
     micro_batch: int
     seq_length: int
     accumulation: int
+    vocab_note: str = ""   # where the vocabulary size came from
 
 
 @dataclass
@@ -145,12 +146,11 @@ def job_from_args(args, cluster: Cluster) -> Job:
     zero = args.ds_config.zero_optimization
     zero.validate_topology(rpn, world)
     resolve_batch(args, world)
-    vocab, _ = vocab_size(args)
-    args._vocab_note = _
+    vocab, note = vocab_size(args)
     cfg = model_config(args, vocab, args.seed)
     return Job(cfg=cfg, ds=args.ds_config, optimizer=args.optimizer_settings, world=world, ranks_per_node=rpn,
                micro_batch=args.micro_batch_size, seq_length=args.seq_length,
-               accumulation=args.gradient_accumulation_steps)
+               accumulation=args.gradient_accumulation_steps, vocab_note=note)
 
 
 def build_plan(args) -> tuple[Job, Cluster, ModelTrace, list[ConfigPlan]]:
@@ -176,14 +176,14 @@ def _mb(x: float) -> str:
     return f"{x / 1e6:10.1f}"
 
 
-def format_plan(job: Job, cluster: Cluster, trace: ModelTrace, plans: list[ConfigPlan], vocab_note: str = "") -> str:
+def format_plan(job: Job, cluster: Cluster, trace: ModelTrace, plans: list[ConfigPlan]) -> str:
     cfg = job.cfg
     dtype = str(compute_dtype(job.ds)).replace("torch.", "")
     lines = []
     out = lines.append
     out(f"== Plan (--dry-run): GPT {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
         f"{cfg.num_attention_heads} heads, seq {job.seq_length}, vocab {cfg.vocab_size} (padded "
-        f"{cfg.padded_vocab_size}{', ' + vocab_note if vocab_note else ''})")
+        f"{cfg.padded_vocab_size}{', ' + job.vocab_note if job.vocab_note else ''})")
     out(f"   parameters: {trace.num_parameters:,} ({trace.num_parameters / 1e9:.2f} B)")
     out(f"   cluster {cluster.name}: {cluster.nodes} nodes x {cluster.gpus_per_node} GPUs = {job.world}, "
         f"{cluster.gpu_memory_gb:g} GiB each, peak {cluster.peak_flops / 1e12:g} TFLOP/s (16-bit) at "
@@ -270,11 +270,7 @@ def format_plan(job: Job, cluster: Cluster, trace: ModelTrace, plans: list[Confi
 def print_plan(args) -> None:
     """`train.py --dry-run`: plan and print; no process group, no memory, no data."""
     job, cluster, trace, plans = build_plan(args)
-    print(format_plan(job, cluster, trace, plans, getattr(args, "_vocab_note", "")), flush=True)
+    print(format_plan(job, cluster, trace, plans), flush=True)
 
 
-def dtype_of(name: str) -> torch.dtype:
-    return {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[name]
-
-
-__all__ = ["Job", "ConfigPlan", "plan_config", "build_plan", "format_plan", "print_plan", "ConfigError"]
+__all__ = ["Job", "ConfigPlan", "plan_config", "build_plan", "format_plan", "print_plan"]
