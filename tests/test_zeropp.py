@@ -459,7 +459,9 @@ def test_cross_node_bytes_match_theory():
     r = run_distributed(bytes_run, 4)[0]
     z3 = r["zero3"]
     fwd, bwd, grad = z3["forward_gather"], z3["backward_gather"], z3["grad_reduce"]
-    assert fwd == bwd == grad > 0   # one step's gathers and reduction move the same M
+    # one step's forward gather and reduction move the same M; backward gathers only the
+    # weights it needs (not biases nor the position embedding)
+    assert fwd == grad > bwd > 0.9 * fwd
     qw8, qg4 = wire_nbytes(2560, 8) / (2 * 2560), wire_nbytes(2560, 4) / (2 * 2560)   # 0.508, 0.266
     W, N = 4, 2
     qgz_ratio = qg4 * W * (N - 1) / (N * (W - 1))

@@ -90,6 +90,17 @@ class Stage3Param(ShardedParam):
         self.secondary: torch.Tensor | None = None
         self.sec_fresh = False   # holds the weights of the current step
 
+    def place(self, persist_threshold: int, secondary: Partition | None):
+        """Decide the layout (no memory; the planner calls this too): persistent
+        (at most `persist_threshold` elements: kept whole on every rank) or
+        partitioned, and then hpZ's slice in the `secondary` partition, the
+        primary's layout over its h members."""
+        self.persistent = self.numel <= persist_threshold
+        if secondary is not None and not self.persistent:
+            self.sec_chunk = max(1, -(-self.numel // secondary.size))
+            self.sec_lo = min(secondary.rank * self.sec_chunk, self.numel)
+            self.sec_hi = min(self.sec_lo + self.sec_chunk, self.numel)
+
 
 class _Gather:
     """One in-flight all-gather of several weights, from the primary partition
@@ -157,22 +168,16 @@ class Stage3Engine(ShardedEngineBase):
 
     def _allocate_partitions(self):
         super()._allocate_partitions()
-        part = []
+        sec = self.secondary_partition
         for s in self.shards:
-            s.persistent = s.numel <= self._persist_threshold
-            if not s.persistent:
-                part.append(s)
+            s.place(self._persist_threshold, sec)
+        part = [s for s in self.shards if not s.persistent]
         self.param_flat = torch.zeros(sum(s.chunk for s in part), dtype=self.dtype, device=self.device)
         off = 0
         for s in part:
             s.shard = self.param_flat[off:off + s.chunk]
             off += s.chunk
-        sec = self.secondary_partition
-        if sec is not None:  # hpZ: the same layout over the h ranks of the group
-            for s in part:
-                s.sec_chunk = max(1, -(-s.numel // sec.size))
-                s.sec_lo = min(sec.rank * s.sec_chunk, s.numel)
-                s.sec_hi = min(s.sec_lo + s.sec_chunk, s.numel)
+        if sec is not None:  # hpZ: the same layout over the h ranks of the group (place())
             self.secondary_flat = torch.zeros(sum(s.sec_chunk for s in part), dtype=self.dtype,
                                               device=self.device)
             off = 0
@@ -531,6 +536,6 @@ def _checkpoint_region(our_pack):
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
     except (AttributeError, RuntimeError):
         return None  # cannot tell: unpack requests still gather on demand
-    if top is None or top[0] is our_pack:
+    if top is None or top[0] == our_pack:   # ==: a bound method is a new object at each access
         return None
     return top[0]

@@ -1,0 +1,144 @@
+"""A cluster description (configs/clusters/*.yaml) as a dataclass.
+
+    nodes: 4
+    gpus_per_node: 16
+    gpu_memory_gb: 32                 # GiB of memory per GPU
+    peak_flops: 125e12                # peak 16-bit FLOP/s per GPU (V100 tensor cores)
+    compute_efficiency: 0.4           # fraction of peak the model's matmuls reach
+    intra_node_gbps: 1200             # per-GPU bandwidth inside a node (NVLink/NVSwitch), Gbit/s
+    intra_node_latency_us: 5
+    inter_node_gbps: 100              # per-NODE bandwidth to the network (all its NICs), Gbit/s
+    inter_node_latency_us: 10
+    link_efficiency: 0.95             # payload / wire bytes (headers); inter-node only
+
+Optional keys (defaults in `Cluster`): peak_flops_fp32 (for fp32 runs),
+memory_gbps (GPU memory bandwidth in Gbit/s; the optimizer step is bound by it),
+int8_quantize_gelems / int4_quantize_gelems (billions of elements per second
+through one (de)quantization kernel), overlap (whether communication runs under compute, as NCCL streams do),
+reduce_scatter_factor (wire bytes of a reduce-scatter over the ring's: 1 for
+NCCL; 2 for gloo, which runs it as an all-reduce), step_overhead_ms (host work per
+iteration the time model does not itemize: Python hooks, bucket copies; hidden
+under GPU kernels, measurable on CPU ranks), reserved_gb (memory the
+framework and allocator keep, per GPU), description.
+
+Every key is checked: a typo or a missing key is one ConfigError naming the
+file, the key and the fix.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass
+
+import yaml
+
+from zeropp.config import ConfigError
+
+
+@dataclass
+class Cluster:
+    nodes: int
+    gpus_per_node: int
+    gpu_memory_gb: float
+    peak_flops: float
+    intra_node_gbps: float
+    intra_node_latency_us: float
+    inter_node_gbps: float
+    inter_node_latency_us: float
+    compute_efficiency: float = 0.4
+    peak_flops_fp32: float | None = None   # used when training in fp32; default peak_flops / 8
+    link_efficiency: float = 1.0
+    memory_gbps: float = 7200.0          # 900 GB/s (V100 HBM2)
+    int8_quantize_gelems: float = 200.0  # billions of elements/s through one INT8 (de)quantize kernel
+    int4_quantize_gelems: float = 200.0  # the same for INT4
+    overlap: bool = True
+    reduce_scatter_factor: float = 1.0
+    step_overhead_ms: float = 0.0        # host time per iteration the model does not itemize
+    reserved_gb: float = 1.0
+    name: str = ""
+    description: str = ""
+
+    @property
+    def fp32_flops(self) -> float:
+        return self.peak_flops_fp32 if self.peak_flops_fp32 is not None else self.peak_flops / 8
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    # Bytes per second and seconds, for the time model.
+    @property
+    def intra_bw(self) -> float:
+        return self.intra_node_gbps * 1e9 / 8
+
+    @property
+    def inter_bw(self) -> float:
+        return self.inter_node_gbps * 1e9 / 8 * self.link_efficiency
+
+    @property
+    def memory_bw(self) -> float:
+        return self.memory_gbps * 1e9 / 8
+
+    def quantize_rate(self, bits: int) -> float:
+        """Elements per second through one quantize or dequantize kernel."""
+        return (self.int8_quantize_gelems if bits == 8 else self.int4_quantize_gelems) * 1e9
+
+    @property
+    def gpu_memory_bytes(self) -> float:
+        return self.gpu_memory_gb * 2**30
+
+    @property
+    def reserved_bytes(self) -> float:
+        return self.reserved_gb * 2**30
+
+
+def load_cluster(path: str | None) -> Cluster:
+    """Read and check a cluster YAML; every problem is a ConfigError naming the fix."""
+    if not path:
+        raise ConfigError("--dry-run needs --cluster FILE (a cluster description, e.g. "
+                          "configs/clusters/v100_4x16_100gbps.yaml)")
+    try:
+        with open(path) as f:
+            raw = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"--cluster: no such file {path}; pick one of configs/clusters/*.yaml") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--cluster {path} is not valid YAML: {e}".replace("\n", " ")) from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"--cluster {path} must be a mapping of keys to values (see configs/clusters/)")
+    fields = {f.name: f for f in dataclasses.fields(Cluster)}
+    for key in raw:
+        if key not in fields or key == "name":
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f"did you mean '{close[0]}'?" if close else f"known keys: {', '.join(fields)}"
+            raise ConfigError(f"--cluster {path}: unknown key '{key}'; {hint}")
+    required = [f.name for f in fields.values()
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    missing = [k for k in required if k not in raw]
+    if missing:
+        raise ConfigError(f"--cluster {path}: missing key(s) {', '.join(missing)}; add them "
+                          f"(see planner/cluster.py)")
+    values = {}
+    for key, value in raw.items():
+        typ = str(fields[key].type)
+        if typ.startswith("str"):
+            values[key] = str(value)
+        elif typ.startswith("bool"):
+            if not isinstance(value, bool):
+                raise ConfigError(f"--cluster {path}: {key} must be true or false, got {value!r}")
+            values[key] = value
+        else:
+            try:
+                number = float(value)  # also "125e12" (YAML reads 125e12 as a string)
+            except (TypeError, ValueError):
+                raise ConfigError(f"--cluster {path}: {key} must be a number, got {value!r}") from None
+            if number <= 0 and key not in ("intra_node_latency_us", "inter_node_latency_us", "reserved_gb",
+                                           "step_overhead_ms"):
+                raise ConfigError(f"--cluster {path}: {key} must be > 0, got {value!r}")
+            values[key] = int(number) if typ.startswith("int") else number
+    cluster = Cluster(**values, name=path)
+    if cluster.nodes != int(raw["nodes"]) or cluster.gpus_per_node != int(raw["gpus_per_node"]):
+        raise ConfigError(f"--cluster {path}: nodes and gpus_per_node must be whole numbers")
+    if not 0 < cluster.compute_efficiency <= 1 or not 0 < cluster.link_efficiency <= 1:
+        raise ConfigError(f"--cluster {path}: compute_efficiency and link_efficiency are fractions in (0, 1]")
+    return cluster

@@ -1,0 +1,166 @@
+"""The collectives one training iteration issues, and the bytes each rank sends.
+
+The list follows the engines step by step (zeropp/stage3.py, sharded.py,
+collectives.py, quantized_collectives.py), using their own pieces for every
+size: `_Schedule` cuts the forward and backward gather buckets,
+`Stage3Engine._backward_order` and `_reuse_set` decide the backward order and
+which weights stay live from forward to backward, `bucketize` cuts gradient
+buckets, `zeropp.quant.wire_nbytes` sizes quantized payloads. Each rank's
+bytes, intra- and inter-node, come from `parallel.comm.wire_bytes`, the
+Communicator's own charge model (NCCL rings; all-to-all direct).
+
+Per iteration (A = gradient accumulation steps, micro-step m = 0..A-1):
+- forward_gather, per micro-step, one all-gather per schedule bucket of T
+  elements (sum of the weights' chunks): S = T w bytes over all W ranks
+  (qwZ: S = wire_nbytes(T, 8, block): INT8 + an fp32 scale per block; T
+  elements quantized, W T dequantized); with
+  hpZ, micro-steps m > 0 gather the secondary partition inside the group of
+  h ranks (S = sum of secondary chunks x w);
+- backward_gather, per micro-step, the weights backward needs that were not
+  held from forward, bucketed the same way (hpZ: always the secondary
+  partition, inside the node);
+- grad_reduce, per micro-step (stage 1: the last only), one collective per
+  gradient bucket of T elements: reduce-scatter, S = T c bytes (c = bytes of
+  the communication dtype); qgZ: all-to-all of L x wire_nbytes(N P, 4, block)
+  inside the node, then of N x wire_nbytes(P, 4, block) between nodes, P = T
+  padded to whole blocks; (2W + N) P elements through the INT4 kernels;
+- optimizer: an all-reduce of the 8-byte squared gradient norm, then the
+  persistent weights (stage 3) or all weights (stages 1-2) all-gathered in
+  allgather_bucket_size buckets.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+from parallel.comm import wire_bytes
+from parallel.topology import Topology
+from zeropp.config import ZeroConfig
+from zeropp.partition import bucketize
+from zeropp.quant import wire_nbytes
+from zeropp.stage3 import Stage3Engine, _Schedule
+
+PHASES = ("forward_gather", "backward_gather", "grad_reduce", "optimizer")
+
+
+@dataclass
+class Collective:
+    phase: str
+    op: str            # all_gather, reduce_scatter, all_reduce, all_to_all (parallel/comm.py OPS)
+    group: str         # world, secondary (hpZ group), intra (my node), inter (my local index on every node)
+    nbytes: int        # the size argument wire_bytes takes (see parallel/comm.py)
+    quant_elements: int = 0   # elements through (de)quantization kernels around this collective
+    quant_bits: int = 0       # 8 (qwZ) or 4 (qgZ)
+    micro_step: int = 0
+
+
+@dataclass
+class Step:
+    """Every collective of one iteration, in issue order per phase."""
+    collectives: list[Collective] = field(default_factory=list)
+    held: set = field(default_factory=set)   # weights held from forward to backward
+    forward_buckets: list = field(default_factory=list)
+    backward_buckets: list = field(default_factory=list)
+    gradient_buckets: list = field(default_factory=list)
+
+
+def iteration_collectives(shards, trace, zero: ZeroConfig, world: int, ranks_per_node: int,
+                          accumulation: int, weight_bytes: int, grad_bytes: int) -> Step:
+    """The collectives of one steady-state iteration (after the first, whose
+    schedules are still being recorded). `shards`: one rank's layout
+    (planner.trace.shard_layout); sizes are the same on every rank."""
+    step = Step()
+    add = step.collectives.append
+    nodes, local = world // ranks_per_node, ranks_per_node
+    hpz = zero.stage == 3 and 1 < zero.zero_hpz_partition_size < world
+    qw_block, qg_block = zero.zero_quantized_weights_block_size, zero.zero_quantized_gradients_block_size
+
+    def gather(bucket, phase, m, secondary):
+        if secondary:
+            total = sum(shards[i].sec_chunk for i in bucket)
+            add(Collective(phase, "all_gather", "secondary", total * weight_bytes, micro_step=m))
+            return
+        total = sum(shards[i].chunk for i in bucket)
+        if zero.zero_quantized_weights:
+            add(Collective(phase, "all_gather", "world", wire_nbytes(total, 8, qw_block),
+                           quant_elements=(1 + world) * total, quant_bits=8, micro_step=m))
+        else:
+            add(Collective(phase, "all_gather", "world", total * weight_bytes, micro_step=m))
+
+    if zero.stage == 3:
+        fwd = _Schedule(trace.events, shards, zero.stage3_prefetch_bucket_size)
+        order = Stage3Engine._backward_order(SimpleNamespace(_touch=trace.touch))
+        fake = SimpleNamespace(_traces={("forward", True, True): trace.events}, _last_backward_events=order,
+                               zero=zero, shards=shards)
+        step.held = Stage3Engine._reuse_set(fake)
+        events = [e for e in ([i for i in event if i not in step.held] for event in order) if e]
+        bwd = _Schedule(events, shards, zero.stage3_prefetch_bucket_size) if events else None
+        step.forward_buckets = fwd.buckets
+        step.backward_buckets = bwd.buckets if bwd else []
+    grad_buckets = bucketize(list(reversed(shards)), lambda s: s.chunk * world, zero.reduce_bucket_size)
+    step.gradient_buckets = [[s.index for s in b] for b in grad_buckets]
+
+    for m in range(accumulation):
+        if zero.stage == 3:
+            for bucket in step.forward_buckets:
+                gather(bucket, "forward_gather", m, secondary=hpz and m > 0)
+            for bucket in step.backward_buckets:
+                gather(bucket, "backward_gather", m, secondary=hpz)
+        if zero.stage == 1 and m < accumulation - 1:
+            continue  # stage 1 reduces once, at the accumulation boundary
+        for b in grad_buckets:
+            total = sum(s.chunk for s in b)
+            if zero.stage == 3 and zero.zero_quantized_gradients:
+                padded = -(-total // qg_block) * qg_block
+                q = (2 * world + nodes) * padded   # quantize W rows, dequantize-requantize them, dequantize N
+                if local > 1:
+                    add(Collective("grad_reduce", "all_to_all", "intra",
+                                   local * wire_nbytes(nodes * padded, 4, qg_block), quant_elements=q, quant_bits=4,
+                                   micro_step=m))
+                    q = 0
+                if nodes > 1:
+                    add(Collective("grad_reduce", "all_to_all", "inter",
+                                   nodes * wire_nbytes(padded, 4, qg_block), quant_elements=q, quant_bits=4,
+                                   micro_step=m))
+            else:
+                add(Collective("grad_reduce", "reduce_scatter", "world", total * grad_bytes, micro_step=m))
+
+    add(Collective("optimizer", "all_reduce", "world", 8))   # the squared gradient norm, float64
+    published = [s for s in shards if s.persistent] if zero.stage == 3 else list(shards)
+    for b in bucketize(published, lambda s: s.chunk * world, zero.allgather_bucket_size):
+        add(Collective("optimizer", "all_gather", "world", sum(s.chunk for s in b) * weight_bytes))
+    return step
+
+
+@functools.lru_cache(maxsize=None)
+def _group(kind: str, world: int, ranks_per_node: int, hpz: int, rank: int) -> tuple[int, ...]:
+    topo = Topology(world_size=world, rank=rank, ranks_per_node=ranks_per_node)
+    if kind == "world":
+        return tuple(range(world))
+    if kind == "secondary":
+        return tuple(topo.subgroup_ranks(hpz))
+    if kind == "intra":
+        return tuple(topo.node_ranks(topo.node))
+    return tuple(topo.peer_ranks(topo.local_rank))
+
+
+@functools.lru_cache(maxsize=None)
+def rank_bytes(c_op: str, group: tuple[int, ...], rank: int, nbytes: int, ranks_per_node: int) -> tuple[int, int]:
+    """(intra, inter) bytes `rank` sends: parallel.comm.wire_bytes, cached."""
+    return wire_bytes(c_op, list(group), rank, nbytes, lambda r: r // ranks_per_node)
+
+
+def collective_bytes(c: Collective, world: int, ranks_per_node: int, hpz: int, rank: int) -> tuple[int, int]:
+    return rank_bytes(c.op, _group(c.group, world, ranks_per_node, hpz, rank), rank, c.nbytes, ranks_per_node)
+
+
+def bytes_by_phase(step: Step, world: int, ranks_per_node: int, hpz: int, rank: int) -> dict[str, list[int]]:
+    """{phase: [intra, inter]} bytes `rank` sends in one iteration, as the
+    Communicator's CommStats.by_phase would count them."""
+    out = {p: [0, 0] for p in PHASES}
+    for c in step.collectives:
+        intra, inter = collective_bytes(c, world, ranks_per_node, hpz, rank)
+        out[c.phase][0] += intra
+        out[c.phase][1] += inter
+    return out

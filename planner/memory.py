@@ -1,0 +1,74 @@
+"""Per-GPU bytes: model states exactly as zeropp.memory.memory_report()
+measures them, plus the buffers and activations around them.
+
+Model states of rank r (w = bytes of the compute dtype; valid, chunk, sec_chunk
+from the engine's layout, planner.trace.shard_layout):
+- weights (memory_report's "parameters"): stage 3: sum of chunks x w of the
+  partitioned weights (the flat shard buffer, padding included) + numel x w of
+  each persistent one; stages 1-2: every weight whole;
+- hpZ secondary partition (counted under "parameters" by memory_report):
+  sum of secondary chunks x w;
+- gradients: the fp32 gradient partition, sum(valid) x 4;
+- optimizer: Adam's two fp32 moments (valid x 8 per owned shard) and its
+  4-byte step counter per owned shard, plus the fp32 masters (sum(valid) x 4)
+  in 16-bit training (in fp32 the master is the weight itself).
+The ZeRO formula (zeropp.memory.predicted_bytes_per_param: (2 + 4 + 12)/N per
+parameter for 16-bit stage 3, + w/h for hpZ) is shown next to it.
+
+Around them (estimates, each stated):
+- gradient buckets: the bound GradientReducer can reach (zeropp/sharded.py,
+  peak_buffers): 3 x max(reduce_bucket_size, largest chunk x N) x (1 + 1/N) x c;
+- gathered weights (stage 3): the weights held from forward to backward plus
+  the two largest gather buckets (the one computing, the one prefetched), x w,
+  and for qwZ their INT8 receive buffers (about half of that again);
+- activations: what autograd saves in one micro-batch, from the traced
+  forward (planner.trace.ModelTrace.activation_bytes), with and without
+  activation checkpointing.
+"""
+from __future__ import annotations
+
+from zeropp.memory import predicted_bytes_per_param
+
+
+def model_state_bytes(shards, stage: int, weight_bytes: int, optimizer_type: str, momentum: float,
+                      hpz_on: bool) -> dict[str, int]:
+    """memory_report()'s measured_bytes of one rank, from its layout."""
+    if stage == 3:
+        weights = sum(s.chunk if not s.persistent else s.numel for s in shards) * weight_bytes
+        secondary = sum(s.sec_chunk for s in shards if not s.persistent) * weight_bytes if hpz_on else 0
+    else:
+        weights = sum(s.numel for s in shards) * weight_bytes
+        secondary = 0
+    valid = sum(s.valid for s in shards)
+    owned = sum(1 for s in shards if s.valid)
+    if optimizer_type in ("adam", "adamw"):
+        optimizer = 8 * valid + 4 * owned
+    else:  # SGD: a momentum buffer, or nothing
+        optimizer = 4 * valid if momentum else 0
+    if weight_bytes != 4 and valid:
+        optimizer += 4 * valid   # fp32 masters, one flat buffer
+    return {"weights": weights, "hpz_secondary": secondary, "gradients": 4 * valid, "optimizer": optimizer}
+
+
+def formula_bytes(num_params: int, stage: int, world: int, dtype, hpz: int, optimizer_bytes: float) -> dict:
+    """ZeRO's closed form (zeropp/memory.py) for the same categories."""
+    per = predicted_bytes_per_param(stage, world, dtype, optimizer_bytes)
+    w = dtype.itemsize
+    return {"weights": per["parameters"] * num_params,
+            "hpz_secondary": (w / hpz * num_params) if stage == 3 and 1 < hpz < world else 0,
+            "gradients": per["gradients"] * num_params, "optimizer": per["optimizer"] * num_params}
+
+
+def buffer_bytes(step, shards, zero, world: int, weight_bytes: int, grad_bytes: int) -> dict[str, int]:
+    largest = max([s.chunk * world for s in shards], default=0)
+    grad = int(3 * max(zero.reduce_bucket_size, largest) * (1 + 1 / world) * grad_bytes)
+    gathered = 0
+    if zero.stage == 3:
+        numel = {s.index: s.numel for s in shards}
+        sizes = sorted((sum(numel[i] for i in b) for b in step.forward_buckets + step.backward_buckets),
+                       reverse=True)
+        held = sum(numel[i] for i in step.held)
+        gathered = (held + sum(sizes[:2])) * weight_bytes
+        if zero.zero_quantized_weights:
+            gathered += sum(sizes[:2]) * (1 + 4 / zero.zero_quantized_weights_block_size)
+    return {"gradient_buckets": grad, "gathered_weights": int(gathered)}

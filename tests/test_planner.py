@@ -1,0 +1,135 @@
+"""The planner (train.py --dry-run) against real runs and its user errors.
+
+- Per rank, per phase, the bytes the planner predicts equal what the
+  Communicator counts on 4 gloo ranks as 2 emulated nodes x 2 (tiny GPT),
+  and its model-state bytes equal memory_report()'s measurement: ZeRO-3
+  (weights held from forward to backward), ZeRO-3 with reuse 0, and ZeRO++
+  (qwZ, hpZ 2, qgZ) with activation checkpointing and gradient accumulation.
+- The 18B plan prints in seconds; cluster-file mistakes are one line, exit 2.
+"""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import zeropp
+from model import GPT, GPTConfig
+from parallel.comm import Communicator
+from parallel.topology import topology_from_env
+from planner.memory import model_state_bytes
+from planner.plan import Job, plan_config
+from planner.trace import shard_layout, trace_model
+from tests.distributed import run_distributed
+from zeropp.memory import memory_report
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = dict(vocab_size=96, num_layers=2, hidden_size=32, num_attention_heads=4, max_position_embeddings=16,
+             hidden_dropout=0.0, attention_dropout=0.0)
+BASE = {"stage": 3, "reduce_bucket_size": 2000, "stage3_param_persistence_threshold": 100,
+        "stage3_prefetch_bucket_size": 5000}
+CASES = {
+    "zero3": ({**BASE}, "fp32", False, 1),
+    "zero3-reuse0": ({**BASE, "stage3_max_reuse_distance": 0}, "bf16", False, 1),
+    "zeropp": ({**BASE, "stage3_max_reuse_distance": 0, "zero_quantized_weights": True,
+                "zero_hpz_partition_size": 2, "zero_quantized_gradients": True}, "bf16", True, 2),
+}
+MICRO, SEQ, WORLD, RPN = 2, 16, 4, 2
+
+
+def ds_config(zero: dict, dtype: str) -> zeropp.DeepSpeedConfig:
+    raw = {"gradient_clipping": 1.0, "zero_optimization": zero}
+    if dtype != "fp32":
+        raw[dtype] = {"enabled": True}
+    return zeropp.DeepSpeedConfig.from_dict(raw)
+
+
+def measured_run(rank, world_size):
+    out = {}
+    for name, (zero, dtype, ckpt, accum) in CASES.items():
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**MODEL, checkpoint_activations=ckpt))
+        comm = Communicator(topology_from_env(RPN))
+        engine = zeropp.initialize(model, ds_config(zero, dtype), comm, torch.device("cpu"),
+                                   zeropp.OptimizerSettings(lr=1e-3), gradient_accumulation_steps=accum)
+        gen = torch.Generator().manual_seed(rank)
+        for step in range(3):   # the last one is steady state: schedules recorded
+            comm.reset_stats()
+            for _ in range(accum):
+                x = torch.randint(0, 96, (MICRO, SEQ + 1), generator=gen)
+                engine.backward(engine(x[:, :-1], x[:, 1:]))
+            memory = memory_report(engine)["measured_bytes"]
+            engine.step()
+        out[name] = {"bytes": {p: list(v) for p, v in comm.stats.by_phase.items()}, "memory": memory}
+    return out
+
+
+def planned(name):
+    zero, dtype, ckpt, accum = CASES[name]
+    ds = ds_config(zero, dtype)
+    cfg = GPTConfig(**MODEL, checkpoint_activations=ckpt)
+    job = Job(cfg=cfg, ds=ds, optimizer=zeropp.OptimizerSettings(lr=1e-3), world=WORLD, ranks_per_node=RPN,
+              micro_batch=MICRO, seq_length=SEQ, accumulation=accum)
+    z = ds.zero_optimization
+    trace = trace_model(cfg, {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype], MICRO, SEQ,
+                        z.stage3_param_persistence_threshold)
+    plan = plan_config(job, z, trace, None, ranks=list(range(WORLD)))
+    w = 4 if dtype == "fp32" else 2
+    memory = []
+    for r in range(WORLD):
+        m = model_state_bytes(shard_layout(trace, WORLD, r, 3, z.stage3_param_persistence_threshold,
+                                           z.zero_hpz_partition_size), 3, w, "adamw", 0.0,
+                              z.zero_hpz_partition_size > 1)
+        memory.append({"parameters": m["weights"] + m["hpz_secondary"], "gradients": m["gradients"],
+                       "optimizer": m["optimizer"]})
+    return plan, memory
+
+
+def test_planner_bytes_equal_a_real_run():
+    runs = run_distributed(measured_run, WORLD, timeout=240)
+    for name in CASES:
+        plan, memory = planned(name)
+        for rank, run in enumerate(runs):
+            got = run[name]
+            for phase in ("forward_gather", "backward_gather", "grad_reduce", "optimizer"):
+                assert plan.bytes_per_rank[rank][phase] == got["bytes"].get(phase, [0, 0]), (name, rank, phase)
+            for kind in ("parameters", "gradients", "optimizer"):
+                assert memory[rank][kind] == got["memory"][kind], (name, rank, kind)
+        if name == "zeropp":   # hpZ: nothing crosses nodes in backward; qgZ and qwZ cut the rest
+            assert all(b["backward_gather"][1] == 0 for b in plan.bytes_per_rank)
+        if name == "zero3":    # every weight held from forward to backward: no backward gather
+            assert all(b["backward_gather"] == [0, 0] for b in plan.bytes_per_rank)
+
+
+def dry_run(*extra, cluster="configs/clusters/v100_4x16_100gbps.yaml"):
+    cmd = [sys.executable, "train.py", "--num-layers", "40", "--hidden-size", "6144", "--num-attention-heads", "32",
+           "--seq-length", "512", "--micro-batch-size", "1", "--fp16", "--checkpoint-activations",
+           "--deepspeed_config", "configs/ds_zeropp_config.json", "--train-iters", "10", "--lr", "1e-4",
+           "--data-path", "unused", "--tokenizer-type", "GPT2BPETokenizer", "--dry-run", *extra]
+    if cluster:
+        cmd += ["--cluster", cluster]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_18b_plan_prints_zero3_against_zeropp():
+    r = dry_run()
+    assert r.returncode == 0, r.stderr
+    assert "parameters: 18,434,813,952" in r.stdout
+    for text in ("hpZ secondary partition", "backward_gather", "predicted speedup of ZeRO++ over ZeRO-3",
+                 "TFLOPs per GPU", "samples/s", "fits in 32 GiB"):
+        assert text in r.stdout, text
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "no such file"),
+    ("nodes: 4\ngpus_per_node: 16\n", "missing key"),
+    ("nodez: 4\n", "unknown key 'nodez'; did you mean 'nodes'"),
+])
+def test_cluster_file_errors_are_one_line_exit_2(tmp_path, content, message):
+    path = tmp_path / "cluster.yaml"
+    if content is not None:
+        path.write_text(content)
+    r = dry_run(cluster=str(path))
+    assert r.returncode == 2, r.stderr
+    assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
