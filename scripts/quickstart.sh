@@ -10,14 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 PY=.venv/bin/python
-DATA=work_dir
-mkdir -p "$DATA"
-$PY -m data.corpus --output "$DATA/kjv.jsonl"
-[ -f "$DATA/kjv_sp.model" ] || $PY -m data.train_tokenizer --input "$DATA/kjv.jsonl" --vocab-size 4096 \
-    --model-prefix "$DATA/kjv_sp"
-[ -f "$DATA/kjv_text_document.idx" ] || $PY -m data.preprocess --input "$DATA/kjv.jsonl" \
-    --output-prefix "$DATA/kjv" --tokenizer-type SentencePieceTokenizer \
-    --tokenizer-model "$DATA/kjv_sp.model" --append-eod --workers 2
+bash scripts/prepare_demo_data.sh
 rm -rf runs/demo
 start=$(date +%s)
 .venv/bin/torchrun --standalone --nproc-per-node 4 train.py --config configs/demo.yaml "$@"

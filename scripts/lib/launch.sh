@@ -9,6 +9,7 @@
 #   data      DATA_PATH TOKENIZER_TYPE TOKENIZER (sentencepiece model) VOCAB_FILE MERGE_FILE
 #   schedule  TRAIN_ITERS GLOBAL_BATCH MICRO_BATCH LR MIN_LR WARMUP_ITERS
 #   output    SAVE LOAD SAVE_INTERVAL TENSORBOARD_DIR LOG_INTERVAL EVAL_INTERVAL EVAL_ITERS
+#   faults    MAX_RESTARTS (torchrun restarts after a crash; LOAD defaults to SAVE so they resume)
 #   model     NUM_LAYERS HIDDEN_SIZE NUM_HEADS SEQ_LENGTH DS_CONFIG PRECISION (--fp16/--bf16/empty)
 #   modes     DRY_RUN=1 (print the planner's plan for CLUSTER; no torchrun, no GPU)
 #             SMOKE=1 (the same run shrunk: 4 CPU ranks as 2 nodes x 2, a few iterations)
@@ -68,8 +69,9 @@ smoke_setup() {
   SAVE=${SMOKE_SAVE:-}; LOAD=""; TENSORBOARD_DIR=""
   DATA_PATH=work_dir/kjv_text_document; TOKENIZER_TYPE=SentencePieceTokenizer; TOKENIZER=work_dir/kjv_sp.model
   if [ ! -f "$DATA_PATH.idx" ] || [ ! -f "$TOKENIZER" ]; then
-    die "SMOKE=1 needs the bundled corpus ($DATA_PATH.bin/.idx, $TOKENIZER); build it with \
-bash scripts/quickstart.sh (or its data steps: python -m data.corpus, data.train_tokenizer, data.preprocess)"
+    echo "> SMOKE=1: building the bundled corpus first (scripts/prepare_demo_data.sh)"
+    PYTHON="$PY" bash scripts/prepare_demo_data.sh || die "SMOKE=1 needs the bundled corpus ($DATA_PATH, \
+$TOKENIZER) and scripts/prepare_demo_data.sh could not build it; run it by hand to see why"
   fi
   local dir
   dir=$(mktemp -d "${TMPDIR:-/tmp}/smoke.XXXXXX")
@@ -116,6 +118,7 @@ launch_pretraining() {
   [ -n "${GLOBAL_BATCH:-}" ] && train+=(--global-batch-size "$GLOBAL_BATCH")
   [ -n "${LOG_INTERVAL:-}" ] && train+=(--log-interval "$LOG_INTERVAL")   # default: the JSON's steps_per_print
   [ -n "${SAVE:-}" ] && train+=(--save "$SAVE" --save-interval "${SAVE_INTERVAL:-1000}")
+  LOAD=${LOAD:-${SAVE:-}}   # resume from the newest checkpoint of SAVE, if any
   [ -n "${LOAD:-}" ] && train+=(--load "$LOAD")
   [ -n "${TENSORBOARD_DIR:-}" ] && train+=(--tensorboard-dir "$TENSORBOARD_DIR")
   [ -n "${PRECISION:-}" ] && train+=($PRECISION)
@@ -128,6 +131,10 @@ launch_pretraining() {
   local dist
   mapfile -t dist < <(torchrun_args)
   [ "${#dist[@]}" -gt 0 ] || exit 2   # torchrun_args already said why
+  # MAX_RESTARTS>0: torchrun restarts the job after a crash and train.py resumes from --load.
+  # Restarted workers must not share the rendezvous store of the failed attempt, whose stale
+  # addresses they would dial (pytorch/pytorch#135712).
+  export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
   echo "> torchrun ${dist[*]} train.py ..."
-  exec "$PY" -m torch.distributed.run "${dist[@]}" train.py "${train[@]}" "$@"
+  exec "$PY" -m torch.distributed.run "${dist[@]}" --max-restarts "${MAX_RESTARTS:-0}" train.py "${train[@]}" "$@"
 }
