@@ -11,6 +11,24 @@ construction and after training, next to what an unsharded build of the same
 model would need per rank (weights, gradients and optimizer state in full),
 and writes everything to --out as JSON.
 
+--checkpoint DIR adds a checkpoint phase after training: every rank calls
+training.checkpoint.save_checkpoint(DIR, ...) (sharded, torch.distributed.checkpoint:
+each rank writes only its fp32 master slices and optimizer moments), then drops
+the trained engine, builds a fresh one (same config, another init seed) and
+calls load_checkpoint(DIR, engine). Per rank it reports the RSS before save, the
+peak RSS increase during save (VmHWM reset through /proc/self/clear_refs, or
+VmRSS sampled every 10 ms where that does not work), save seconds and bytes
+written, and the peak and retained RSS increase during load and its seconds;
+next to the full model's fp32 bytes (what a rank gathering the whole model for
+one model.pt, the old design, would hold) and the bytes a rank should write
+(4 bytes of master + 4 per optimizer moment, per parameter, / N). A CRC of
+every local state tensor before save and after load checks the round trip;
+`du` of DIR is compared with the bytes written. Results go under the JSON's
+"checkpoint" key. DIR is left in place (delete it afterwards).
+
+    .venv/bin/python bench/large_model.py --num-layers 2 --hidden 2048 --vocab 16384 --world 4 \
+        --optimizer adamw --steps 1 --checkpoint /tmp/ckpt_bench --out bench/results/large_model_checkpoint.json
+
 Defaults fit 4 ranks in 24 GiB: bf16 weights with fp32 masters, SGD
 without momentum (no optimizer state; Adam's two fp32 moments would add
 8 bytes per parameter / N), no overlap_comm and no activation checkpointing
@@ -21,9 +39,14 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
+import gc
 import json
+import subprocess
 import sys
+import threading
 import time
+import zlib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,6 +70,103 @@ def rss_mb(field: str) -> float:
     return float("nan")
 
 
+def rss_split() -> list[float]:
+    """[RssAnon, RssFile, RssShmem] in MB: anonymous memory vs mapped files (libraries' code pages)."""
+    return [rss_mb("RssAnon"), rss_mb("RssFile"), rss_mb("RssShmem")]
+
+
+class PeakRSS:
+    """Peak VmRSS (MB) between start() and stop(): VmHWM after resetting it
+    (write "5" to /proc/self/clear_refs), or, where the reset does not work,
+    VmRSS sampled every 10 ms in a thread."""
+
+    def start(self):
+        self.base = rss_mb("VmRSS")
+        self.sampled = None
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            ok = rss_mb("VmHWM") <= rss_mb("VmRSS") + 1
+        except OSError:
+            ok = False
+        if not ok:
+            self.sampled, self.done = self.base, threading.Event()
+            self.thread = threading.Thread(target=self._sample, daemon=True)
+            self.thread.start()
+        self.method = "VmHWM reset" if ok else "VmRSS sampled every 10 ms"
+        return self
+
+    def _sample(self):
+        while not self.done.wait(0.01):
+            self.sampled = max(self.sampled, rss_mb("VmRSS"))
+
+    def stop(self) -> float:
+        if self.sampled is None:
+            return rss_mb("VmHWM")
+        self.done.set()
+        self.thread.join()
+        return max(self.sampled, rss_mb("VmRSS"))
+
+
+def state_crcs(engine) -> dict:
+    """CRC-32 of every tensor this rank holds in a checkpoint (its slices)."""
+    return {k: zlib.crc32(v.local.detach().contiguous().view(torch.uint8).numpy())
+            for k, v in engine.checkpoint_state().items()}
+
+
+def checkpoint_phase(a, cfg, ds, comm, optim, trained: dict, param_shapes, steps):
+    """Save trained["engine"] to a.checkpoint, drop it (the caller holds no other
+    reference), build a fresh engine (another init seed) and load the checkpoint into it."""
+    import torch.distributed as dist
+    from training.checkpoint import load_checkpoint, save_checkpoint
+    meta = {"model_config": dataclasses.asdict(cfg), "param_shapes": param_shapes, "tokenizer_type": None}
+    engine = trained.pop("engine")
+    trained.clear()
+    saved = state_crcs(engine)
+    dist.barrier()
+    split = {"before_save": rss_split()}
+    rss_before_save = rss_mb("VmRSS")
+    probe = PeakRSS().start()
+    res = save_checkpoint(a.checkpoint, steps, engine, 0, meta)
+    save_peak = probe.stop()
+    split["after_save"] = rss_split()
+    dist.barrier()
+
+    del engine  # only the fresh engine is alive during load
+    gc.collect()
+    rss_after_drop = rss_mb("VmRSS")
+    cfg2 = dataclasses.replace(cfg, init_seed=cfg.init_seed + 1)
+    with torch.device("meta"):
+        model2 = GPT(cfg2)
+    engine2 = zeropp.initialize(model2, ds, comm, torch.device("cpu"), optim, param_init=model2.init_parameter)
+    fresh = state_crcs(engine2)
+    gc.collect()
+    dist.barrier()
+    split["before_load"] = rss_split()
+    rss_before_load = rss_mb("VmRSS")
+    probe = PeakRSS().start()
+    t = time.time()
+    load_checkpoint(a.checkpoint, engine2)
+    load_s = time.time() - t
+    load_peak = probe.stop()
+    split["after_load"] = rss_split()
+    rss_after_load = rss_mb("VmRSS")
+    loaded = state_crcs(engine2)
+    dist.barrier()
+    same_keys = sorted(saved) == sorted(loaded)
+    return {"rss_before_save_mb": rss_before_save, "save_peak_rss_mb": save_peak,
+            "save_peak_increase_mb": save_peak - rss_before_save, "save_s": res.seconds,
+            "bytes_this_rank": res.bytes_this_rank, "bytes_max_rank": res.bytes_max_rank,
+            "bytes_total": res.bytes_total, "path": res.path,
+            "rss_after_dropping_trained_engine_mb": rss_after_drop, "rss_before_load_mb": rss_before_load,
+            "load_peak_rss_mb": load_peak,
+            "load_peak_increase_mb": load_peak - rss_before_load,
+            "load_retained_increase_mb": rss_after_load - rss_before_load, "load_s": load_s,
+            "peak_method": probe.method, "rss_anon_file_shmem_mb": split, "tensors": len(saved),
+            "fresh_differs_before_load": sum(fresh.get(k) != v for k, v in saved.items()),
+            "round_trip_exact": same_keys and all(saved[k] == loaded[k] for k in saved)}
+
+
 def rank_main(rank, world, a):
     ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # return freed blocks to the kernel (see tests)
     cfg = GPTConfig(vocab_size=a.vocab, num_layers=a.num_layers, hidden_size=a.hidden,
@@ -68,12 +188,13 @@ def rank_main(rank, world, a):
     t0 = time.time()
     with torch.device("meta"):
         model = GPT(cfg)
+    param_shapes = {n: list(p.shape) for n, p in model.named_parameters()}
     optim = zeropp.OptimizerSettings(type=a.optimizer, lr=1e-4, momentum=0.0)
     engine = zeropp.initialize(model, ds, comm, torch.device("cpu"), optim, param_init=model.init_parameter)
     construct_s = time.time() - t0
     after_construct = rss_mb("VmHWM")
     g = torch.Generator().manual_seed(rank)
-    losses, step_s = [], []
+    losses, step_s, loss = [], [], None
     swap = rss_mb("VmSwap")
     for _ in range(a.steps):
         x = torch.randint(0, a.vocab, (a.micro_batch, a.seq + 1), generator=g)
@@ -87,9 +208,57 @@ def rank_main(rank, world, a):
     peaks = engine.peak_buffers()
     secondary = getattr(engine, "secondary_flat", None)
     peaks["hpz_secondary_bytes"] = 0 if secondary is None else secondary.untyped_storage().nbytes()
-    return {"rank": rank, "start_rss_mb": start_rss, "peak_rss_after_construction_mb": after_construct,
-            "peak_rss_mb": rss_mb("VmHWM"), "swap_after_steps_mb": swap, "construct_s": construct_s, "step_s": step_s,
-            "losses": losses, "peaks": peaks, "num_parameters": num_parameters(cfg)}
+    out = {"rank": rank, "start_rss_mb": start_rss, "peak_rss_after_construction_mb": after_construct,
+           "peak_rss_mb": rss_mb("VmHWM"), "swap_after_steps_mb": swap, "construct_s": construct_s, "step_s": step_s,
+           "losses": losses, "peaks": peaks, "num_parameters": num_parameters(cfg)}
+    if a.checkpoint:
+        trained = {"engine": engine, "model": model}
+        del engine, model, secondary, loss
+        out["checkpoint"] = checkpoint_phase(a, cfg, ds, comm, optim, trained, param_shapes, a.steps)
+    return out
+
+
+def report_checkpoint(a, results, psi) -> dict:
+    """Print the checkpoint table; the summary for the JSON."""
+    cks = [r.pop("checkpoint") for r in results]  # kept once, under the JSON's "checkpoint" key
+    moments = 2 if a.optimizer == "adamw" else 0
+    full_fp32 = 4 * psi
+    expected_rank = 4 * psi * (1 + moments) / a.world
+    total = cks[0]["bytes_total"]
+    du = {}
+    for flag, key in (("-sb", "apparent_bytes"), ("-sB1", "disk_bytes")):
+        try:
+            du[key] = int(subprocess.run(["du", flag, a.checkpoint], capture_output=True, text=True,
+                                         check=True).stdout.split()[0])
+        except (OSError, subprocess.CalledProcessError, ValueError, IndexError):
+            du[key] = None
+    mb = 2**20
+    print(f"\ncheckpoint to {cks[0]['path']} and back into a fresh engine (peak RSS: {cks[0]['peak_method']})")
+    print(f"{'rank':>4} {'RSS before save MB':>18} {'save peak +MB':>13} {'save s':>7} {'written MB':>10} "
+          f"{'written / expected':>18} {'load peak +MB':>13} {'load kept +MB':>13} {'load s':>7} {'exact':>5}")
+    for r, c in zip(results, cks):
+        print(f"{r['rank']:>4} {c['rss_before_save_mb']:>18.0f} {c['save_peak_increase_mb']:>13.0f} "
+              f"{c['save_s']:>7.1f} {c['bytes_this_rank'] / mb:>10.0f} "
+              f"{c['bytes_this_rank'] / expected_rank:>18.3f} {c['load_peak_increase_mb']:>13.0f} "
+              f"{c['load_retained_increase_mb']:>13.0f} {c['load_s']:>7.1f} {str(c['round_trip_exact']):>5}")
+    worst_save = max(c["save_peak_increase_mb"] for c in cks) * mb
+    worst_load = max(c["load_peak_increase_mb"] for c in cks) * mb
+    print(f"full model fp32 (4 x {psi:,}): {full_fp32 / mb:.0f} MB (what one rank gathering model.pt would "
+          f"hold); with {moments} fp32 moments: {full_fp32 * (1 + moments) / mb:.0f} MB")
+    print(f"expected per rank (4 x (1 + {moments}) x params / {a.world}): {expected_rank / mb:.0f} MB; "
+          f"written in all {total / mb:.0f} MB; du {du['apparent_bytes'] or 0:,} B apparent, "
+          f"{du['disk_bytes'] or 0:,} B on disk ({(du['apparent_bytes'] or 0) / total:.4f} x written)")
+    created = 4 * moments * psi / a.world
+    print(f"largest peak RSS increase: save {worst_save / full_fp32:.3f} x, load {worst_load / full_fp32:.3f} x "
+          f"the full fp32 model; load kept = the fresh engine's optimizer moments, which the load creates "
+          f"(4 x {moments} x params / {a.world} = {created / mb:.0f} MB)")
+    return {"dir": a.checkpoint, "full_model_fp32_bytes": full_fp32,
+            "full_model_and_moments_fp32_bytes": full_fp32 * (1 + moments),
+            "expected_bytes_per_rank": expected_rank, "moments_created_by_load_bytes_per_rank": created,
+            "bytes_total": total, "du": du,
+            "max_save_peak_increase_over_full_fp32": worst_save / full_fp32,
+            "max_load_peak_increase_over_full_fp32": worst_load / full_fp32,
+            "round_trip_exact_all_ranks": all(c["round_trip_exact"] for c in cks), "ranks": cks}
 
 
 def main():
@@ -112,6 +281,8 @@ def main():
                    help="overlap_comm: keeps up to 3 gradient buckets alive")
     p.add_argument("--ranks-per-node", type=int, default=None, help="emulated node size (default: --world)")
     p.add_argument("--zeropp", action="store_true", help="ZeRO++: qwZ, hpZ (over --ranks-per-node), qgZ")
+    p.add_argument("--checkpoint", metavar="DIR", default=None,
+                   help="after training, save a sharded checkpoint to DIR and load it into a fresh engine")
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--out", default=str(ROOT / "bench/results/large_model.json"))
     a = p.parse_args()
@@ -141,6 +312,8 @@ def main():
     out = {"args": vars(a), "num_parameters": psi, "unsharded_model_states_gib_per_rank": unsharded_gb,
            "zero3_model_states_gib_per_rank": sharded_gb, "ranks": results,
            "command": " ".join(sys.argv)}
+    if a.checkpoint:
+        out["checkpoint"] = report_checkpoint(a, results, psi)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=2))
     print(f"wrote {a.out}")

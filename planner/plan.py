@@ -22,6 +22,7 @@ from planner.comm import PHASES, Step, bytes_by_phase, iteration_collectives
 from planner.memory import buffer_bytes, formula_bytes, model_state_bytes
 from planner.timing import Timing, iteration_time
 from planner.trace import ModelTrace, shard_layout, trace_model
+from training.checkpoint import checkpoint_bytes
 from zeropp.config import DeepSpeedConfig, OptimizerSettings, ZeroConfig
 from zeropp.engine import compute_dtype
 from zeropp.sharded import communication_dtype
@@ -230,6 +231,12 @@ def format_plan(job: Job, cluster: Cluster, trace: ModelTrace, plans: list[Confi
         + "".join(f"{v:>{width}}" for v in verdicts))
     out(f"   {'model states by ZeRO formula':<41}"
         + "".join(f"{_gib(sum(p.formula.values())):>{width}}" for p in plans))
+    opt = job.optimizer
+    moments = {"sgd": int(opt.momentum > 0)}.get(opt.type, 2)
+    total = checkpoint_bytes(trace.num_parameters, moments)
+    out(f"   checkpoint (--save; training/checkpoint.py): {total / 2**30:.1f} GiB per save, "
+        f"{total / job.world / 2**30:.2f} GiB written by each GPU (its fp32 masters and {moments} optimizer "
+        f"moment(s); no GPU gathers the model)")
 
     out("")
     out("-- Communication per iteration per GPU (MB sent, mean over ranks; NCCL ring charging)")

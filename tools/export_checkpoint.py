@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import sys
+import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -46,7 +47,9 @@ def model_tensors(path: str, meta: dict, dtype: torch.dtype = torch.float32):
     reader = dcp.FileSystemReader(path)
     for name, shape in meta["param_shapes"].items():
         flat = torch.empty(torch.Size(shape).numel(), dtype=torch.float32)
-        dcp.load({"model." + name: flat}, storage_reader=reader, no_dist=True)
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({"model." + name: flat}, storage_reader=reader, no_dist=True)
         yield name, flat.view(shape).to(dtype)
 
 

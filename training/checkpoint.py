@@ -154,9 +154,6 @@ def _set_rng_state(state: dict):
 
 
 # -- engine state <-> DCP ------------------------------------------------------------------
-_MESHES: dict = {}
-
-
 def _as_dcp(state: dict[str, FlatState], device: torch.device) -> dict:
     """FlatStates as DCP sees them: a sharded one is a DTensor over all ranks,
     Shard(0) of its flat global tensor (the partition layout is torch.chunk's)."""
@@ -165,10 +162,7 @@ def _as_dcp(state: dict[str, FlatState], device: torch.device) -> dict:
         return {k: v.local for k, v in state.items()}
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
-    key = (device.type, id(dist.group.WORLD))  # one mesh per process group
-    if key not in _MESHES:
-        _MESHES[key] = init_device_mesh(device.type, (world,))
-    mesh = _MESHES[key]
+    mesh = init_device_mesh(device.type, (world,))  # over the default group: no new process group
     return {k: DTensor.from_local(v.local, mesh, [Shard(0)], run_check=False, shape=(v.numel,), stride=(1,))
             if v.sharded else v.local for k, v in state.items()}
 

@@ -10,6 +10,7 @@
 #   schedule  TRAIN_ITERS GLOBAL_BATCH MICRO_BATCH LR MIN_LR WARMUP_ITERS
 #   output    SAVE LOAD SAVE_INTERVAL TENSORBOARD_DIR LOG_INTERVAL EVAL_INTERVAL EVAL_ITERS
 #   faults    MAX_RESTARTS (torchrun restarts after a crash; LOAD defaults to SAVE so they resume)
+#             SHUTDOWN_TIMEOUT (seconds between SIGTERM and SIGKILL: time to save, default 240)
 #   model     NUM_LAYERS HIDDEN_SIZE NUM_HEADS SEQ_LENGTH DS_CONFIG PRECISION (--fp16/--bf16/empty)
 #   modes     DRY_RUN=1 (print the planner's plan for CLUSTER; no torchrun, no GPU)
 #             SMOKE=1 (the same run shrunk: 4 CPU ranks as 2 nodes x 2, a few iterations)
@@ -136,5 +137,8 @@ launch_pretraining() {
   # addresses they would dial (pytorch/pytorch#135712).
   export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
   echo "> torchrun ${dist[*]} train.py ..."
-  exec "$PY" -m torch.distributed.run "${dist[@]}" --max-restarts "${MAX_RESTARTS:-0}" train.py "${train[@]}" "$@"
+  # On SIGTERM torchrun forwards it to the workers, which finish the step and save; it kills
+  # them SHUTDOWN_TIMEOUT seconds later (torchrun's default, 30 s, is short for an 18B save).
+  exec "$PY" -m torch.distributed.run "${dist[@]}" --max-restarts "${MAX_RESTARTS:-0}" \
+    --shutdown-timeout "${SHUTDOWN_TIMEOUT:-240}" train.py "${train[@]}" "$@"
 }
