@@ -105,6 +105,16 @@ def test_reshard_on_load(saved_4_ranks_stage3, world, stage, zeropp_on):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(uninterrupted), rtol=rtol, atol=0)
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_reshard_from_stage_1_and_2_to_stage_3(tmp_path, stage):
+    """The reverse direction: saved by 2 ranks at stage 1 or 2, loaded by 4 ranks at stage 3."""
+    path = str(tmp_path / "save")
+    weights, uninterrupted = run_distributed(save_run, 2, (path, stage, False))[0]
+    it, loaded, losses = run_distributed(load_run, 4, (path, 3, False))[0]
+    assert it == 3 and all(torch.equal(loaded[k], weights[k]) for k in weights)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(uninterrupted), rtol=1e-5, atol=0)
+
+
 def load_run_single(path, stage):
     import torch.distributed as dist
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))

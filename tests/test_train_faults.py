@@ -47,7 +47,7 @@ ZERO = {"stage1": ["--zero-stage", "1"], "stage2": ["--zero-stage", "2"], "stage
 def test_resume_is_bit_identical(corpus, tmp_path, zero):  # noqa: F811
     """4 ranks as 2 nodes x 2, fp32, dropout on, 2 micro-batches per step: 8 iterations in one go against
     4, stop, resume for 4 more. The resumed half crosses the end of warmup (iteration 5) and of the
-    first data epoch (about 36 training samples, 8 per iteration); weights and losses are identical."""
+    first data epoch (56 training samples, 8 per iteration); weights and losses are identical."""
     common = ["--ranks-per-node", "2", "--micro-batch-size", "1", "--global-batch-size", "8",
               "--lr-warmup-iters", "5", "--log-interval", "1", "--eval-interval", "100", *ZERO[zero]]
     straight, split = tmp_path / "straight", tmp_path / "split"
