@@ -27,7 +27,8 @@ from parallel.comm import Communicator
 from parallel.launch import init_distributed, print_rank0
 from parallel.topology import topology_from_env
 from training.args import parse_args, resolve_batch
-from training.checkpoint import CheckpointError, check_save_dir, checkpoint_bytes, load_checkpoint, save_checkpoint
+from training.checkpoint import (CheckpointError, PendingSave, check_save_dir, checkpoint_bytes, iteration_dir,
+                                 load_checkpoint, save_checkpoint)
 from training.logger import TrainingLogger, peak_memory_mb
 from training.lr_schedule import build_lr_schedule
 from training.preflight import check_inputs
@@ -152,12 +153,33 @@ def main(argv=None):
     def new_window():  # what the next log line averages over
         return {"loss": 0.0, "steps": 0, "iters": 0, "skipped": 0, "nan": 0, "start": time.time()}
 
-    def save(iteration):
-        result = save_checkpoint(args.save, iteration, engine, consumed, meta, keep_last=args.keep_last)
-        print_rank0(f"> saved checkpoint at iteration {iteration} to {result.path} in {result.seconds:.2f} s: "
-                    f"{result.bytes_total / 2**20:.1f} MB written, {result.bytes_max_rank / 2**20:.1f} MB "
-                    f"by the largest rank")
-        return result.path
+    # --async-save: checkpoints get a gloo group of their own, so the background writer's
+    # collectives never interleave with training's.
+    async_group = dist.new_group(backend="gloo") if args.async_save and dist.is_initialized() else None
+    pending = []   # the background save in flight, if any
+
+    def report(result):
+        print_rank0(f"> saved checkpoint at iteration {result.iteration} to {result.path} in "
+                    f"{result.seconds:.2f} s: {result.bytes_total / 2**20:.1f} MB written, "
+                    f"{result.bytes_max_rank / 2**20:.1f} MB by the largest rank")
+
+    def finish_pending():
+        if pending:
+            report(pending.pop().finish())
+
+    def save(iteration, wait=False):
+        finish_pending()
+        result = save_checkpoint(args.save, iteration, engine, consumed, meta, keep_last=args.keep_last,
+                                 async_group=async_group)
+        if isinstance(result, PendingSave):
+            pending.append(result)
+            print_rank0(f"> writing checkpoint at iteration {iteration} in the background (training paused "
+                        f"{result.blocked_seconds:.2f} s to copy it)")
+            if wait:
+                finish_pending()
+        else:
+            report(result)
+        return iteration_dir(args.save, iteration)
 
     # fp16 skips overflowing steps and backs off its loss scale; in fp32/bf16 one bad step stops.
     nan_limit = args.max_nan_iters or (None if engine.dtype == torch.float16 else 1)
@@ -227,7 +249,7 @@ def main(argv=None):
 
     stop.restore()
     if diverged or signalled:
-        path = save(iteration) if args.save else None
+        path = save(iteration, wait=True) if args.save else None
         logger.close()
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -248,6 +270,7 @@ def main(argv=None):
         logger.validation_line(iteration, "test", evaluate(engine, test_ds, args, comm, device))
     if args.save and not (args.save_interval and iteration % args.save_interval == 0):
         save(iteration)
+    finish_pending()
     print_rank0(f"> peak memory per rank: {peak_memory_mb():.0f} MB")
     if topology.num_nodes > 1 and crossing["iters"]:
         sent, plain = (crossing[k] / crossing["iters"] / 2**20 for k in ("inter", "plain_inter"))
@@ -268,8 +291,10 @@ def run(argv=None) -> int:
         main(argv)
     except (zeropp.ConfigError, CheckpointError, TrainingDiverged) as e:
         # Checkpoint and divergence errors reach every rank alike too: a clear line, exit 1.
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {' '.join(str(e).splitlines())}", file=sys.stderr, flush=True)
+        rank = int(os.environ.get("RANK", "0"))
+        if rank == 0 or not isinstance(e, zeropp.ConfigError):  # a checkpoint error may be one rank's own
+            prefix = f"[rank {rank}] " if rank else ""
+            print(f"{prefix}error: {' '.join(str(e).splitlines())}", file=sys.stderr, flush=True)
         if dist.is_initialized():
             dist.destroy_process_group()
         return 2 if isinstance(e, zeropp.ConfigError) else 1

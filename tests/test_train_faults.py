@@ -182,3 +182,20 @@ def test_nonfinite_loss_stops_with_last_good_checkpoint(corpus, tmp_path, precis
     assert f"saved to {tmp_path / 'ckpt' / f'iter_{it:07d}'}" in proc.stderr
     weights, _ = consolidated_state_dict(str(tmp_path / "ckpt"))
     assert all(torch.isfinite(w).all() for w in weights.values())
+
+
+def test_async_save_writes_the_same_checkpoints(corpus, tmp_path):  # noqa: F811
+    """--async-save: training goes on while each checkpoint is written; every checkpoint (and so every
+    resume) is bit-identical to the synchronous run's, and each one is complete before the next."""
+    common = ["--zero-stage", "3", "--save-interval", "2", "--log-interval", "1", "--eval-interval", "100"]
+    rc, log_sync = torchrun(2, flags(corpus, tmp_path / "sync", 6, common))
+    assert rc == 0, log_sync
+    rc, log = torchrun(2, flags(corpus, tmp_path / "async", 6, [*common, "--async-save"]))
+    assert rc == 0, log
+    assert log.count("in the background") == 3 and log.count("> saved checkpoint at iteration") == 3, log
+    assert losses(log) == losses(log_sync)
+    for it in (2, 4, 6):
+        a = consolidated_state_dict(str(tmp_path / "sync" / "ckpt" / f"iter_{it:07d}"))[0]
+        b = consolidated_state_dict(str(tmp_path / "async" / "ckpt" / f"iter_{it:07d}"))[0]
+        assert all(torch.equal(a[k], b[k]) for k in a), it
+    assert complete_iterations(str(tmp_path / "async" / "ckpt")) == [2, 4, 6]

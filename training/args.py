@@ -247,6 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--keep-last", type=_int, default=None,
                    help="keep the K newest checkpoints in --save; older ones go once a newer one is complete")
+    g.add_argument("--async-save", action="store_true",
+                   help="write checkpoints in the background (torch.distributed.checkpoint.async_save) while "
+                        "training goes on; each is completed before the next save and at exit")
     g.add_argument("--max-nan-iters", type=_int, default=None,
                    help="stop (saving the last good state) after this many consecutive non-finite losses")
     g.add_argument("--eval-interval", type=_at_least(1, "; to turn evaluation off use --eval-iters 0"),

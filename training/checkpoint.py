@@ -28,6 +28,7 @@ Loading verifies every checksum first (the files are split over the ranks).
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import glob
 import json
 import os
@@ -60,6 +61,7 @@ class CheckpointError(RuntimeError):
 
 @dataclass
 class SaveResult:
+    iteration: int
     path: str
     seconds: float
     bytes_this_rank: int
@@ -154,15 +156,18 @@ def _set_rng_state(state: dict):
 
 
 # -- engine state <-> DCP ------------------------------------------------------------------
-def _as_dcp(state: dict[str, FlatState], device: torch.device) -> dict:
+def _as_dcp(state: dict[str, FlatState], device: torch.device, group=None) -> dict:
     """FlatStates as DCP sees them: a sharded one is a DTensor over all ranks,
     Shard(0) of its flat global tensor (the partition layout is torch.chunk's)."""
     _, world = _rank_world()
     if world == 1:
         return {k: v.local for k, v in state.items()}
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
-    mesh = init_device_mesh(device.type, (world,))  # over the default group: no new process group
+    if group is not None:
+        mesh = DeviceMesh.from_group(group, device.type)
+    else:
+        mesh = init_device_mesh(device.type, (world,))  # over the default group: no new process group
     return {k: DTensor.from_local(v.local, mesh, [Shard(0)], run_check=False, shape=(v.numel,), stride=(1,))
             if v.sharded else v.local for k, v in state.items()}
 
@@ -201,9 +206,16 @@ def checkpoint_bytes(num_params: int, optimizer_moments: int) -> int:
 
 
 def save_checkpoint(save_dir: str, iteration: int, engine, consumed_train_samples: int, meta: dict,
-                    keep_last: int | None = None, storage_writer=None) -> SaveResult:
+                    keep_last: int | None = None, storage_writer=None, async_group=None):
     """Collective: every rank calls it. `storage_writer(path)` makes the DCP
-    writer (default: FileSystemWriter, fsyncing its files)."""
+    writer (default: FileSystemWriter, fsyncing its files).
+
+    With `async_group` (a gloo process group of all ranks, kept for checkpoints
+    so the writer's collectives never interleave with training's), the state is
+    copied to CPU memory and written by a background thread;
+    a `PendingSave` comes back, whose finish() (every rank, e.g. before the next
+    save) completes the checkpoint. Otherwise the files are written now and a
+    SaveResult comes back."""
     rank, world = _rank_world()
     start = time.time()
     final = iteration_dir(save_dir, iteration)
@@ -219,40 +231,89 @@ def save_checkpoint(save_dir: str, iteration: int, engine, consumed_train_sample
             error = e
     _raise_save_error(save_dir, iteration, _broadcast(error))
 
+    # What the metadata records is taken now: training may go on while the files are written.
+    info = dict(meta, format=FORMAT_VERSION, iteration=iteration, consumed_train_samples=consumed_train_samples,
+                world_size=world, engine=engine.scalar_state())
+    done = _Finisher(save_dir, iteration, tmp, final, info, _rng_state(), keep_last, start)
     state = engine.checkpoint_state()
     writer = (storage_writer or _default_writer)(tmp)
     try:
+        if async_group is not None:
+            # Our own staging: a CPU copy of this rank's slices, then DCP's save in a thread over the
+            # checkpoint group. (DCP's async_save stages by storage and rejects our views into one
+            # flat buffer.)
+            staged = {k: FlatState(v.local.to("cpu", copy=True), v.numel, v.sharded) for k, v in state.items()}
+            future = _background_writer().submit(dcp.save, _as_dcp(staged, torch.device("cpu"), async_group),
+                                                 storage_writer=writer, process_group=async_group)
+            return PendingSave(done, future, time.time() - start)
         dcp.save(_as_dcp(state, _engine_device(state)), storage_writer=writer, no_dist=not dist.is_initialized())
     except (Exception, dcp.api.CheckpointException) as e:  # any rank's failure, reported on every rank
         _raise_save_error(save_dir, iteration, e)
+    return done()
 
-    mine = sorted(glob.glob(os.path.join(tmp, f"__{rank}_*.distcp")))
-    if rank == 0:
-        mine.append(os.path.join(tmp, ".metadata"))
-    sums = {os.path.basename(p): [os.path.getsize(p), _crc32(p)] for p in mine}
-    gathered = _gather({"checksums": sums, "rng": _rng_state()})
-    error = None
-    if rank == 0:
+
+class PendingSave:
+    """A checkpoint whose files a background thread is writing."""
+
+    def __init__(self, finisher, future, blocked_seconds: float):
+        self.finisher, self.future, self.blocked_seconds = finisher, future, blocked_seconds
+        self.iteration = finisher.iteration
+
+    def finish(self) -> SaveResult:
+        """Wait for the files, then checksum, rename and point the tracker at it (collective)."""
         try:
-            info = dict(meta, format=FORMAT_VERSION, iteration=iteration,
-                        consumed_train_samples=consumed_train_samples, world_size=world,
-                        engine=engine.scalar_state(), rng=[g["rng"] for g in gathered])
-            checksums = {name: v for g in gathered for name, v in g["checksums"].items()}
-            _write_text(os.path.join(tmp, CHECKSUMS), json.dumps(checksums, indent=1))
-            _write_text(os.path.join(tmp, META), json.dumps(info, indent=1, default=str))
-            _fsync_dir(tmp)
-            if os.path.exists(final):
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            _fsync_dir(save_dir)
-            _write_text(os.path.join(save_dir, TRACKER), str(iteration))
-            if keep_last:
-                _prune(save_dir, keep_last, iteration)
-        except OSError as e:
-            error = e
-    _raise_save_error(save_dir, iteration, _broadcast(error))
-    sizes = _broadcast([sum(v[0] for v in g["checksums"].values()) for g in gathered])
-    return SaveResult(final, time.time() - start, sizes[rank], max(sizes), sum(sizes))
+            self.future.result()
+        except (Exception, dcp.api.CheckpointException) as e:
+            _raise_save_error(self.finisher.save_dir, self.iteration, e)
+        return self.finisher()
+
+
+class _Finisher:
+    """The end of a save, once every rank's files are written: checksums and
+    metadata by rank 0, the rename, then the tracker."""
+
+    def __init__(self, save_dir, iteration, tmp, final, info, rng, keep_last, start):
+        self.save_dir, self.iteration, self.tmp, self.final = save_dir, iteration, tmp, final
+        self.info, self.rng, self.keep_last, self.start = info, rng, keep_last, start
+
+    def __call__(self) -> SaveResult:
+        rank, _ = _rank_world()
+        tmp, final, save_dir = self.tmp, self.final, self.save_dir
+        mine = sorted(glob.glob(os.path.join(tmp, f"__{rank}_*.distcp")))
+        if rank == 0:
+            mine.append(os.path.join(tmp, ".metadata"))
+        sums = {os.path.basename(p): [os.path.getsize(p), _crc32(p)] for p in mine}
+        gathered = _gather({"checksums": sums, "rng": self.rng})
+        error = None
+        if rank == 0:
+            try:
+                info = dict(self.info, rng=[g["rng"] for g in gathered])
+                checksums = {name: v for g in gathered for name, v in g["checksums"].items()}
+                _write_text(os.path.join(tmp, CHECKSUMS), json.dumps(checksums, indent=1))
+                _write_text(os.path.join(tmp, META), json.dumps(info, indent=1, default=str))
+                _fsync_dir(tmp)
+                if os.path.exists(final):
+                    shutil.rmtree(final)
+                os.replace(tmp, final)
+                _fsync_dir(save_dir)
+                _write_text(os.path.join(save_dir, TRACKER), str(self.iteration))
+                if self.keep_last:
+                    _prune(save_dir, self.keep_last, self.iteration)
+            except OSError as e:
+                error = e
+        _raise_save_error(save_dir, self.iteration, _broadcast(error))
+        sizes = _broadcast([sum(v[0] for v in g["checksums"].values()) for g in gathered])
+        return SaveResult(self.iteration, final, time.time() - self.start, sizes[rank], max(sizes), sum(sizes))
+
+
+_WRITER = []
+
+
+def _background_writer() -> concurrent.futures.ThreadPoolExecutor:
+    """One thread: background saves go one at a time."""
+    if not _WRITER:
+        _WRITER.append(concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint"))
+    return _WRITER[0]
 
 
 def _default_writer(path: str):

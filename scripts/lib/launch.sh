@@ -113,9 +113,12 @@ launch_pretraining() {
     --eval-interval "${EVAL_INTERVAL:-1000}" --eval-iters "${EVAL_ITERS:-10}"
     --deepspeed --deepspeed_config "$DS_CONFIG" --zero-stage "$ZERO_STAGE"
   )
-  [ -n "${TOKENIZER:-}" ] && train+=(--tokenizer-model "$TOKENIZER")
-  [ -n "${VOCAB_FILE:-}" ] && train+=(--vocab-file "$VOCAB_FILE")
-  [ -n "${MERGE_FILE:-}" ] && train+=(--merge-file "$MERGE_FILE")
+  if [ "$TOKENIZER_TYPE" = GPT2BPETokenizer ]; then   # GPT-2's vocab.json + merges.txt
+    [ -n "${VOCAB_FILE:-}" ] && train+=(--vocab-file "$VOCAB_FILE")
+    [ -n "${MERGE_FILE:-}" ] && train+=(--merge-file "$MERGE_FILE")
+  else                                                # a sentencepiece model
+    [ -n "${TOKENIZER:-}" ] && train+=(--tokenizer-model "$TOKENIZER")
+  fi
   [ -n "${GLOBAL_BATCH:-}" ] && train+=(--global-batch-size "$GLOBAL_BATCH")
   [ -n "${LOG_INTERVAL:-}" ] && train+=(--log-interval "$LOG_INTERVAL")   # default: the JSON's steps_per_print
   [ -n "${SAVE:-}" ] && train+=(--save "$SAVE" --save-interval "${SAVE_INTERVAL:-1000}")
