@@ -19,12 +19,12 @@ import json
 import os
 import shutil
 import sys
-import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
 
-from training.checkpoint import CheckpointError, read_meta, resolve_checkpoint, verify_checksums
+from training.checkpoint import (CheckpointError, read_meta, resolve_checkpoint,
+                                 single_process_quiet, verify_checksums)
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -47,8 +47,7 @@ def model_tensors(path: str, meta: dict, dtype: torch.dtype = torch.float32):
     reader = dcp.FileSystemReader(path)
     for name, shape in meta["param_shapes"].items():
         flat = torch.empty(torch.Size(shape).numel(), dtype=torch.float32)
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-            warnings.simplefilter("ignore", UserWarning)
+        with single_process_quiet():
             dcp.load({"model." + name: flat}, storage_reader=reader, no_dist=True)
         yield name, flat.view(shape).to(dtype)
 

@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import contextlib
 import glob
 import json
 import os
 import random
 import shutil
 import time
+import warnings
 import zlib
 from dataclasses import dataclass
 
@@ -172,6 +174,14 @@ def _as_dcp(state: dict[str, FlatState], device: torch.device, group=None) -> di
             if v.sharded else v.local for k, v in state.items()}
 
 
+@contextlib.contextmanager
+def single_process_quiet():
+    """DCP warns that it assumes a single process when there is no process group: we know."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 def _engine_device(state: dict[str, FlatState]) -> torch.device:
     return next((v.local.device for v in state.values() if v.sharded), torch.device("cpu"))
 
@@ -246,7 +256,8 @@ def save_checkpoint(save_dir: str, iteration: int, engine, consumed_train_sample
             future = _background_writer().submit(dcp.save, _as_dcp(staged, torch.device("cpu"), async_group),
                                                  storage_writer=writer, process_group=async_group)
             return PendingSave(done, future, time.time() - start)
-        dcp.save(_as_dcp(state, _engine_device(state)), storage_writer=writer, no_dist=not dist.is_initialized())
+        with single_process_quiet():
+            dcp.save(_as_dcp(state, _engine_device(state)), storage_writer=writer, no_dist=not dist.is_initialized())
     except (Exception, dcp.api.CheckpointException) as e:  # any rank's failure, reported on every rank
         _raise_save_error(save_dir, iteration, e)
     return done()
@@ -467,8 +478,9 @@ def load_checkpoint(load: str, engine, load_optim: bool = True, load_rng: bool =
         if stored[key].size.numel() != entry.numel:
             raise CheckpointError(f"--load {path}: {key} has {stored[key].size.numel()} elements there and "
                                   f"{entry.numel} in this model; pass the model flags it was trained with")
-    dcp.load(_as_dcp(state, _engine_device(state)), storage_reader=dcp.FileSystemReader(path),
-             no_dist=not dist.is_initialized())
+    with single_process_quiet():
+        dcp.load(_as_dcp(state, _engine_device(state)), storage_reader=dcp.FileSystemReader(path),
+                 no_dist=not dist.is_initialized())
     engine.checkpoint_loaded(state)
     if load_optim:
         engine.load_scalar_state(meta["engine"])
