@@ -86,6 +86,7 @@ def saved_4_ranks_stage3(tmp_path_factory):
     return path, results[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world, stage, zeropp_on", [(2, 3, False), (8, 3, True), (2, 1, False), (4, 2, False),
                                                      (1, 3, False)])
 def test_reshard_on_load(saved_4_ranks_stage3, world, stage, zeropp_on):

@@ -43,6 +43,7 @@ ZERO = {"stage1": ["--zero-stage", "1"], "stage2": ["--zero-stage", "2"], "stage
                    "--zero-quantized-gradients"]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("zero", list(ZERO))
 def test_resume_is_bit_identical(corpus, tmp_path, zero):  # noqa: F811
     """4 ranks as 2 nodes x 2, fp32, dropout on, 2 micro-batches per step: 8 iterations in one go against
@@ -120,6 +121,7 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
+@pytest.mark.slow
 def test_rank_crash_restarts_and_resumes(corpus, tmp_path):  # noqa: F811
     """kill -9 of one rank after the first checkpoint: torchrun --max-restarts 1 restarts the job, which
     resumes from the last checkpoint and finishes; at most --save-interval steps are redone."""
