@@ -1,0 +1,253 @@
+"""The command line's flags: Megatron-LM's names and meanings, each numeric flag
+range-checked as it is parsed (the same types check YAML values, see
+training/args.py), and the Megatron/DeepSpeed flags of features this product
+does not have, refused by name with the reason."""
+from __future__ import annotations
+
+import argparse
+import difflib
+import math
+
+from data.tokenizer import TOKENIZER_TYPES
+from zeropp.config import ConfigError, parse_int
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad command line raises ConfigError (one line, no usage dump),
+    so that train.py reports it like every other user error."""
+
+    def error(self, message):
+        if message.startswith("unrecognized arguments:"):
+            unknown = message.split(":", 1)[1].split()[0].split("=")[0]
+            flags = [s for a in self._actions for s in a.option_strings if a.help != argparse.SUPPRESS]
+            close = difflib.get_close_matches(unknown, flags, n=1)
+            hint = f"did you mean {close[0]}? " if close else ""
+            message += f"; {hint}see `python train.py --help`"
+        raise ConfigError(message)
+
+
+def _ranged(convert, rule: str, ok, hint: str = ""):
+    """An argparse type: `convert` the text, then require `ok(value)`; the message states `rule`."""
+    def parse(text):
+        try:
+            value = convert(text)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(f"expected {convert.__doc__}, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {text}{hint}")
+        return value
+    return parse
+
+
+def _whole(text) -> int:
+    """a whole number"""
+    return parse_int(str(text), "value")  # also 5e8; ConfigError is a ValueError
+
+
+def _real(text) -> float:
+    """a number"""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(text)
+    return value
+
+
+def _at_least(n: int, hint: str = ""):
+    return _ranged(_whole, f">= {n}", lambda v: v >= n, hint)
+
+
+_int = _at_least(1)                     # sizes, counts, intervals
+_count = _at_least(0)                   # may be 0
+_positive = _ranged(_real, "> 0", lambda v: v > 0)
+_non_negative = _ranged(_real, ">= 0", lambda v: v >= 0)
+_below_one = _ranged(_real, "in [0, 1)", lambda v: 0 <= v < 1)       # dropout, betas, momentum
+_fraction = _ranged(_real, "in [0, 1]", lambda v: 0 <= v <= 1)
+_power_of_two = _ranged(_real, "a power of two (e.g. 65536)", lambda v: v > 0 and math.log2(v).is_integer())
+_seed = _ranged(_whole, "in [0, 2**32)", lambda v: 0 <= v < 2**32)   # numpy's RandomState range
+
+
+class Refused(argparse.Action):
+    """A Megatron/DeepSpeed flag for a feature this product does not have: refused by
+    name with the reason, never silently ignored. Hidden from --help."""
+
+    def __init__(self, option_strings, dest, reason="", **kwargs):
+        self.reason = reason
+        super().__init__(option_strings, dest, nargs="*", default=None, help=argparse.SUPPRESS)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        raise ConfigError(f"{option_string} is not supported: {self.reason}")
+
+
+NO_TP = "this product does data parallelism with ZeRO sharding only"
+_GPT2 = "the model is GPT-2 (learned positions, GeLU MLP, LayerNorm, tied embeddings); remove the flag"
+# Flags found in Megatron-LM / Megatron-DeepSpeed pretrain_gpt scripts for features we lack.
+REFUSED_FLAGS = {
+    "--model-parallel-size": f"it is Megatron's old name; use --tensor-model-parallel-size ({NO_TP}, so 1)",
+    "--num-layers-per-virtual-pipeline-stage": f"pipeline parallelism is not implemented ({NO_TP})",
+    "--sequence-parallel": f"sequence parallelism needs tensor parallelism ({NO_TP})",
+    "--ds-sequence-parallel-size": f"DeepSpeed-Ulysses sequence parallelism is not implemented ({NO_TP})",
+    "--use-distributed-optimizer": "Megatron's distributed optimizer is ZeRO stage 1 here; use --zero-stage 1 "
+                                   "(or 2, 3)",
+    "--overlap-grad-reduce": "set zero_optimization.overlap_comm in --deepspeed_config instead",
+    "--overlap-param-gather": "set zero_optimization.overlap_comm in --deepspeed_config instead",
+    "--partition-activations": "DeepSpeed's partitioned activation checkpoints are not implemented; "
+                               "--checkpoint-activations recomputes each block",
+    "--contigious-checkpointing": "DeepSpeed's contiguous activation checkpoints are not implemented; "
+                                  "--checkpoint-activations recomputes each block",
+    "--checkpoint-in-cpu": "activation checkpoints stay on the device (no CPU offload)",
+    "--synchronize-each-layer": "DeepSpeed activation-checkpointing options are not implemented",
+    "--profile-backward": "DeepSpeed activation-checkpointing options are not implemented",
+    "--cpu-optimizer": "ZeRO-Offload is not implemented; the optimizer runs where the model does",
+    "--cpu-torch-adam": "ZeRO-Offload is not implemented; the optimizer runs where the model does",
+    "--use-flash-attn": "attention is torch's scaled_dot_product_attention, which picks a flash kernel "
+                        "by itself where it can; remove the flag",
+    "--use-flash-attn-v2": "attention is torch's scaled_dot_product_attention, which picks a flash kernel "
+                           "by itself where it can; remove the flag",
+    "--use-flash-attn-triton": "attention is torch's scaled_dot_product_attention; remove the flag",
+    "--num-experts": "mixture of experts is not implemented",
+    "--moe-expert-parallel-size": "mixture of experts is not implemented",
+    "--rampup-batch-size": "batch-size ramp-up is not implemented; use a fixed --global-batch-size",
+    "--use-checkpoint-lr-scheduler": "the schedule always follows the flags and the iteration count",
+    "--swiglu": _GPT2,
+    "--use-rotary-position-embeddings": _GPT2,
+    "--position-embedding-type": _GPT2,
+    "--normalization": _GPT2,
+    "--untie-embeddings-and-output-weights": _GPT2,
+    "--disable-bias-linear": _GPT2,
+    "--group-query-attention": _GPT2,
+    "--num-key-value-heads": _GPT2,
+    "--fp8-format": "fp8 training is not implemented; use --fp16 or --bf16",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(description="GPT-2 pretraining with ZeRO / ZeRO++", allow_abbrev=False)
+    p.add_argument("--config", help="YAML file of flag values (keys as flag names); flags override it")
+
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=_int, default=12)
+    g.add_argument("--hidden-size", type=_int, default=768)
+    g.add_argument("--num-attention-heads", type=_int, default=12)
+    g.add_argument("--ffn-hidden-size", type=_int, default=None)
+    g.add_argument("--seq-length", type=_int, default=1024)
+    g.add_argument("--max-position-embeddings", type=_int, default=None,
+                   help="default: --seq-length")
+    g.add_argument("--hidden-dropout", type=_below_one, default=0.1)
+    g.add_argument("--attention-dropout", type=_below_one, default=0.1)
+    g.add_argument("--init-method-std", type=_positive, default=0.02)
+    g.add_argument("--layernorm-epsilon", type=_positive, default=1e-5)
+    g.add_argument("--make-vocab-size-divisible-by", type=_int, default=128)
+    g.add_argument("--checkpoint-activations", action="store_true",
+                   help="recompute each transformer block in backward (= --recompute-granularity full)")
+    g.add_argument("--deepspeed-activation-checkpointing", action="store_true",
+                   help="same as --checkpoint-activations (DeepSpeed's name)")
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="Megatron's selective recompute (= --recompute-granularity selective): the attention "
+                        "core is recomputed in backward")
+    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
+    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
+    g.add_argument("--recompute-num-layers", type=_int, default=None)
+
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=_int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=_int, default=1)
+    g.add_argument("--no-pipeline-parallel", action="store_true",
+                   help="accepted for Megatron-DeepSpeed scripts; there is no pipeline parallelism anyway")
+    g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
+                   help="default: nccl with GPUs, gloo on CPU")
+    g.add_argument("--ranks-per-node", type=_int, default=None,
+                   help="emulate nodes of this many ranks (default: torchrun's LOCAL_WORLD_SIZE)")
+    g.add_argument("--local_rank", "--local-rank", type=_count, default=None,
+                   help="set by the deepspeed launcher; torchrun's LOCAL_RANK is used instead")
+
+    g = p.add_argument_group("ZeRO (DeepSpeed-compatible)")
+    g.add_argument("--deepspeed", action="store_true", help="accepted for compatibility; always on")
+    g.add_argument("--deepspeed_config", "--deepspeed-config", default=None,
+                   help="DeepSpeed-style JSON (.json or .config)")
+    g.add_argument("--zero-stage", type=_whole, default=None, choices=[0, 1, 2, 3])
+    g.add_argument("--zero-hpz-size", type=_int, default=None, help="zero_hpz_partition_size")
+    g.add_argument("--zero-quantized-weights", action="store_true", default=None)
+    g.add_argument("--zero-quantized-gradients", action="store_true", default=None)
+    g.add_argument("--zero-reduce-bucket-size", type=_int, default=None)
+
+    g = p.add_argument_group("batch and schedule")
+    g.add_argument("--micro-batch-size", "--batch-size", dest="micro_batch_size", type=_int, default=None,
+                   help="per rank (--batch-size is Megatron's old name)")
+    g.add_argument("--global-batch-size", type=_int, default=None,
+                   help="default: micro-batch-size x data-parallel size (no accumulation)")
+    g.add_argument("--train-iters", type=_int, default=None)
+    g.add_argument("--train-samples", type=_int, default=None,
+                   help="train for this many samples instead of --train-iters (iterations = samples // "
+                        "global batch size, as Megatron)")
+    g.add_argument("--lr", type=_non_negative, default=None)
+    g.add_argument("--min-lr", type=_non_negative, default=0.0)
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="linear")
+    g.add_argument("--lr-decay-iters", type=_int, default=None, help="default: --train-iters")
+    g.add_argument("--lr-decay-samples", type=_int, default=None,
+                   help="with --train-samples (default: --train-samples)")
+    g.add_argument("--lr-warmup-iters", type=_count, default=0)
+    g.add_argument("--lr-warmup-samples", type=_count, default=0, help="with --train-samples")
+    g.add_argument("--lr-warmup-fraction", type=_fraction, default=None,
+                   help="warmup as a fraction of the decay iterations (or samples)")
+    g.add_argument("--weight-decay", type=_non_negative, default=0.01)
+    g.add_argument("--adam-beta1", type=_below_one, default=0.9)
+    g.add_argument("--adam-beta2", type=_below_one, default=0.999)
+    g.add_argument("--adam-eps", type=_positive, default=1e-8)
+    g.add_argument("--clip-grad", type=_non_negative, default=None,
+                   help="global gradient norm; 0 = off (default 1.0)")
+    g.add_argument("--optimizer", choices=["adam", "adamw", "sgd"], default="adam",
+                   help="adam and adamw both decouple weight decay, as Megatron's adam")
+    g.add_argument("--sgd-momentum", type=_below_one, default=0.9, help="momentum of --optimizer sgd")
+
+    g = p.add_argument_group("mixed precision")
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--loss-scale", type=_positive, default=None, help="static fp16 loss scale")
+    g.add_argument("--initial-loss-scale", type=_power_of_two, default=None, help="default 2**16")
+    g.add_argument("--min-loss-scale", type=_positive, default=None)
+    g.add_argument("--loss-scale-window", type=_int, default=None)
+    g.add_argument("--hysteresis", type=_int, default=None)
+
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", nargs="+", default=None,
+                   help="PREFIX, or a blend: W1 PREFIX1 W2 PREFIX2 ...")
+    g.add_argument("--data-impl", default=None,
+                   help="accepted for Megatron scripts: mmap (or infer) only, the .bin/.idx format")
+    g.add_argument("--split", default="969,30,1")
+    g.add_argument("--data-cache-path", default=None, help="where index .npy files go (default: beside the data)")
+    g.add_argument("--num-workers", type=_count, default=0)
+    g.add_argument("--tokenizer-type", default="SentencePieceTokenizer",
+                   choices=list(TOKENIZER_TYPES))
+    g.add_argument("--tokenizer-model", default=None)
+    g.add_argument("--vocab-file", default=None)
+    g.add_argument("--merge-file", default=None)
+
+    g = p.add_argument_group("checkpointing, evaluation, logging")
+    g.add_argument("--save", default=None)
+    g.add_argument("--load", default=None)
+    g.add_argument("--save-interval", type=_int, default=None)
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--keep-last", type=_int, default=None,
+                   help="keep the K newest checkpoints in --save; older ones go once a newer one is complete")
+    g.add_argument("--async-save", action="store_true",
+                   help="write checkpoints in the background (torch.distributed.checkpoint.async_save) while "
+                        "training goes on; each is completed before the next save and at exit")
+    g.add_argument("--max-nan-iters", type=_int, default=None,
+                   help="stop (saving the last good state) after this many consecutive non-finite losses")
+    g.add_argument("--eval-interval", type=_at_least(1, "; to turn evaluation off use --eval-iters 0"),
+                   default=1000)
+    g.add_argument("--eval-iters", type=_count, default=100, help="0 turns evaluation off")
+    g.add_argument("--log-interval", type=_int, default=100,
+                   help="default: steps_per_print of --deepspeed_config if it sets it, else 100")
+    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--seed", type=_seed, default=1234)
+
+    g = p.add_argument_group("planning")
+    g.add_argument("--dry-run", action="store_true",
+                   help="print the memory, communication and time plan for --cluster and exit (no training)")
+    g.add_argument("--cluster", default=None, help="cluster description YAML for --dry-run (configs/clusters/)")
+
+    for flag, reason in REFUSED_FLAGS.items():
+        p.add_argument(flag, action=Refused, reason=reason)
+    return p
