@@ -2,7 +2,7 @@
 import argparse
 import sys
 
-from zeropp.config import ConfigError
+from common import ConfigError
 
 
 def run(main, argv=None) -> int:

@@ -27,7 +27,7 @@ import struct
 
 import numpy as np
 
-from zeropp.config import ConfigError
+from common import ConfigError
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1

@@ -14,7 +14,7 @@ import sentencepiece as spm
 import tokenizers
 
 from data.documents import read_documents
-from zeropp.config import ConfigError
+from common import ConfigError
 
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer")
 GPT2_EOD_TOKEN = "<|endoftext|>"

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import yaml
 
-from zeropp.config import ConfigError
+from common import ConfigError
 
 
 @dataclass

@@ -27,7 +27,8 @@ import yaml
 
 from training.flags import NO_TP, Refused, build_parser
 from training.lr_schedule import build_lr_schedule
-from zeropp.config import ConfigError, DeepSpeedConfig, OptimizerSettings, load_json
+from common import ConfigError
+from zeropp.config import DeepSpeedConfig, OptimizerSettings, load_json
 
 
 # Megatron flags that describe features this product does not have: refuse

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from zeropp.config import ConfigError
+from common import ConfigError
 from zeropp.engine import FlatState
 
 TRACKER = "latest_checkpointed_iteration.txt"

@@ -9,7 +9,7 @@ import difflib
 import math
 
 from data.tokenizer import TOKENIZER_TYPES
-from zeropp.config import ConfigError, parse_int
+from common import ConfigError, parse_int
 
 
 class _Parser(argparse.ArgumentParser):

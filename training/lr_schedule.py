@@ -13,7 +13,7 @@ import warnings
 from functools import partial
 from typing import Callable
 
-from zeropp.config import ConfigError
+from common import ConfigError
 
 # Flags that shape Megatron's schedule; a JSON scheduler replaces all of them.
 MEGATRON_SCHEDULE_FLAGS = ("lr_decay_style", "lr_decay_iters", "lr_warmup_iters", "lr_warmup_fraction", "min_lr",

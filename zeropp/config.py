@@ -22,11 +22,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from common import ConfigError, parse_int, parse_number
 from zeropp.config_keys import OPTIMIZER_PARAMS, SCHEDULERS, UNSUPPORTED
 
-
-class ConfigError(ValueError):
-    pass
+__all__ = ["ConfigError", "DeepSpeedConfig", "ZeroConfig", "OptimizerSettings", "load_json"]
 
 
 def _refuse(where: str, value: Any, ok: Any, why: str):
@@ -203,11 +202,11 @@ def _check_optimizer_param(kind: str, key: str, value: Any, where: str):
     if key == "betas":
         if not (isinstance(value, (list, tuple)) and len(value) == 2):
             raise ConfigError(f"{where} must be a list of two numbers, got {value!r}")
-        betas = tuple(_number(b, where) for b in value)
+        betas = tuple(parse_number(b, where) for b in value)
         if not all(0 <= b < 1 for b in betas):
             raise ConfigError(f"{where} must be in [0, 1), got {list(betas)}")
         return betas
-    number = _number(value, where)
+    number = parse_number(value, where)
     if number < 0 or (key == "eps" and number == 0):
         raise ConfigError(f"{where} must be {'> 0' if key == 'eps' else '>= 0'}, got {value!r}")
     return number
@@ -247,7 +246,7 @@ class SchedulerConfig:
                 if params[key] < 0:
                     raise ConfigError(f"{at} must be >= 0, got {value!r}")
             else:
-                params[key] = _number(value, at)
+                params[key] = parse_number(value, at)
         warmup = max(2, params["warmup_num_steps"])  # DeepSpeed's floor (log(1) would divide by 0)
         if name == "WarmupCosineLR" and params["total_num_steps"] <= warmup:
             raise ConfigError(f"{where}.params.total_num_steps {params['total_num_steps']} must exceed "
@@ -412,7 +411,7 @@ def _coerce(f: dataclasses.Field, value: Any, where: str):
     if typ.startswith("int"):
         return parse_int(value, where)
     if typ.startswith("float"):
-        return _number(value, where)
+        return parse_number(value, where)
     if typ.startswith("str"):
         if not isinstance(value, str):
             raise ConfigError(f"{where} must be a string, got {value!r}")
@@ -422,20 +421,3 @@ def _coerce(f: dataclasses.Field, value: Any, where: str):
             raise ConfigError(f"{where} must be a JSON object")
         return value
     return value
-
-
-def _number(value: Any, where: str) -> float:
-    if isinstance(value, bool):
-        raise ConfigError(f"{where} must be a number, got {value!r}")
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{where} must be a number, got {value!r}") from None
-
-
-def parse_int(value: Any, where: str) -> int:
-    """Integers, also written as 5e8, 5E8 or "5e8"."""
-    number = _number(value, where)
-    if number != int(number):
-        raise ConfigError(f"{where} must be a whole number, got {value!r}")
-    return int(number)

@@ -1,0 +1,8 @@
+"""The bottom layer: what every other package may import (and nothing of
+theirs). A user error is a `ConfigError` wherever it is found (flags, config
+files, data, tokenizer, checkpoints, topology); `train.py` prints it as one
+line and exits 2."""
+from common.errors import ConfigError
+from common.parsing import parse_int, parse_number
+
+__all__ = ["ConfigError", "parse_int", "parse_number"]

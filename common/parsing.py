@@ -1,0 +1,24 @@
+"""Numbers as users write them in flags, YAML and DeepSpeed JSON."""
+from __future__ import annotations
+
+from typing import Any
+
+from common.errors import ConfigError
+
+
+def parse_number(value: Any, where: str) -> float:
+    """A float from a number or a numeric string; booleans are refused."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{where} must be a number, got {value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where} must be a number, got {value!r}") from None
+
+
+def parse_int(value: Any, where: str) -> int:
+    """Integers, also written as 5e8, 5E8 or "5e8"."""
+    number = parse_number(value, where)
+    if number != int(number):
+        raise ConfigError(f"{where} must be a whole number, got {value!r}")
+    return int(number)
