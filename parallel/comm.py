@@ -169,11 +169,27 @@ class CommStats:
                 "plain_inter_node_bytes": self.plain_inter_node_bytes}
 
 
-class _Done:
-    """Stand-in work handle for collectives that ran synchronously."""
+class Work:
+    """The one handle for a collective, here and in zeropp/: `wait()` waits for
+    the transport's handle (torch's async work, or another `Work`), then
+    returns the result: `result`, or what `then()` makes of the received data
+    (run once). A collective that already ran has no handle."""
+    __slots__ = ("_handle", "_result", "_then")
+
+    def __init__(self, handle=None, result=None, then=None):
+        self._handle, self._result, self._then = handle, result, then
 
     def wait(self):
-        return None
+        if self._handle is not None:
+            self._handle.wait()
+            self._handle = None
+        if self._then is not None:
+            self._result, self._then = self._then(), None
+        return self._result
+
+    def get_future(self):
+        """torch's Future of the transport's handle (what a DDP communication hook returns)."""
+        return self._handle.get_future()
 
 
 class Communicator:
@@ -221,8 +237,8 @@ class Communicator:
     def _issued(self, work, async_op: bool):
         if async_op and work is not None:
             self.async_handles += 1
-            return work
-        return _Done()
+            return Work(work)
+        return Work()
 
     @staticmethod
     def _nbytes(t: torch.Tensor) -> int:
@@ -235,7 +251,7 @@ class Communicator:
     def all_reduce(self, tensor, op=dist.ReduceOp.SUM, group=None, async_op=False, phase="other"):
         """Reduce `tensor` in place over the group's members."""
         if self._size(group) == 1:
-            return _Done()
+            return Work()
         self._charge("all_reduce", phase, group, self._nbytes(tensor))
         return self._issued(dist.all_reduce(tensor, op=op, group=group, async_op=async_op), async_op)
 
@@ -243,7 +259,7 @@ class Communicator:
         """Gather equal `input` tensors of every member into flat `output`."""
         if self._size(group) == 1:
             output.copy_(input.view_as(output))
-            return _Done()
+            return Work()
         self._charge("all_gather", phase, group, self._nbytes(input), plain=plain)
         return self._issued(_all_gather_flat(output, input, group=group, async_op=async_op), async_op)
 
@@ -252,7 +268,7 @@ class Communicator:
         """Sum flat `input` over members; member j keeps chunk j in `output`."""
         if self._size(group) == 1:
             output.copy_(input.view_as(output))
-            return _Done()
+            return Work()
         self._charge("reduce_scatter", phase, group, self._nbytes(output))
         return self._issued(_reduce_scatter_flat(output, input, op=op, group=group, async_op=async_op),
                             async_op)
@@ -261,7 +277,7 @@ class Communicator:
         """Chunk j of flat `input` goes to member j; chunk j of `output` comes from it."""
         if self._size(group) == 1:
             output.copy_(input)
-            return _Done()
+            return Work()
         self._charge("all_to_all", phase, group, self._nbytes(input), plain=plain)
         return self._issued(dist.all_to_all_single(output, input, group=group, async_op=async_op),
                             async_op)

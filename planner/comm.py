@@ -2,10 +2,10 @@
 
 The list follows the engines step by step (zeropp/stage3.py, sharded.py,
 collectives.py, quantized_collectives.py), using their own pieces for every
-size: `_Schedule` cuts the forward and backward gather buckets,
-`Stage3Engine._backward_order` and `_reuse_set` decide the backward order and
-which weights stay live from forward to backward, `bucketize` cuts gradient
-buckets, `zeropp.quant.wire_nbytes` sizes quantized payloads. Each rank's
+size (zeropp/schedule.py): `gather_buckets` cuts the forward and backward
+gather buckets, `backward_order` and `reuse_set` decide the backward order and
+which weights stay live from forward to backward, `gradient_buckets` cuts the
+gradient buckets, `zeropp.quant.wire_nbytes` sizes quantized payloads. Each rank's
 bytes, intra- and inter-node, come from `parallel.comm.wire_bytes`, the
 Communicator's own charge model (NCCL rings; all-to-all direct).
 
@@ -32,14 +32,12 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 from parallel.comm import wire_bytes
 from parallel.topology import Topology
 from zeropp.config import ZeroConfig
-from zeropp.partition import bucketize
-from zeropp.quant import wire_nbytes
-from zeropp.stage3 import Stage3Engine, _Schedule
+from zeropp.quant_format import wire_nbytes
+from zeropp.schedule import backward_order, bucketize, gather_buckets, gradient_buckets, reuse_set, without
 
 PHASES = ("forward_gather", "backward_gather", "grad_reduce", "optimizer")
 
@@ -78,7 +76,7 @@ def iteration_collectives(shards, trace, zero: ZeroConfig, world: int, ranks_per
 
     def gather(bucket, phase, m, secondary):
         if secondary:
-            total = sum(shards[i].sec_chunk for i in bucket)
+            total = sum(shards[i].secondary_slice.chunk for i in bucket)
             add(Collective(phase, "all_gather", "secondary", total * weight_bytes, micro_step=m))
             return
         total = sum(shards[i].chunk for i in bucket)
@@ -89,16 +87,15 @@ def iteration_collectives(shards, trace, zero: ZeroConfig, world: int, ranks_per
             add(Collective(phase, "all_gather", "world", total * weight_bytes, micro_step=m))
 
     if zero.stage == 3:
-        fwd = _Schedule(trace.events, shards, zero.stage3_prefetch_bucket_size)
-        order = Stage3Engine._backward_order(SimpleNamespace(_touch=trace.touch))
-        fake = SimpleNamespace(_traces={("forward", True, True): trace.events}, _last_backward_events=order,
-                               zero=zero, shards=shards)
-        step.held = Stage3Engine._reuse_set(fake)
-        events = [e for e in ([i for i in event if i not in step.held] for event in order) if e]
-        bwd = _Schedule(events, shards, zero.stage3_prefetch_bucket_size) if events else None
-        step.forward_buckets = fwd.buckets
-        step.backward_buckets = bwd.buckets if bwd else []
-    grad_buckets = bucketize(list(reversed(shards)), lambda s: s.chunk * world, zero.reduce_bucket_size)
+        numels = [s.numel for s in shards]
+        order = backward_order(trace.touch)
+        step.held = reuse_set(trace.events, order, numels, zero.stage3_max_reuse_distance,
+                              zero.stage3_max_live_parameters)
+        step.forward_buckets = gather_buckets(trace.events, numels, zero.stage3_prefetch_bucket_size)
+        step.backward_buckets = gather_buckets(without(order, step.held), numels,
+                                               zero.stage3_prefetch_bucket_size)
+    grad_buckets = [[shards[i] for i in b]
+                    for b in gradient_buckets([s.chunk for s in shards], world, zero.reduce_bucket_size)]
     step.gradient_buckets = [[s.index for s in b] for b in grad_buckets]
 
     for m in range(accumulation):

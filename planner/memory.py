@@ -1,7 +1,7 @@
 """Per-GPU bytes: model states exactly as zeropp.memory.memory_report()
 measures them, plus the buffers and activations around them.
 
-Model states of rank r (w = bytes of the compute dtype; valid, chunk, sec_chunk
+Model states of rank r (w = bytes of the compute dtype; valid, chunk, secondary_slice
 from the engine's layout, planner.trace.shard_layout):
 - weights (memory_report's "parameters"): stage 3: sum of chunks x w of the
   partitioned weights (the flat shard buffer, padding included) + numel x w of
@@ -35,7 +35,7 @@ def model_state_bytes(shards, stage: int, weight_bytes: int, optimizer_type: str
     """memory_report()'s measured_bytes of one rank, from its layout."""
     if stage == 3:
         weights = sum(s.chunk if not s.persistent else s.numel for s in shards) * weight_bytes
-        secondary = sum(s.sec_chunk for s in shards if not s.persistent) * weight_bytes if hpz_on else 0
+        secondary = sum(s.secondary_slice.chunk for s in shards if not s.persistent) * weight_bytes if hpz_on else 0
     else:
         weights = sum(s.numel for s in shards) * weight_bytes
         secondary = 0

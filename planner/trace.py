@@ -1,14 +1,15 @@
 """The real model on the meta device, and the real engine's view of it.
 
 `trace_model` builds `model.GPT(GPTConfig)` on "meta" (no memory), runs one
-training forward pass there under the same hooks the stage 3 engine installs
-(zeropp/stage3.py), and records what the engine would record in a step:
+training forward pass there with hooks like the stage 3 engine's
+(zeropp/stage3.py), and records with the engine's own `TraceRecorder`
+(zeropp/schedule.py) what the engine records in a step:
 - `events`: the first use of each partitioned weight, one list per module
   request, in forward order (the engine's trace, from which its forward
   gather schedule is cut);
 - `touch`: for each partitioned weight that backward needs, (checkpoint region
   or None, forward event count) as the engine's saved-tensor pack hook and
-  module pre-hook note it (zeropp.stage3._checkpoint_region decides regions);
+  module pre-hook note it (zeropp.schedule.checkpoint_region decides regions);
 - activation bytes: the tensors autograd saves (what backward keeps alive),
   in the compute dtype, inside each block and outside.
 
@@ -26,7 +27,8 @@ import torch
 
 from model import GPT, GPTConfig
 from zeropp.partition import Partition, ShardedParam
-from zeropp.stage3 import Stage3Param, _checkpoint_region
+from zeropp.schedule import TraceRecorder, checkpoint_region
+from zeropp.stage3 import Stage3Param
 
 
 @dataclass
@@ -69,9 +71,9 @@ def trace_model(cfg: GPTConfig, dtype: torch.dtype, micro_batch: int, seq_length
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     index = {id(p): i for i, (_, p) in enumerate(named)}
     partitioned = {i for i, (_, p) in enumerate(named) if p.numel() > persist_threshold}
+    recorder = TraceRecorder()
     trace = ModelTrace(cfg=cfg, names=[n for n, _ in named], numels=[p.numel() for _, p in named],
-                       events=[])
-    used: set[int] = set()
+                       events=recorder.events, touch=recorder.touch)
     regions = []          # keeps region objects alive (their identity is the key)
     where = {"block": None}
     saved_ids: set[int] = set()
@@ -84,7 +86,7 @@ def trace_model(cfg: GPTConfig, dtype: torch.dtype, micro_batch: int, seq_length
             if cand is not None and id(cand) in index:   # a weight (or a view of one)
                 i = index[id(cand)]
                 if i in partitioned:
-                    trace.touch[i] = (None, len(trace.events))
+                    recorder.saved(i)
                 return x
         base = x._base if x._base is not None else x
         if id(base) not in saved_ids:
@@ -99,15 +101,11 @@ def trace_model(cfg: GPTConfig, dtype: torch.dtype, micro_batch: int, seq_length
     def pre_forward(module, args):
         direct = [index[id(p)] for p in module.parameters(recurse=False) if id(p) in index]
         direct = [i for i in direct if i in partitioned]
-        first = [i for i in direct if i not in used]
-        if first:
-            trace.events.append(first)
-            used.update(first)
-        region = _checkpoint_region(pack)
+        recorder.first_uses(direct)
+        region = checkpoint_region(pack)
         if region is not None and direct:
             regions.append(region)
-            for i in direct:
-                trace.touch[i] = (region, len(trace.events))
+            recorder.recomputed(direct, region)
 
     hooks = [m.register_forward_pre_hook(pre_forward) for m in model.modules()]
     for b, block in enumerate(model.blocks):

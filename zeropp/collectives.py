@@ -18,26 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from zeropp.partition import Partition, ShardedParam, bucketize, fill_rows
-
-
-class _Ready:
-    """A finished collective (world size 1, or a synchronous call)."""
-
-    def __init__(self, value=None):
-        self.value = value
-
-    def wait(self):
-        return self.value
-
-
-class _Pending:
-    def __init__(self, work, value):
-        self.work, self.value = work, value
-
-    def wait(self):
-        self.work.wait()
-        return self.value
+from parallel.comm import Work
+from zeropp.partition import Partition, ShardedParam, fill_rows
+from zeropp.schedule import bucketize, gradient_buckets
 
 
 class ShardGather:
@@ -56,10 +39,10 @@ class ShardGather:
             out = torch.empty(partition.size, inp.numel(), dtype=inp.dtype, device=inp.device)
         if partition.size == 1:
             out[0].copy_(inp)
-            return _Ready(out)
+            return Work(result=out)
         work = self.comm.all_gather(out.view(-1), inp, group=partition.group, async_op=async_op,
                                     phase=phase, plain=plain)
-        return _Pending(work, out)
+        return Work(work, out)
 
 
 class ShardReduce:
@@ -73,10 +56,10 @@ class ShardReduce:
               async_op: bool = True):
         if partition.size == 1:
             out.copy_(rows[0])
-            return _Ready(out)
+            return Work(result=out)
         work = self.comm.reduce_scatter(out, rows.view(-1), group=partition.group, async_op=async_op,
                                         phase=phase)
-        return _Pending(work, out)
+        return Work(work, out)
 
 
 def gather_bucketed(gather: ShardGather, shards: list[ShardedParam], chunk_of, consume,
@@ -118,8 +101,9 @@ class _Bucket:
 class GradientReducer:
     """Static gradient buckets, reduce-scattered into each shard's fp32 `grad`.
 
-    `shards` come in the order gradients are expected (reverse parameter order,
-    as backward usually produces them); that order only affects overlap, never
+    `shards` are every parameter's, in parameter order (`shards[i].index == i`);
+    buckets follow zeropp.schedule.gradient_buckets (reverse parameter order, as
+    backward usually produces gradients); that order only affects overlap, never
     correctness. A bucket is launched once all its gradients are in and every
     earlier bucket has been launched; `finish()` launches the rest (zeros for
     gradients that never came) and accumulates the results. With `overlap`,
@@ -139,8 +123,8 @@ class GradientReducer:
         self.overlap = overlap
         self.pre, self.post = pre, post
         self.max_inflight = max_inflight
-        self.buckets = [_Bucket(i, b) for i, b in enumerate(
-            bucketize(shards, lambda s: s.chunk * partition.size, bucket_elems))]
+        buckets = gradient_buckets([s.chunk for s in shards], partition.size, bucket_elems)
+        self.buckets = [_Bucket(k, [shards[i] for i in b]) for k, b in enumerate(buckets)]
         self.bucket_of = {s.index: b for b in self.buckets for s in b.shards}
         self.next_launch = 0
         self.inflight: list[_Bucket] = []

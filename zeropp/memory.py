@@ -93,9 +93,10 @@ def memory_report(engine) -> dict:
     if world == 1:
         stage = 0  # every stage runs unsharded at world size 1
     per = predicted_bytes_per_param(stage, world, engine.dtype, _optimizer_bytes(engine))
-    secondary = getattr(engine, "secondary_flat", None)
-    if secondary is not None:
-        per["parameters"] += engine.dtype.itemsize / engine.secondary_partition.size
+    hpz = getattr(engine, "secondary_partition", None)   # stage 3 with hpZ
+    secondary = hpz.flat if hpz is not None else None
+    if hpz is not None:
+        per["parameters"] += engine.dtype.itemsize / hpz.size
     measured = measure(engine.model_state_tensors())
     predicted = {k: v * psi for k, v in per.items()}
     total_m, total_p = sum(measured.values()), sum(predicted.values())

@@ -67,19 +67,3 @@ def fill_rows(rows: torch.Tensor, flat: torch.Tensor, chunk: int):
         full += 1
     if full < rows.shape[0]:
         rows[full:].zero_()
-
-
-def bucketize(items: list, size_of, limit: int) -> list[list]:
-    """Split `items` (in order) into consecutive buckets of at most `limit`
-    total size; an item larger than the limit gets a bucket of its own."""
-    buckets, current, total = [], [], 0
-    for item in items:
-        size = size_of(item)
-        if current and total + size > limit:
-            buckets.append(current)
-            current, total = [], 0
-        current.append(item)
-        total += size
-    if current:
-        buckets.append(current)
-    return buckets

@@ -50,10 +50,12 @@ positive size, even for INT4) and multiples of 8, so the wire buffer of ``to_byt
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 import torch
+
+from zeropp.quant_format import (DEFAULT_BLOCK_SIZE, QMAX, Quantized, check_block_size, num_blocks,
+                                 wire_nbytes)
 
 __all__ = [
     "Quantized",
@@ -67,117 +69,9 @@ __all__ = [
     "triton_available",
 ]
 
-QMAX = {8: 127, 4: 7}
-DEFAULT_BLOCK_SIZE = {8: 256, 4: 128}
-
 # 1.5 * 2**23: adding then subtracting it rounds an fp32 |y| < 2**22 to the nearest
 # integer, ties to even (same as torch.round).  The Triton kernels use the same trick.
 _RINT_MAGIC = 12582912.0
-
-
-@dataclass
-class Quantized:
-    """A block-quantized flat tensor (or a stack of k of them, see below).
-
-    data:   int8 ``[padded]`` (INT8) or uint8 ``[padded // 2]`` (INT4, packed low nibble first)
-    scales: fp32 ``[num_blocks]``
-    numel:  number of real (unpadded) elements
-    bits:   8 or 4
-    block_size: elements per scale
-
-    A *stacked* Quantized holds k tensors of the same numel/bits/block_size:
-    ``data`` is ``[k, data_len]`` and ``scales`` is ``[k, num_blocks]`` (e.g. the receive
-    buffer of an all-to-all, see ``from_bytes``).
-    """
-
-    data: torch.Tensor
-    scales: torch.Tensor
-    numel: int
-    bits: int
-    block_size: int
-
-    # ---- sizes -------------------------------------------------------------------------
-    @property
-    def num_blocks(self) -> int:
-        return _num_blocks(self.numel, self.block_size)
-
-    @property
-    def stacked(self) -> bool:
-        return self.data.dim() == 2
-
-    def __len__(self) -> int:
-        return self.data.shape[0] if self.stacked else 1
-
-    def __getitem__(self, i: int) -> "Quantized":
-        if not self.stacked:
-            raise TypeError("indexing needs a stacked Quantized")
-        return Quantized(self.data[i], self.scales[i], self.numel, self.bits, self.block_size)
-
-    @staticmethod
-    def stack(parts: Sequence["Quantized"]) -> "Quantized":
-        p0 = parts[0]
-        for p in parts:
-            if p.stacked or (p.numel, p.bits, p.block_size) != (p0.numel, p0.bits, p0.block_size):
-                raise ValueError("stack needs unstacked parts with equal numel, bits and block_size")
-        return Quantized(torch.stack([p.data for p in parts]), torch.stack([p.scales for p in parts]),
-                         p0.numel, p0.bits, p0.block_size)
-
-    # ---- wire format -------------------------------------------------------------------
-    def nbytes(self) -> int:
-        """Bytes of one (unstacked) tensor on the wire: scales then data."""
-        return wire_nbytes(self.numel, self.bits, self.block_size)
-
-    def to_bytes(self) -> torch.Tensor:
-        """One uint8 buffer ``[nbytes]`` (``[k, nbytes]`` if stacked): fp32 scales first, then
-        data, so a single collective carries both.  Scales first keeps them 4-byte aligned."""
-        lead = self.data.shape[:-1]
-        s = self.scales.contiguous().view(torch.uint8).reshape(*lead, -1)
-        d = self.data.contiguous().view(torch.uint8).reshape(*lead, -1)
-        return torch.cat([s, d], dim=-1)
-
-    @staticmethod
-    def from_bytes(buf: torch.Tensor, numel: int, bits: int, block_size: Optional[int] = None) -> "Quantized":
-        """Inverse of ``to_bytes``; ``buf`` is uint8 ``[nbytes]`` or ``[k, nbytes]`` (stacked).
-        Data is a view of ``buf``; scales are a view when aligned, else a copy."""
-        block_size = _check(bits, block_size)
-        nb = _num_blocks(numel, block_size)
-        if buf.dtype != torch.uint8 or buf.shape[-1] != wire_nbytes(numel, bits, block_size):
-            raise ValueError(f"buffer of {buf.shape[-1]} {buf.dtype} does not hold a quantized "
-                             f"tensor of numel={numel} bits={bits} block_size={block_size}")
-        sb = buf[..., : 4 * nb]
-        try:
-            scales = sb.view(torch.float32)
-        except RuntimeError:
-            scales = sb.contiguous().view(torch.float32)
-        data = buf[..., 4 * nb:]
-        if bits == 8:
-            data = data.view(torch.int8)
-        return Quantized(data, scales, numel, bits, block_size)
-
-
-# ---------------------------------------------------------------------------------------
-# helpers
-
-def _num_blocks(numel: int, block_size: int) -> int:
-    return max(1, -(-numel // block_size))  # at least one block, even for numel == 0
-
-
-def _check(bits: int, block_size: Optional[int]) -> int:
-    if bits not in QMAX:
-        raise ValueError(f"bits must be 8 or 4, got {bits}")
-    if block_size is None:
-        block_size = DEFAULT_BLOCK_SIZE[bits]
-    block_size = int(block_size)
-    if block_size <= 0 or (bits == 4 and block_size % 2):
-        raise ValueError(f"block_size must be positive (and even for INT4), got {block_size}")
-    return block_size
-
-
-def wire_nbytes(numel: int, bits: int, block_size: Optional[int] = None) -> int:
-    """Size in bytes of ``Quantized.to_bytes()`` for a tensor of ``numel`` elements."""
-    block_size = _check(bits, block_size)
-    nb = _num_blocks(numel, block_size)
-    return 4 * nb + nb * block_size * bits // 8
 
 
 _TRITON = None
@@ -260,7 +154,7 @@ def _from_blocks_fp32(xb: torch.Tensor, numel: int, bits: int, block_size: int) 
 
 def _torch_quantize(x: torch.Tensor, bits: int, block_size: int) -> Quantized:
     n = x.numel()
-    nb = _num_blocks(n, block_size)
+    nb = num_blocks(n, block_size)
     xf = x.reshape(-1).to(torch.float32)
     pad = nb * block_size - n
     if pad:
@@ -293,7 +187,7 @@ def quantize(x: torch.Tensor, bits: int = 8, block_size: Optional[int] = None,
              backend: str = "auto") -> Quantized:
     """Quantize the flattened ``x`` (fp32/fp16/bf16) to ``bits`` (8 or 4) with one fp32 scale
     per ``block_size`` elements (default ``DEFAULT_BLOCK_SIZE[bits]``)."""
-    block_size = _check(bits, block_size)
+    block_size = check_block_size(bits, block_size)
     if not x.is_floating_point():
         raise TypeError(f"quantize needs a floating tensor, got {x.dtype}")
     if _pick_backend(backend, x.device, block_size) == "triton":
@@ -323,7 +217,7 @@ def dequantize_reduce_requantize(parts: Union[Quantized, Sequence[Quantized]], b
     st = _as_stacked(parts)
     if block_size_out is None:
         block_size_out = st.block_size if (bits_out == 8 or st.block_size % 2 == 0) else None
-    block_size_out = _check(bits_out, block_size_out)
+    block_size_out = check_block_size(bits_out, block_size_out)
     if _pick_backend(backend, st.data.device, st.block_size) == "triton" and block_size_out == st.block_size:
         from zeropp import quant_triton
         return quant_triton.dequantize_reduce_requantize(st, bits_out)

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from zeropp.quant import QMAX, Quantized, _num_blocks
+from zeropp.quant_format import QMAX, Quantized, num_blocks
 
 _MAGIC = 12582912.0
 # No fused multiply-add: the sum of dequantized parts (a + q * s) must round like torch's
@@ -152,7 +152,7 @@ def quantize(x: torch.Tensor, bits: int, block_size: int) -> Quantized:
     if not x.is_contiguous():
         x = x.contiguous()
     n = x.numel()
-    nb = _num_blocks(n, block_size)
+    nb = num_blocks(n, block_size)
     dtype = torch.int8 if bits == 8 else torch.uint8
     data = torch.empty(nb * block_size * bits // 8, dtype=dtype, device=x.device)
     scales = torch.empty(nb, dtype=torch.float32, device=x.device)

@@ -20,21 +20,11 @@ from __future__ import annotations
 
 import torch
 
-from zeropp.collectives import ShardGather, ShardReduce, _Ready
+from parallel.comm import Work
+from zeropp.collectives import ShardGather, ShardReduce
 from zeropp.partition import Partition
 from zeropp.quant import (DEFAULT_BLOCK_SIZE, Quantized, dequantize, dequantize_reduce,
                           dequantize_reduce_requantize, quantize)
-
-
-class _Then:
-    """A collective in flight and what to do with its result on wait()."""
-
-    def __init__(self, work, finish):
-        self.work, self.finish = work, finish
-
-    def wait(self):
-        self.work.wait()
-        return self.finish()
 
 
 class QuantizedShardGather(ShardGather):
@@ -51,7 +41,7 @@ class QuantizedShardGather(ShardGather):
             out = torch.empty(n, total, dtype=inp.dtype, device=inp.device)
         if n == 1:
             out[0].copy_(inp)
-            return _Ready(out)
+            return Work(result=out)
         send = quantize(inp, 8, self.block_size).to_bytes()
         recv = torch.empty(n, send.numel(), dtype=torch.uint8, device=inp.device)
         work = self.comm.all_gather(recv.view(-1), send, group=partition.group, async_op=async_op,
@@ -63,7 +53,7 @@ class QuantizedShardGather(ShardGather):
             rows = Quantized.from_bytes(recv, total, 8, self.block_size)
             out.copy_(dequantize(rows, out.dtype).view(n, total))
             return out
-        return _Then(work, finish)
+        return Work(work, then=finish)
 
 
 class HierarchicalQuantizedReduce(ShardReduce):
@@ -120,7 +110,7 @@ class HierarchicalQuantizedReduce(ShardReduce):
             # 3. the node's partial sums for the N owners of my local index
             return self._inter_hop(dequantize_reduce_requantize(parts, 4, bs), out, total, padded,
                                    phase).wait()
-        return _Then(work, finish)
+        return Work(work, then=finish)
 
     def _inter_hop(self, partial: Quantized, out: torch.Tensor, total: int, padded: int, phase: str):
         """4-5: `partial` holds N rows of `padded` elements, row a for node a."""
@@ -131,4 +121,4 @@ class HierarchicalQuantizedReduce(ShardReduce):
         self.comm.all_to_all(recv.view(-1), send.view(-1), group=self.inter_group, phase=phase,
                              plain=False)
         out.copy_(dequantize_reduce(Quantized.from_bytes(recv, padded, 4, bs), out.dtype)[:total])
-        return _Ready(out)
+        return Work(result=out)

@@ -68,7 +68,7 @@ class ShardedEngineBase(Engine):
 
         pre, post = config.gradient_scale_factors(self.world)
         self.reducer = GradientReducer(
-            self.reduce, list(reversed(self.shards)), self.partition, self.zero.reduce_bucket_size,
+            self.reduce, self.shards, self.partition, self.zero.reduce_bucket_size,
             communication_dtype(config), device, self.zero.overlap, pre=pre, post=post)
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._grad_hook)

@@ -1,0 +1,99 @@
+"""hpZ: ZeRO++'s secondary weight partition (REFERENCE.md section 2).
+
+When a weight arrives from the primary partition (over all ranks), each rank
+keeps a slice of it partitioned over its group of h ranks inside the node:
+2M/h bytes of 16-bit weights per rank. Every later gather of that weight
+(backward, activation-checkpoint recompute, the next micro-step's forward,
+eval) reads this partition inside the group only, with the exact gather, in
+place of a gather over the world. The slices hold exactly the values the
+primary gather produced, so results are bit-identical to plain ZeRO-3. They go
+stale after each optimizer step and each load of weights (`invalidate`).
+
+`SecondaryPartition` is a weight source for `zeropp.stage3_param.BucketGather`,
+like the primary partition, and counts its own bytes: each gather charges the
+communicator with the world gather it replaces (the plain equivalent,
+parallel/comm.py), as qwZ's and qgZ's collectives do.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from parallel.comm import Work
+from zeropp.collectives import ShardGather
+from zeropp.partition import Partition
+
+
+@dataclass(frozen=True)
+class SecondarySlice:
+    """A weight's place in the secondary partition: the primary's layout over
+    the h members of the group (zeropp/partition.py)."""
+    chunk: int      # elements per member (padded)
+    lo: int         # this member's elements [lo, hi) of the flat weight
+    hi: int
+
+
+def secondary_slice(numel: int, partition: Partition) -> SecondarySlice:
+    chunk = max(1, -(-numel // partition.size))
+    lo = min(partition.rank * chunk, numel)
+    return SecondarySlice(chunk, lo, min(lo + chunk, numel))
+
+
+class SecondaryPartition:
+    """This rank's slices of the partitioned weights in its node group, and
+    which of them hold the current step's values."""
+
+    def __init__(self, partition: Partition, comm, weights: list, dtype: torch.dtype, device):
+        """`weights`: the partitioned Stage3Params, each already `place`d."""
+        self.partition = partition
+        self.comm = comm
+        self.gather = ShardGather(comm)       # exact, inside the group
+        self.flat = torch.zeros(sum(s.secondary_slice.chunk for s in weights), dtype=dtype, device=device)
+        self._slices: dict[int, torch.Tensor] = {}   # weight index -> its view of `flat`
+        off = 0
+        for s in weights:
+            self._slices[s.index] = self.flat[off:off + s.secondary_slice.chunk]
+            off += s.secondary_slice.chunk
+        self._fresh: set[int] = set()        # weights whose slice holds the current values
+
+    @property
+    def group(self):
+        return self.partition.group
+
+    @property
+    def size(self) -> int:
+        return self.partition.size
+
+    # -- freshness -----------------------------------------------------------------
+    def holds(self, s) -> bool:
+        """True when the next gather of `s` can come from this partition."""
+        return s.index in self._fresh
+
+    def keep(self, s, full: torch.Tensor):
+        """`s` arrived whole from the primary partition: keep my slice of it."""
+        sl = s.secondary_slice
+        self._slices[s.index][:sl.hi - sl.lo].copy_(full.view(-1)[sl.lo:sl.hi])
+        self._fresh.add(s.index)
+
+    def invalidate(self, s=None):
+        """The weights (or weight `s`) changed: the next gather goes to the primary partition."""
+        if s is None:
+            self._fresh.clear()
+        else:
+            self._fresh.discard(s.index)
+
+    # -- a weight source (zeropp.stage3_param.BucketGather) ------------------------------
+    def chunk(self, s) -> int:
+        return s.secondary_slice.chunk
+
+    def slice(self, s) -> torch.Tensor:
+        return self._slices[s.index]
+
+    def start(self, weights: list, inp: torch.Tensor, phase: str, out: torch.Tensor | None) -> Work:
+        # In place of the world gather of the same weights, which is what ZeRO-3 would send.
+        self.comm.charge_plain("all_gather", None, sum(s.chunk for s in weights) * inp.element_size())
+        return self.gather.start(inp, self.partition, phase, out=out, plain=False)
+
+    def arrived(self, s, full: torch.Tensor):
+        pass   # already here

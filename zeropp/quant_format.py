@@ -1,0 +1,122 @@
+"""The block-quantized format both quantization backends share (zeropp/quant.py
+documents it in full): `Quantized` (INT8 or packed INT4 data plus one fp32 scale
+per block), its wire layout (`to_bytes` / `from_bytes`: scales, then data) and
+its sizes. The torch path (zeropp/quant.py) and the Triton kernels
+(zeropp/quant_triton.py) both import this module and not each other's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+QMAX = {8: 127, 4: 7}
+DEFAULT_BLOCK_SIZE = {8: 256, 4: 128}
+
+
+@dataclass
+class Quantized:
+    """A block-quantized flat tensor (or a stack of k of them, see below).
+
+    data:   int8 ``[padded]`` (INT8) or uint8 ``[padded // 2]`` (INT4, packed low nibble first)
+    scales: fp32 ``[num_blocks]``
+    numel:  number of real (unpadded) elements
+    bits:   8 or 4
+    block_size: elements per scale
+
+    A *stacked* Quantized holds k tensors of the same numel/bits/block_size:
+    ``data`` is ``[k, data_len]`` and ``scales`` is ``[k, num_blocks]`` (e.g. the receive
+    buffer of an all-to-all, see ``from_bytes``).
+    """
+
+    data: torch.Tensor
+    scales: torch.Tensor
+    numel: int
+    bits: int
+    block_size: int
+
+    # ---- sizes -------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return num_blocks(self.numel, self.block_size)
+
+    @property
+    def stacked(self) -> bool:
+        return self.data.dim() == 2
+
+    def __len__(self) -> int:
+        return self.data.shape[0] if self.stacked else 1
+
+    def __getitem__(self, i: int) -> "Quantized":
+        if not self.stacked:
+            raise TypeError("indexing needs a stacked Quantized")
+        return Quantized(self.data[i], self.scales[i], self.numel, self.bits, self.block_size)
+
+    @staticmethod
+    def stack(parts: Sequence["Quantized"]) -> "Quantized":
+        p0 = parts[0]
+        for p in parts:
+            if p.stacked or (p.numel, p.bits, p.block_size) != (p0.numel, p0.bits, p0.block_size):
+                raise ValueError("stack needs unstacked parts with equal numel, bits and block_size")
+        return Quantized(torch.stack([p.data for p in parts]), torch.stack([p.scales for p in parts]),
+                         p0.numel, p0.bits, p0.block_size)
+
+    # ---- wire format -------------------------------------------------------------------
+    def nbytes(self) -> int:
+        """Bytes of one (unstacked) tensor on the wire: scales then data."""
+        return wire_nbytes(self.numel, self.bits, self.block_size)
+
+    def to_bytes(self) -> torch.Tensor:
+        """One uint8 buffer ``[nbytes]`` (``[k, nbytes]`` if stacked): fp32 scales first, then
+        data, so a single collective carries both.  Scales first keeps them 4-byte aligned."""
+        lead = self.data.shape[:-1]
+        s = self.scales.contiguous().view(torch.uint8).reshape(*lead, -1)
+        d = self.data.contiguous().view(torch.uint8).reshape(*lead, -1)
+        return torch.cat([s, d], dim=-1)
+
+    @staticmethod
+    def from_bytes(buf: torch.Tensor, numel: int, bits: int, block_size: Optional[int] = None) -> "Quantized":
+        """Inverse of ``to_bytes``; ``buf`` is uint8 ``[nbytes]`` or ``[k, nbytes]`` (stacked).
+        Data is a view of ``buf``; scales are a view when aligned, else a copy."""
+        block_size = check_block_size(bits, block_size)
+        nb = num_blocks(numel, block_size)
+        if buf.dtype != torch.uint8 or buf.shape[-1] != wire_nbytes(numel, bits, block_size):
+            raise ValueError(f"buffer of {buf.shape[-1]} {buf.dtype} does not hold a quantized "
+                             f"tensor of numel={numel} bits={bits} block_size={block_size}")
+        sb = buf[..., : 4 * nb]
+        try:
+            scales = sb.view(torch.float32)
+        except RuntimeError:
+            scales = sb.contiguous().view(torch.float32)
+        data = buf[..., 4 * nb:]
+        if bits == 8:
+            data = data.view(torch.int8)
+        return Quantized(data, scales, numel, bits, block_size)
+
+
+# ---------------------------------------------------------------------------------------
+# sizes
+
+def num_blocks(numel: int, block_size: int) -> int:
+    """Blocks of a tensor of `numel` elements: at least one, even for numel == 0."""
+    return max(1, -(-numel // block_size))
+
+
+def check_block_size(bits: int, block_size: Optional[int]) -> int:
+    """The block size to use (the default for `bits` when None), checked."""
+    if bits not in QMAX:
+        raise ValueError(f"bits must be 8 or 4, got {bits}")
+    if block_size is None:
+        block_size = DEFAULT_BLOCK_SIZE[bits]
+    block_size = int(block_size)
+    if block_size <= 0 or (bits == 4 and block_size % 2):
+        raise ValueError(f"block_size must be positive (and even for INT4), got {block_size}")
+    return block_size
+
+
+def wire_nbytes(numel: int, bits: int, block_size: Optional[int] = None) -> int:
+    """Size in bytes of ``Quantized.to_bytes()`` for a tensor of ``numel`` elements."""
+    block_size = check_block_size(bits, block_size)
+    nb = num_blocks(numel, block_size)
+    return 4 * nb + nb * block_size * bits // 8
