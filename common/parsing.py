@@ -1,6 +1,7 @@
 """Numbers as users write them in flags, YAML and DeepSpeed JSON."""
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from common.errors import ConfigError
@@ -22,3 +23,9 @@ def parse_int(value: Any, where: str) -> int:
     if number != int(number):
         raise ConfigError(f"{where} must be a whole number, got {value!r}")
     return int(number)
+
+
+def refuse_value(where: str, value: Any, ok: Any, why: str):
+    """One message shape for 'this key accepts one value only'."""
+    raise ConfigError(f"{where}={json.dumps(value)} is not supported: {why}; "
+                      f"remove the key or set it to {json.dumps(ok)}")
