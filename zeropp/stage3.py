@@ -72,7 +72,9 @@ class Stage3Engine(ShardedEngineBase):
         self._forward_record = TraceRecorder()        # the last forward's (backward's order comes from it)
         self._traces: dict[tuple, list[list[int]]] = {}  # (phase, grad, training) -> events of the last step
         self._schedule: GatherSchedule | None = None
-        self._hold: set[int] = set()
+        self._reuse: set[int] = set()       # weights to hold from forward to backward this step
+        self._held: set[int] = set()        # weights held LIVE now, waiting for backward
+        self._read_outside: set[int] = set()  # read outside their module: LIVE to the end of forward
         self._last_backward_events: list[list[int]] | None = None
         # The ZeRO++ switches: which gather for the primary partition, and hpZ's group.
         self._weight_gather = (QuantizedShardGather(comm, zero.zero_quantized_weights_block_size)
@@ -115,7 +117,7 @@ class Stage3Engine(ShardedEngineBase):
         if s.persistent:
             self._set_whole(s.param, full_fp32)
             return
-        s.release()
+        self._release(s)
         if self.secondary_partition is not None:
             self.secondary_partition.invalidate(s)
         s.set_shard(full_fp32)
@@ -203,12 +205,12 @@ class Stage3Engine(ShardedEngineBase):
         if phase == "forward":
             self._forward_record = self._recorder
             events = self._traces.get(self._key)
-            self._hold = self._reuse_set() if self._key == ("forward", True, True) else set()
+            self._reuse = self._reuse_set() if self._key == ("forward", True, True) else set()
         else:
             order = backward_order(self._forward_record.touch)
             if self._key == ("backward", True, True):
                 self._last_backward_events = order
-            events = without(order, {s.index for s in self.shards if s.hold})  # held: already live
+            events = without(order, self._held)  # held: already live
         self._schedule = (GatherSchedule.cut(events, self._numels(), self.zero.stage3_prefetch_bucket_size)
                           if events else None)
 
@@ -219,8 +221,8 @@ class Stage3Engine(ShardedEngineBase):
                 self._issue_next(sched)
         self._traces[self._key] = self._recorder.events
         for s in self.shards:
-            if not (self._phase == "forward" and s.hold):
-                s.release()
+            if not (self._phase == "forward" and s.index in self._held):
+                self._release(s)
         self._phase = None
         self._schedule = None
 
@@ -241,9 +243,9 @@ class Stage3Engine(ShardedEngineBase):
         if self._phase != "forward":
             return  # recompute in backward: freed once their gradients are in
         for s in self._mod_weights[module]:
-            if s.index in self._hold and torch.is_grad_enabled():
-                s.hold = True
-            if not (s.hold or s.keep):
+            if s.index in self._reuse and torch.is_grad_enabled():
+                self._held.add(s.index)
+            if s.index not in self._held and s.index not in self._read_outside:
                 s.release()
 
     # -- saved tensors: note saved views of gathered weights --------------------------
@@ -286,7 +288,11 @@ class Stage3Engine(ShardedEngineBase):
 
     def _on_grad(self, s: Stage3Param, grad: torch.Tensor):
         self.reducer.add(s, grad)
+        self._release(s)
+
+    def _release(self, s: Stage3Param):
         s.release()
+        self._held.discard(s.index)
 
     # -- Engine hooks ------------------------------------------------------------------
     def _weights_changed(self):
@@ -337,6 +343,6 @@ class _GatherOnRead(dict):
             s = eng.shard_of.get(id(p))
             if s is not None and not s.persistent and s.state is not WeightState.LIVE:
                 if eng._phase == "forward":
-                    s.keep = True
+                    eng._read_outside.add(s.index)
                 eng._request([s])
         return p

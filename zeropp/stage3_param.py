@@ -76,8 +76,6 @@ class Stage3Param(ShardedParam):
     full: torch.Tensor | None            # compute dtype, `shape`; storage only while GATHERING or LIVE
     state: WeightState
     bucket: BucketGather | None          # the gather bringing it, while GATHERING
-    hold: bool                           # stays LIVE from forward to backward (reuse distance)
-    keep: bool                           # read outside its module in forward: LIVE to the end of forward
 
     def __init__(self, *args):
         super().__init__(*args)
@@ -86,7 +84,6 @@ class Stage3Param(ShardedParam):
         self.shard = self.full = None
         self.state = WeightState.RELEASED
         self.bucket = None
-        self.hold = self.keep = False
         self._gathered: GatheredWeights | None = None
         self._placeholder: torch.Tensor | None = None
 
@@ -148,7 +145,6 @@ class Stage3Param(ShardedParam):
         self.full.untyped_storage().resize_(0)
         self.param.data = self._placeholder.expand(self.shape)
         self.state = WeightState.RELEASED
-        self.hold = False
 
 
 class PrimaryWeights:

@@ -1,0 +1,142 @@
+"""The layering ARCHITECTURE.md states, checked on the source: what may import
+what, no import cycles between modules, no private name imported from another
+package, no source file over 400 lines. Read from the files' syntax trees, so
+imports inside functions count too."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("common", "parallel", "model", "data", "zeropp", "training", "planner", "tools", "bench")
+SCRIPTS = ("train", "generate")
+
+# Who may import whom (top-level packages and scripts); tests/ may import anything.
+ALLOWED = {
+    "common": set(),
+    "parallel": {"common"},
+    "model": {"common"},
+    "data": {"common"},
+    "zeropp": {"common", "parallel"},
+    "training": {"common", "parallel", "model", "data", "zeropp"},
+    "planner": {"common", "parallel", "model", "data", "zeropp", "training"},
+    "tools": {"common", "model", "data", "zeropp", "training"},
+    "train": {"common", "parallel", "model", "data", "zeropp", "training", "planner"},
+    "generate": {"common", "model", "data", "training", "tools"},
+    "bench": {"common", "parallel", "model", "data", "zeropp", "training", "planner", "tools", "train"},
+}
+MAX_LINES = 400
+
+
+def source_files() -> dict[str, Path]:
+    """Module name -> file, for every non-test module of the product."""
+    files = {}
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            files[name] = path
+    for script in SCRIPTS:
+        files[script] = ROOT / f"{script}.py"
+    return files
+
+
+def imports_of(path: Path, modules: set[str]) -> list[tuple[str, list[str]]]:
+    """(module imported, names taken from it) for every import in the file;
+    `from pkg import sub` names the submodule when pkg.sub is one."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.extend((alias.name, []) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative import
+                up = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([base] if base else []))
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                out.append((sub, []) if sub in modules else (base, [alias.name]))
+    return out
+
+
+def graph() -> tuple[dict[str, set[str]], list[str], list[str]]:
+    files = source_files()
+    modules = set(files)
+    edges: dict[str, set[str]] = {m: set() for m in modules}
+    layering, private = [], []
+    for mod, path in files.items():
+        top = mod.split(".")[0]
+        for target, names in imports_of(path, modules):
+            target_top = target.split(".")[0]
+            if target_top == "tests":
+                layering.append(f"{mod} imports {target} (only tests may)")
+                continue
+            if target_top not in ALLOWED:
+                continue  # a library
+            if target in modules:
+                edges[mod].add(target)
+            if target_top != top:
+                if target_top not in ALLOWED[top]:
+                    layering.append(f"{mod} imports {target}")
+                private += [f"{mod} imports {target}.{n}" for n in names if n.startswith("_")]
+    return edges, layering, private
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1 or v in edges[v]:
+                out.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_layers_import_only_downwards():
+    _, layering, _ = graph()
+    assert layering == []
+
+
+def test_no_private_name_crosses_a_package():
+    _, _, private = graph()
+    assert private == []
+
+
+def test_no_import_cycles():
+    edges, _, _ = graph()
+    assert cycles(edges) == []
+
+
+def test_cycle_finder_finds_a_cycle():
+    """The check above can fail: a two-module and a self loop are found."""
+    assert cycles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]
+    assert cycles({"a": {"a"}}) == [["a"]]
+
+
+def test_no_source_file_over_400_lines():
+    long = {str(p.relative_to(ROOT)): n for p in source_files().values()
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert long == {}
