@@ -157,6 +157,33 @@ def test_parameter_without_gradient_on_some_ranks_trains_and_matches():
                 torch.testing.assert_close(weights[k], ref[k], rtol=1e-5, atol=2e-6, msg=f"{key} {k}")
 
 
+def branchy_eval_between(rank, world_size):
+    """Stage 3, reuse distance 0 (backward gathers everything again): a no_grad
+    eval forward between each training forward and its backward."""
+    torch.manual_seed(0)
+    engine = engine_for(Branchy(), 3, world_size, zero={"stage3_max_reuse_distance": 0},
+                        gradient_clipping=1.0)
+    for step in range(4):
+        loss = engine(*branchy_data(step, rank))
+        engine.eval()
+        with torch.no_grad():
+            engine(*branchy_data(99, rank))
+        engine.train()
+        engine.backward(loss)
+        engine.step()
+    return engine.module_state_dict()
+
+
+def test_eval_between_forward_and_backward_keeps_the_backward_schedule():
+    """The eval forward must not replace the record backward's order comes from:
+    without that order, backward gathers on demand, and ranks where `aux` gets no
+    gradient issue other collectives than the rest (a hang or a wrong sum)."""
+    ref = branchy_reference()
+    for weights in run_distributed(branchy_eval_between, world_size=WORLD, timeout=120):
+        for k in ref:
+            torch.testing.assert_close(weights[k], ref[k], rtol=1e-5, atol=2e-6, msg=k)
+
+
 def strict_unused(rank, world_size):
     torch.manual_seed(0)
     engine = engine_for(Branchy(), 2, world_size, zero={"ignore_unused_parameters": False})

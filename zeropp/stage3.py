@@ -69,7 +69,7 @@ class Stage3Engine(ShardedEngineBase):
         self._phase: str | None = None
         self._key: tuple | None = None
         self._recorder = TraceRecorder()              # this phase's record
-        self._forward_record = TraceRecorder()        # the last forward's (backward's order comes from it)
+        self._forward_record = TraceRecorder()        # the last forward with autograd on: backward's order
         self._traces: dict[tuple, list[list[int]]] = {}  # (phase, grad, training) -> events of the last step
         self._schedule: GatherSchedule | None = None
         self._reuse: set[int] = set()       # weights to hold from forward to backward this step
@@ -203,7 +203,8 @@ class Stage3Engine(ShardedEngineBase):
         self._key = (phase, torch.is_grad_enabled(), self.module.training)
         self._recorder = TraceRecorder()
         if phase == "forward":
-            self._forward_record = self._recorder
+            if torch.is_grad_enabled():  # a forward without a graph (eval) has no backward
+                self._forward_record = self._recorder
             events = self._traces.get(self._key)
             self._reuse = self._reuse_set() if self._key == ("forward", True, True) else set()
         else:
