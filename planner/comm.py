@@ -27,6 +27,13 @@ Per iteration (A = gradient accumulation steps, micro-step m = 0..A-1):
 - optimizer: an all-reduce of the 8-byte squared gradient norm, then the
   persistent weights (stage 3) or all weights (stages 1-2) all-gathered in
   allgather_bucket_size buckets.
+Stage 0 (zeropp.engine.DDPEngine, torch DDP): grad_reduce is one all-reduce
+per DDP bucket, S = bucket elements x c, on the last micro-step in fp32
+(no_sync before it) and on every micro-step in 16-bit; nothing else (every
+rank holds the whole gradient, so the norm needs no collective). The buckets
+are those DDP rebuilds after its first iteration, in gradient-ready order
+(reverse parameter order here): 1 MiB first, then DDP_BUCKET_MB, each closed
+once it reaches its limit.
 """
 from __future__ import annotations
 
@@ -36,6 +43,7 @@ from dataclasses import dataclass, field
 from parallel.comm import wire_bytes
 from parallel.topology import Topology
 from zeropp.config import ZeroConfig
+from zeropp.engine import DDP_BUCKET_MB
 from zeropp.quant_format import wire_nbytes
 from zeropp.schedule import backward_order, bucketize, gather_buckets, gradient_buckets, reuse_set, without
 
@@ -86,6 +94,8 @@ def iteration_collectives(shards, trace, zero: ZeroConfig, world: int, ranks_per
         else:
             add(Collective(phase, "all_gather", "world", total * weight_bytes, micro_step=m))
 
+    if zero.stage == 0:
+        return _ddp_collectives(step, [s.numel for s in shards], accumulation, weight_bytes, grad_bytes)
     if zero.stage == 3:
         numels = [s.numel for s in shards]
         order = backward_order(trace.touch)
@@ -127,6 +137,30 @@ def iteration_collectives(shards, trace, zero: ZeroConfig, world: int, ranks_per
     published = [s for s in shards if s.persistent] if zero.stage == 3 else list(shards)
     for b in bucketize(published, lambda s: s.chunk * world, zero.allgather_bucket_size):
         add(Collective("optimizer", "all_gather", "world", sum(s.chunk for s in b) * weight_bytes))
+    return step
+
+
+def ddp_buckets(numels: list[int], weight_bytes: int) -> list[list[int]]:
+    """DDP's gradient buckets after its rebuild (see the module docstring)."""
+    buckets, current, size = [], [], 0
+    for i in reversed(range(len(numels))):
+        current.append(i)
+        size += numels[i] * weight_bytes
+        if size >= (2**20 if not buckets else DDP_BUCKET_MB * 2**20):
+            buckets.append(current)
+            current, size = [], 0
+    return buckets + ([current] if current else [])
+
+
+def _ddp_collectives(step: Step, numels: list[int], accumulation: int, weight_bytes: int,
+                     grad_bytes: int) -> Step:
+    step.gradient_buckets = ddp_buckets(numels, weight_bytes)
+    for m in range(accumulation):
+        if weight_bytes == 4 and m < accumulation - 1:
+            continue   # fp32: gradients accumulate locally until the last micro-step
+        for b in step.gradient_buckets:
+            step.collectives.append(Collective("grad_reduce", "all_reduce", "world",
+                                               sum(numels[i] for i in b) * grad_bytes, micro_step=m))
     return step
 
 

@@ -15,8 +15,11 @@ from the engine's layout, planner.trace.shard_layout):
 The ZeRO formula (zeropp.memory.predicted_bytes_per_param: (2 + 4 + 12)/N per
 parameter for 16-bit stage 3, + w/h for hpZ) is shown next to it.
 
+Stage 0 (torch DDP): weights, fp32 gradients and optimizer states whole.
+
 Around them (estimates, each stated):
-- gradient buckets: the bound GradientReducer can reach (zeropp/sharded.py,
+- gradient buckets (stage 0: DDP's buckets, a compute-dtype copy of every
+  gradient): the bound GradientReducer can reach (zeropp/sharded.py,
   peak_buffers): 3 x max(reduce_bucket_size, largest chunk x N) x (1 + 1/N) x c;
 - gathered weights (stage 3): the weights held from forward to backward plus
   the two largest gather buckets (the one computing, the one prefetched), x w,
@@ -33,6 +36,8 @@ from zeropp.memory import predicted_bytes_per_param
 def model_state_bytes(shards, stage: int, weight_bytes: int, optimizer_type: str, momentum: float,
                       hpz_on: bool) -> dict[str, int]:
     """memory_report()'s measured_bytes of one rank, from its layout."""
+    if stage == 0:
+        return _replicated_state_bytes([s.numel for s in shards], weight_bytes, optimizer_type, momentum)
     if stage == 3:
         weights = sum(s.chunk if not s.persistent else s.numel for s in shards) * weight_bytes
         secondary = sum(s.secondary_slice.chunk for s in shards if not s.persistent) * weight_bytes if hpz_on else 0
@@ -50,6 +55,20 @@ def model_state_bytes(shards, stage: int, weight_bytes: int, optimizer_type: str
     return {"weights": weights, "hpz_secondary": secondary, "gradients": 4 * valid, "optimizer": optimizer}
 
 
+def _replicated_state_bytes(numels: list[int], weight_bytes: int, optimizer_type: str,
+                           momentum: float) -> dict[str, int]:
+    """Stage 0 (zeropp.engine.DDPEngine): every state whole on every rank; the
+    gradient is fp32 (the masters' in 16-bit training)."""
+    n = sum(numels)
+    if optimizer_type in ("adam", "adamw"):
+        optimizer = 8 * n + 4 * len(numels)
+    else:
+        optimizer = 4 * n if momentum else 0
+    if weight_bytes != 4:
+        optimizer += 4 * n   # fp32 masters
+    return {"weights": n * weight_bytes, "hpz_secondary": 0, "gradients": 4 * n, "optimizer": optimizer}
+
+
 def formula_bytes(num_params: int, stage: int, world: int, dtype, hpz: int, optimizer_bytes: float) -> dict:
     """ZeRO's closed form (zeropp/memory.py) for the same categories."""
     per = predicted_bytes_per_param(stage, world, dtype, optimizer_bytes)
@@ -60,6 +79,8 @@ def formula_bytes(num_params: int, stage: int, world: int, dtype, hpz: int, opti
 
 
 def buffer_bytes(step, shards, zero, world: int, weight_bytes: int, grad_bytes: int) -> dict[str, int]:
+    if zero.stage == 0:   # DDP's buckets hold a copy of every gradient in the compute dtype
+        return {"gradient_buckets": sum(s.numel for s in shards) * weight_bytes, "gathered_weights": 0}
     largest = max([s.chunk * world for s in shards], default=0)
     grad = int(3 * max(zero.reduce_bucket_size, largest) * (1 + 1 / world) * grad_bytes)
     gathered = 0

@@ -24,8 +24,7 @@ from planner.timing import Timing, iteration_time
 from planner.trace import ModelTrace, shard_layout, trace_model
 from training.checkpoint import checkpoint_bytes
 from zeropp.config import DeepSpeedConfig, OptimizerSettings, ZeroConfig
-from zeropp.engine import compute_dtype
-from zeropp.sharded import communication_dtype
+from zeropp.engine import communication_dtype, compute_dtype
 
 GPT2_VOCAB = 50257   # GPT-2's BPE vocabulary, when the tokenizer files are not at hand
 
@@ -206,7 +205,7 @@ def format_plan(job: Job, cluster: Cluster, trace: ModelTrace, plans: list[Confi
     out("")
     out(f"-- Memory per GPU (GiB, rank 0){'':11}{head}")
     rows = [("weights (16-bit shard + persistent)" if plans[0].zero.stage == 3 else "weights (whole, 16-bit)",
-             "weights"), ("hpZ secondary partition", "hpz_secondary"), ("gradients (fp32 partition)", "gradients"),
+             "weights"), ("hpZ secondary partition", "hpz_secondary"), ("gradients (fp32, whole)" if plans[0].zero.stage == 0 else "gradients (fp32 partition)", "gradients"),
             ("optimizer (fp32 master + Adam)", "optimizer"), ("gradient bucket buffers", "gradient_buckets"),
             ("gathered-weight buffers", "gathered_weights")]
     ckpt = "on" if cfg.checkpoint_activations else "off"

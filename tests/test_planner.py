@@ -3,8 +3,9 @@
 - Per rank, per phase, the bytes the planner predicts equal what the
   Communicator counts on 4 gloo ranks as 2 emulated nodes x 2 (tiny GPT),
   and its model-state bytes equal memory_report()'s measurement: ZeRO-3
-  (weights held from forward to backward), ZeRO-3 with reuse 0, and ZeRO++
-  (qwZ, hpZ 2, qgZ) with activation checkpointing and gradient accumulation.
+  (weights held from forward to backward), ZeRO-3 with reuse 0, ZeRO++
+  (qwZ, hpZ 2, qgZ) with activation checkpointing and gradient accumulation,
+  and stages 0 (torch DDP, fp32 and bf16), 1 and 2.
 - The 18B plan prints in seconds; cluster-file mistakes are one line, exit 2.
 """
 import subprocess
@@ -34,6 +35,11 @@ CASES = {
     "zero3-reuse0": ({**BASE, "stage3_max_reuse_distance": 0}, "bf16", False, 1),
     "zeropp": ({**BASE, "stage3_max_reuse_distance": 0, "zero_quantized_weights": True,
                 "zero_hpz_partition_size": 2, "zero_quantized_gradients": True}, "bf16", True, 2),
+    # Stage 0 (torch DDP): everything whole; 16-bit syncs every micro-step, fp32 the last only.
+    "zero0-bf16": ({"stage": 0}, "bf16", False, 2),
+    "zero0-fp32": ({"stage": 0}, "fp32", True, 2),
+    "zero1": ({"stage": 1, "reduce_bucket_size": 2000, "allgather_bucket_size": 3000}, "bf16", False, 2),
+    "zero2": ({"stage": 2, "reduce_bucket_size": 2000, "allgather_bucket_size": 3000}, "fp32", False, 1),
 }
 MICRO, SEQ, WORLD, RPN = 2, 16, 4, 2
 
@@ -78,8 +84,8 @@ def planned(name):
     w = 4 if dtype == "fp32" else 2
     memory = []
     for r in range(WORLD):
-        m = model_state_bytes(shard_layout(trace, WORLD, r, 3, z.stage3_param_persistence_threshold,
-                                           z.zero_hpz_partition_size), 3, w, "adamw", 0.0,
+        m = model_state_bytes(shard_layout(trace, WORLD, r, z.stage, z.stage3_param_persistence_threshold,
+                                           z.zero_hpz_partition_size), z.stage, w, "adamw", 0.0,
                               z.zero_hpz_partition_size > 1)
         memory.append({"parameters": m["weights"] + m["hpz_secondary"], "gradients": m["gradients"],
                        "optimizer": m["optimizer"]})

@@ -14,6 +14,7 @@ from model import GPT, GPTConfig
 from parallel.comm import Communicator
 from parallel.topology import Topology, topology_from_env
 from tests.distributed import run_distributed
+from tests.numerics import assert_state_within_roundoff, fp64_reference
 
 WORLD = 4
 TINY = dict(vocab_size=96, num_layers=2, hidden_size=32, num_attention_heads=4,
@@ -144,17 +145,28 @@ def branchy_reference():
     return engine.module_state_dict()
 
 
+def branchy_fp64():
+    """branchy_reference's training in fp64 (tests/numerics.py)."""
+    torch.manual_seed(0)
+    model = Branchy()
+
+    def loss_of(step, r):
+        x, y, use_aux = branchy_data(step, r)
+        return lambda m: m(x.double(), y.double(), use_aux)
+    steps = [[loss_of(step, r) for r in range(WORLD)] for step in range(4)]
+    return fp64_reference(model, steps, lr=1e-2, clip=1.0)[2]
+
+
 def branchy_all(rank, world_size):
     return {(stage, reuse): branchy_run(rank, world_size, stage, {"stage3_max_reuse_distance": reuse})
             for stage in (1, 2, 3) for reuse in ((0, 10**9) if stage == 3 else (0,))}
 
 
 def test_parameter_without_gradient_on_some_ranks_trains_and_matches():
-    ref = branchy_reference()
+    ref, exact = branchy_reference(), branchy_fp64()
     for per_rank in run_distributed(branchy_all, world_size=WORLD):
         for key, weights in per_rank.items():
-            for k in ref:
-                torch.testing.assert_close(weights[k], ref[k], rtol=1e-5, atol=2e-6, msg=f"{key} {k}")
+            assert_state_within_roundoff(weights, ref, exact, str(key))
 
 
 def branchy_eval_between(rank, world_size):
@@ -178,10 +190,9 @@ def test_eval_between_forward_and_backward_keeps_the_backward_schedule():
     """The eval forward must not replace the record backward's order comes from:
     without that order, backward gathers on demand, and ranks where `aux` gets no
     gradient issue other collectives than the rest (a hang or a wrong sum)."""
-    ref = branchy_reference()
+    ref, exact = branchy_reference(), branchy_fp64()
     for weights in run_distributed(branchy_eval_between, world_size=WORLD, timeout=120):
-        for k in ref:
-            torch.testing.assert_close(weights[k], ref[k], rtol=1e-5, atol=2e-6, msg=k)
+        assert_state_within_roundoff(weights, ref, exact, "eval in between")
 
 
 def strict_unused(rank, world_size):

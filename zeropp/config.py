@@ -200,6 +200,16 @@ class DeepSpeedConfig:
         if self.gradient_predivide_factor <= 0:
             raise ConfigError(f"{where}: gradient_predivide_factor must be > 0, "
                               f"got {self.gradient_predivide_factor}")
+        stage = self.zero_optimization.stage
+        if stage > 0 and self.gradient_predivide_factor != 1.0:
+            raise ConfigError(f"{where}: gradient_predivide_factor {self.gradient_predivide_factor} is not "
+                              f"supported with ZeRO stage {stage} (nor by DeepSpeed): stages 1-3 divide "
+                              f"gradients by the world size before reducing them; remove the key, or use "
+                              f"stage 0")
+        if stage > 0 and self.prescale_gradients:
+            refuse_value(f"{where}: prescale_gradients", True, False,
+                         f"ZeRO stage {stage} always divides gradients by the world size before reducing "
+                         f"them (DeepSpeed refuses the key there too)")
         if self.prescale_gradients and self.gradient_predivide_factor != 1.0:
             raise ConfigError(f"{where}: gradient_predivide_factor {self.gradient_predivide_factor} has no "
                               f"effect with prescale_gradients true (DeepSpeed then divides by the world "
@@ -212,10 +222,14 @@ class DeepSpeedConfig:
 
     def gradient_scale_factors(self, world_size: int) -> tuple[float, float]:
         """(before, after): multiply gradients by `before` ahead of the sum over ranks and by
-        `after` once summed, which averages them. DeepSpeed's rule: prescale_gradients
-        divides by the world size up front; otherwise (the default) gradients are divided
-        by gradient_predivide_factor before and by world_size / factor after."""
-        if self.prescale_gradients:
+        `after` once summed, which averages them, in DeepSpeed's order:
+        - ZeRO stages 1-3 divide by the world size before the sum (DeepSpeed's
+          `average_tensor` and `reduce_scatter_coalesced`), so a 16-bit sum stays in range
+          whenever the mean does;
+        - stage 0 (DeepSpeed's `allreduce_bucket`): prescale_gradients divides by the world
+          size before; otherwise gradients are divided by gradient_predivide_factor f before
+          and by world_size / f after (f = 1 by default: sum, then divide)."""
+        if self.zero_optimization.stage > 0 or self.prescale_gradients:
             return 1.0 / world_size, 1.0
         factor = self.gradient_predivide_factor
         return 1.0 / factor, factor / world_size

@@ -67,6 +67,15 @@ def compute_dtype(config: DeepSpeedConfig) -> torch.dtype:
     return torch.float32
 
 
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def communication_dtype(config: DeepSpeedConfig) -> torch.dtype:
+    """Gradients are reduced in `communication_data_type` (default: the compute dtype)."""
+    name = config.communication_data_type
+    return _DTYPES[name] if name else compute_dtype(config)
+
+
 class Engine:
     """Shared machinery; subclasses implement `_grad_norm_sq`, `_apply_update`,
     `_zero_grad` and the state-dict methods."""
@@ -220,6 +229,9 @@ class Engine:
         return out
 
 
+DDP_BUCKET_MB = 25   # torch DDP's bucket_cap_mb (its default), which the planner models
+
+
 class DDPEngine(Engine):
     """ZeRO stage 0, and every stage at world size 1: each rank holds the whole
     model, its gradients and the optimizer state. Gradients are all-reduced by
@@ -233,14 +245,17 @@ class DDPEngine(Engine):
 
     def __init__(self, module, config, comm, device, optim, gradient_accumulation_steps=1,
                  param_init: ParamInit | None = None):
-        materialize_rest(module, param_init, device, compute_dtype(config))
-        module = module.to(device=device, dtype=compute_dtype(config))
+        # fp32 first: the masters start from the exact initialization, as the sharded
+        # stages' do, and the 16-bit weights are their rounding.
+        materialize_rest(module, param_init, device, torch.float32)
+        module = module.to(device=device)
+        params = [p for p in module.parameters() if p.requires_grad]
+        masters = [p.detach().float().clone().requires_grad_(True) for p in params] \
+            if compute_dtype(config) != torch.float32 else params
+        module = module.to(dtype=compute_dtype(config))
         super().__init__(module, config, comm, device, optim, gradient_accumulation_steps)
-        self.params = [p for p in module.parameters() if p.requires_grad]
-        if self.dtype == torch.float32:
-            self.master = self.params
-        else:
-            self.master = [p.detach().float().clone().requires_grad_(True) for p in self.params]
+        self.params = params
+        self.master = masters
         decay, no_decay = split_decay(module)
         index = {id(p): i for i, p in enumerate(self.params)}
         self.optimizer = self._make_optimizer([self.master[index[id(p)]] for p in decay],
@@ -249,8 +264,10 @@ class DDPEngine(Engine):
         if comm.topology.world_size > 1:
             self.ddp = nn.parallel.DistributedDataParallel(
                 module, device_ids=[device.index] if device.type == "cuda" else None,
-                bucket_cap_mb=25, find_unused_parameters=False)
-            self.ddp.register_comm_hook(comm, _counted_allreduce_hook)
+                bucket_cap_mb=DDP_BUCKET_MB, find_unused_parameters=False)
+            pre, post = config.gradient_scale_factors(comm.topology.world_size)
+            self.ddp.register_comm_hook(_ReduceState(comm, communication_dtype(config), pre, post),
+                                        _counted_allreduce_hook)
 
     def forward(self, *args, **kwargs):
         if self.ddp is None:
@@ -347,9 +364,28 @@ class DDPEngine(Engine):
         return {}
 
 
-def _counted_allreduce_hook(comm: Communicator, bucket):
-    """DDP communication hook: average the bucket through our Communicator."""
-    tensor = bucket.buffer()
-    tensor.div_(comm.topology.world_size)
-    work = comm.all_reduce(tensor, async_op=True, phase="grad_reduce")
-    return work.get_future().then(lambda fut: fut.value()[0])
+@dataclass
+class _ReduceState:
+    comm: Communicator
+    dtype: torch.dtype      # communication_data_type
+    pre: float              # DeepSpeedConfig.gradient_scale_factors
+    post: float
+
+
+def _counted_allreduce_hook(state: _ReduceState, bucket):
+    """DDP communication hook: average the bucket through our Communicator, in
+    `communication_data_type`, scaled before and after the sum as DeepSpeed does."""
+    grads = bucket.buffer()
+    wire = grads if grads.dtype == state.dtype else grads.to(state.dtype)
+    if state.pre != 1.0:
+        wire.mul_(state.pre)
+    work = state.comm.all_reduce(wire, async_op=True, phase="grad_reduce")
+
+    def finish(fut):
+        summed = fut.value()[0]
+        if state.post != 1.0:
+            summed.mul_(state.post)
+        if summed is not grads:
+            grads.copy_(summed)
+        return grads
+    return work.get_future().then(finish)

@@ -15,18 +15,9 @@ import torch
 
 from zeropp.collectives import GradientReducer, ShardGather, ShardReduce, gather_bucketed
 from zeropp.config import DeepSpeedConfig
-from zeropp.engine import Engine, FlatState, compute_dtype
+from zeropp.engine import Engine, FlatState, communication_dtype
 from zeropp.init import ParamInit, full_value, materialize_rest, replace_data
 from zeropp.partition import Partition, ShardedParam
-
-_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def communication_dtype(config: DeepSpeedConfig) -> torch.dtype:
-    """Gradients are reduced in `communication_data_type` (default: the compute dtype)."""
-    name = config.communication_data_type
-    return _DTYPES[name] if name else compute_dtype(config)
-
 
 class ShardedEngineBase(Engine):
     shard_class = ShardedParam   # stage 3 adds gather state
