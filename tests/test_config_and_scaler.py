@@ -196,3 +196,14 @@ def test_scheduler_defaults_and_checks():
 def test_misplaced_key_says_where_it_belongs(raw, message):
     with pytest.raises(ConfigError, match=message):
         DeepSpeedConfig.from_dict(raw)
+
+
+@pytest.mark.parametrize("key", ["stage3_gather_16bit_weights_on_model_save",
+                                 "stage3_gather_fp16_weights_on_model_save"])
+def test_gathered_save_keys_point_to_the_exporter(key):
+    """No checkpoint holds a model.pt: the refusal names the exporter's command."""
+    with pytest.raises(ConfigError) as error:
+        DeepSpeedConfig.from_dict({"zero_optimization": {key: True}})
+    message = str(error.value)
+    assert "python -m tools.export_checkpoint --load DIR --format torch" in message
+    assert "iter_N/model.pt" not in message

@@ -120,6 +120,14 @@ def corrupt(prefix, offset=None, data=None, truncate=None):
     (lambda p: corrupt(p, truncate=-8), "truncated"),
     (lambda p: corrupt(p, truncate=20), "bad magic"),  # shorter than the header itself
     (lambda p: open(p + ".bin", "ab").write(b"\x00\x00"), "out of sync"),
+    # The tables disagree with each other while every size still adds up (DOCS, uint16:
+    # lengths at byte 34, pointers at 46): each would train on wrong token spans.
+    (lambda p: corrupt(p, 46 + 8, struct.pack("<q", 2)), "sequence 1 starts at byte 2 of the .bin, but it "
+                                                         "must start at byte 6, where sequence 0 ends"),
+    (lambda p: corrupt(p, 34, struct.pack("<2i", 2, 3)), "sequence 1 starts at byte 6 of the .bin, but it "
+                                                         "must start at byte 4"),
+    (lambda p: corrupt(p, 46, struct.pack("<q", 2)), "sequence 0 starts at byte 2 of the .bin, but it must "
+                                                     "start at byte 0"),
 ])
 def test_corrupt_index_is_rejected(tmp_path, damage, message):
     prefix = write(str(tmp_path / "d"), DOCS, np.uint16)

@@ -106,8 +106,9 @@ _ZERO_FIXED = {
     "round_robin_gradients": (False, "gradients are partitioned in order, not round-robin"),
     "sub_group_size": (1_000_000_000, "the optimizer steps each rank's whole shard at once"),
     "stage3_gather_16bit_weights_on_model_save": (
-        False, "not yet: every checkpoint already holds the full fp32 weights in "
-               "iter_N/model.pt; export 16-bit weights from that file"),
+        False, "checkpoints hold each rank's fp32 slices, never a gathered copy; to get the whole "
+               "model in 16 bits run `python -m tools.export_checkpoint --load DIR --format torch --dtype bf16 "
+               "--output model.pt` (no GPU or process group needed)"),
 }
 
 
