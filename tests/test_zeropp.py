@@ -532,3 +532,36 @@ def test_zeropp_switches_from_flags_and_tutorial_json(monkeypatch):
 def test_block_sizes_must_be_powers_of_two(key, value):
     with pytest.raises(zeropp.ConfigError, match=f"{key} must be a power of two"):
         zeropp.DeepSpeedConfig.from_dict({"zero_optimization": {"stage": 3, key: value}})
+
+
+# --------------------------------------------------------------------------------------
+# qwZ: evaluation computes with the exact weights, those a checkpoint saves
+# --------------------------------------------------------------------------------------
+def eval_after_training(rank, world_size, zero):
+    engine = make_engine(gpt(), world_size, zero)
+    for step in range(3):
+        x = tokens(rank, step)
+        engine.backward(engine(x[:, :-1], x[:, 1:]))
+        engine.step()
+    probe = tokens(0, 99)[:, :-1]
+    engine.eval()
+    with torch.no_grad():
+        evaluated = engine(probe)
+    engine.train()
+    train_mode = engine(probe).detach()   # a training-mode forward: qwZ's INT8 weights
+    return evaluated, train_mode, engine.module_state_dict()
+
+
+@pytest.mark.parametrize("zero", [QWZ, ALL3], ids=["qwz", "all3"])
+def test_qwz_evaluates_with_exact_weights(zero):
+    for evaluated, train_mode, weights in run_distributed(eval_after_training, 4, args=(zero,)):
+        ref = gpt()
+        ref.load_state_dict(weights)
+        ref.eval()
+        with torch.no_grad():
+            expect = ref(tokens(0, 99)[:, :-1])
+        # The same fp32 weights and computation: equal up to a few ulps of the logits. INT8
+        # weights (a step of 1/127 of each block's largest weight) move them far more.
+        bound = 64 * torch.finfo(torch.float32).eps * expect.abs().max().item()
+        assert (evaluated - expect).abs().max().item() <= bound
+        assert (train_mode - expect).abs().max().item() > 100 * bound

@@ -32,7 +32,9 @@ When weights are gathered:
 
 ZeRO++ (REFERENCE.md section 2), each switch on its own:
 - qwZ (`zero_quantized_weights`): the primary partition gathers through
-  `QuantizedShardGather` (INT8 blocks); fp32 masters stay exact.
+  `QuantizedShardGather` (INT8 blocks) in training; fp32 masters stay exact, and
+  evaluation (`engine.eval()`) gathers them exactly, so a validation loss is
+  the loss of the weights a checkpoint saves.
 - hpZ (`zero_hpz_partition_size` h): a `SecondaryPartition` over the node
   group; a weight it holds is gathered from it, inside the node.
 - qgZ (`zero_quantized_gradients`): gradient buckets go through
@@ -112,6 +114,10 @@ class Stage3Engine(ShardedEngineBase):
                                                           self.dtype, self.device)
         self.primary = PrimaryWeights(self.partition, self.param_flat, self._weight_gather or self.gather,
                                       self.secondary_partition)
+        # qwZ: evaluation gathers the exact weights (those a checkpoint saves), leaving hpZ's
+        # secondary copy, which holds the quantized ones training computes with, alone.
+        self._exact_primary = (PrimaryWeights(self.partition, self.param_flat, self.gather, None)
+                               if self._weight_gather is not None else None)
 
     def _adopt(self, s: Stage3Param, full_fp32: torch.Tensor):
         if s.persistent:
@@ -145,6 +151,9 @@ class Stage3Engine(ShardedEngineBase):
         if not todo:
             return
         phase = "backward_gather" if self._phase == "backward" else "forward_gather"
+        if self._exact_primary is not None and not self.module.training:
+            BucketGather(todo, self._exact_primary, phase)
+            return
         sec = self.secondary_partition
         primary = [s for s in todo if sec is None or not sec.holds(s)]
         secondary = [s for s in todo if sec is not None and sec.holds(s)]
