@@ -56,6 +56,52 @@ class SentencePieceTokenizer:
     def detokenize(self, ids):
         return self._sp.decode([int(i) for i in ids])
 
+    def special_tokens(self) -> dict[str, str]:
+        """Hugging Face's names for the model's unk, bos and eos pieces."""
+        sp = self._sp
+        return {name: sp.id_to_piece(i) for name, i in
+                (("unk_token", sp.unk_id()), ("bos_token", sp.bos_id()), ("eos_token", sp.eos_id())) if i >= 0}
+
+    def hf_tokenizer(self) -> tokenizers.Tokenizer:
+        """The same tokenization as a `tokenizers.Tokenizer` (a Hugging Face export's
+        tokenizer.json): the model's pieces, its merges, byte fallback and whitespace
+        handling. Exact for BPE models with identity normalization, which
+        data.train_tokenizer writes (checked on the whole bundled corpus); any other
+        sentencepiece model is refused, since `tokenizers` would not reproduce it. One
+        difference remains: the literal text of a control piece ("</s>") is read as that
+        piece by Hugging Face, as plain text by sentencepiece."""
+        from sentencepiece import sentencepiece_model_pb2
+
+        proto = sentencepiece_model_pb2.ModelProto()
+        proto.ParseFromString(self._sp.serialized_model_proto())
+        norm, trainer = proto.normalizer_spec, proto.trainer_spec
+        if (trainer.model_type != trainer.BPE or norm.name != "identity" or norm.remove_extra_whitespaces
+                or trainer.treat_whitespace_as_suffix):
+            raise TokenizerError(
+                f"{self.model_file} is not a byte-fallback BPE model with identity normalization (model type "
+                f"{trainer.model_type}, normalization {norm.name!r}): it cannot be written as an exact "
+                f"tokenizer.json; tokenize with sentencepiece and this .model file")
+        pieces = proto.pieces
+        vocab = {p.piece: i for i, p in enumerate(pieces)}
+        normal = {p.piece for p in pieces if p.type == p.NORMAL}
+        # sentencepiece merges the adjacent pair whose result scores highest; BPE in
+        # `tokenizers` applies merges by rank: every split of a piece, ranked by the piece.
+        merges = sorted((vocab[p], vocab[p[:k]], vocab[p[k:]], p[:k], p[k:])
+                        for p in normal for k in range(1, len(p)) if p[:k] in normal and p[k:] in normal)
+        tok = tokenizers.Tokenizer(tokenizers.models.BPE(
+            vocab=vocab, merges=[(a, b) for *_, a, b in merges], unk_token=pieces[trainer.unk_id].piece,
+            byte_fallback=trainer.byte_fallback, fuse_unk=True))
+        spaces = [tokenizers.normalizers.Replace(" ", "\u2581")]
+        if norm.add_dummy_prefix:
+            spaces.insert(0, tokenizers.normalizers.Prepend("\u2581"))
+        tok.normalizer = tokenizers.normalizers.Sequence(spaces)
+        tok.decoder = tokenizers.decoders.Sequence([
+            tokenizers.decoders.Replace("\u2581", " "), tokenizers.decoders.ByteFallback(),
+            tokenizers.decoders.Fuse()] + ([tokenizers.decoders.Strip(" ", 1, 0)] if norm.add_dummy_prefix else []))
+        tok.add_special_tokens([tokenizers.AddedToken(p.piece, special=True, normalized=False)
+                                for p in pieces if p.type in (p.UNKNOWN, p.CONTROL)])
+        return tok
+
 
 class GPT2BPETokenizer:
     name = "GPT2BPETokenizer"
@@ -80,6 +126,17 @@ class GPT2BPETokenizer:
 
     def detokenize(self, ids):
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def special_tokens(self) -> dict[str, str]:
+        return {"unk_token": GPT2_EOD_TOKEN, "bos_token": GPT2_EOD_TOKEN, "eos_token": GPT2_EOD_TOKEN}
+
+    def hf_tokenizer(self) -> tokenizers.Tokenizer:
+        """The very `tokenizers.Tokenizer` this class encodes with (a Hugging Face
+        export's tokenizer.json), <|endoftext|> marked special (so the literal text
+        "<|endoftext|>" is that token there, plain text here, as in GPT-2's own files)."""
+        tok = tokenizers.Tokenizer.from_str(self._tok._tokenizer.to_str())
+        tok.add_special_tokens([tokenizers.AddedToken(GPT2_EOD_TOKEN, special=True, normalized=False)])
+        return tok
 
 
 def build_tokenizer(tokenizer_type, tokenizer_model=None, vocab_file=None, merge_file=None):

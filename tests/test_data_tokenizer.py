@@ -66,3 +66,48 @@ def test_errors_name_the_flag(tmp_path):
         build_tokenizer("GPT2BPETokenizer", vocab_file=str(tmp_path / "vocab.json"), merge_file=str(tmp_path / "m.txt"))
     with pytest.raises(TokenizerError, match="SentencePieceTokenizer, GPT2BPETokenizer"):
         build_tokenizer("BertWordPieceLowerCase")
+
+
+# -- the Hugging Face export's tokenizer.json gives the training ids ---------------------------
+@pytest.fixture(scope="module")
+def kjv_tokenizer(tmp_path_factory):
+    """A sentencepiece model as data.train_tokenizer makes them, trained on a slice of
+    the bundled corpus (the whole corpus is the check)."""
+    from data.corpus import kjv_chapters
+    chapters = kjv_chapters()
+    model = train_sentencepiece(chapters[:150], str(tmp_path_factory.mktemp("kjv") / "sp"), vocab_size=1500)
+    return build_tokenizer("SentencePieceTokenizer", tokenizer_model=model), chapters
+
+
+def saved_and_loaded(tok, directory):
+    transformers = pytest.importorskip("transformers")
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok.hf_tokenizer(),
+                                         **tok.special_tokens()).save_pretrained(str(directory))
+    return transformers.AutoTokenizer.from_pretrained(str(directory))
+
+
+def test_sentencepiece_export_encodes_the_whole_corpus_as_training_does(kjv_tokenizer, tmp_path):
+    tok, chapters = kjv_tokenizer
+    hf = saved_and_loaded(tok, tmp_path)
+    for text in chapters + [SAMPLE, "", " ", "  two  spaces\n\n tabs\tand 12345 漢字 🙂"]:
+        assert hf(text).input_ids == tok.tokenize(text), text[:60]
+        assert hf.decode(hf(text).input_ids) == text
+    assert hf.eos_token_id == tok.eod
+
+
+def test_unexportable_sentencepiece_model_is_refused(tmp_path):
+    model = train_sentencepiece(TEXTS, str(tmp_path / "uni"), vocab_size=320, model_type="unigram")
+    tok = build_tokenizer("SentencePieceTokenizer", tokenizer_model=model)
+    with pytest.raises(TokenizerError, match="cannot be written as an exact tokenizer.json"):
+        tok.hf_tokenizer()
+
+
+def test_gpt2_bpe_export_encodes_as_training_does(tmp_path):
+    trainer = tokenizers.ByteLevelBPETokenizer()
+    trainer.train_from_iterator(TEXTS, vocab_size=400, special_tokens=[GPT2_EOD_TOKEN], show_progress=False)
+    vocab_file, merge_file = trainer.save_model(str(tmp_path))
+    tok = build_tokenizer("GPT2BPETokenizer", vocab_file=vocab_file, merge_file=merge_file)
+    hf = saved_and_loaded(tok, tmp_path / "hf")
+    for text in TEXTS[:4] + [SAMPLE, " lead", "  two  spaces\n\n"]:
+        assert hf(text).input_ids == tok.tokenize(text), text
+    assert hf.eos_token_id == tok.eod

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 
 import torch
@@ -127,20 +126,22 @@ def export_hf(load: str, output: str, dtype: torch.dtype = torch.float32, max_sh
 
 
 def _export_tokenizer(meta: dict, output: str) -> int | None:
-    """Write the tokenizer next to the weights where it can be; returns the end-of-document id."""
+    """Write the tokenizer next to the weights, as a tokenizer.json that
+    `AutoTokenizer.from_pretrained(output)` loads and that gives the training ids
+    (data.tokenizer's hf_tokenizer); returns the end-of-document id."""
+    from transformers import PreTrainedTokenizerFast
+
     from data.tokenizer import build_tokenizer
     kind = meta.get("tokenizer_type")
     try:
         tok = build_tokenizer(kind, tokenizer_model=meta.get("tokenizer_model"),
                               vocab_file=meta.get("vocab_file"), merge_file=meta.get("merge_file"))
+        hf = tok.hf_tokenizer()
     except (OSError, ValueError) as e:
         print(f"> tokenizer not exported ({e})", file=sys.stderr)
         return None
-    if kind == "GPT2BPETokenizer":
-        from transformers import GPT2TokenizerFast
-        GPT2TokenizerFast(vocab_file=meta["vocab_file"], merges_file=meta["merge_file"]).save_pretrained(output)
-    else:  # transformers has no exact loader for an arbitrary sentencepiece BPE: ship the model file
-        shutil.copyfile(meta["tokenizer_model"], os.path.join(output, "tokenizer.model"))
+    # Training adds no bos/eos inside a document (the end of one is data, not a template).
+    PreTrainedTokenizerFast(tokenizer_object=hf, **tok.special_tokens()).save_pretrained(output)
     return tok.eod
 
 
