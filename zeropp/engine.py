@@ -29,6 +29,7 @@ from parallel.comm import Communicator
 from zeropp.config import DeepSpeedConfig, OptimizerSettings
 from zeropp.init import ParamInit, materialize_rest
 from zeropp.loss_scaler import LossScaler
+from zeropp.wall_clock import WallClock
 
 
 @dataclass
@@ -94,10 +95,12 @@ class Engine:
         self.micro_step = 0        # micro-batches seen since the last optimizer step
         self.global_step = 0       # optimizer steps taken (skipped ones included)
         self.lr = optim.lr
+        self.clock = WallClock(config.wall_clock_breakdown, device)
 
     # -- training loop interface -----------------------------------------
     def __call__(self, *args, **kwargs):
-        return self.forward(*args, **kwargs)
+        with self.clock.phase("forward"):
+            return self.forward(*args, **kwargs)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -107,11 +110,21 @@ class Engine:
         return self.micro_step + 1 == self.gradient_accumulation_steps
 
     def backward(self, loss: torch.Tensor):
-        # Average over micro-batches and apply the fp16 loss scale in one multiply.
-        (loss * (self.loss_scaler.scale / self.gradient_accumulation_steps)).backward()
+        with self.clock.phase("backward"):
+            self._backward(loss)
+
+    def _backward(self, loss: torch.Tensor):
+        """Subclasses add what they do around autograd (gradient reduction)."""
+        with self.clock.phase("backward_inner"):
+            # Average over micro-batches and apply the fp16 loss scale in one multiply.
+            (loss * (self.loss_scaler.scale / self.gradient_accumulation_steps)).backward()
         self.micro_step += 1
 
     def step(self) -> StepResult:
+        with self.clock.phase("step"):
+            return self._step()
+
+    def _step(self) -> StepResult:
         if self.micro_step != self.gradient_accumulation_steps:
             raise RuntimeError(f"step() after {self.micro_step} backward() calls; expected "
                                f"{self.gradient_accumulation_steps} (gradient accumulation steps)")
@@ -277,8 +290,8 @@ class DDPEngine(Engine):
         with self.ddp.no_sync():  # fp32: accumulate locally; all-reduce only on the last micro-batch
             return self.ddp(*args, **kwargs)
 
-    def backward(self, loss):
-        super().backward(loss)
+    def _backward(self, loss):
+        super()._backward(loss)
         if self.master is not self.params:
             for p, m in zip(self.params, self.master):
                 if p.grad is not None:

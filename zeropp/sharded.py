@@ -107,6 +107,10 @@ class ShardedEngineBase(Engine):
         raise NotImplementedError
 
     def _finish_reduction(self):
+        with self.clock.phase("backward_allreduce"):
+            self._finish_reduction_untimed()
+
+    def _finish_reduction_untimed(self):
         missing = self.reducer.missing()
         if missing and not self.zero.ignore_unused_parameters:
             names = ", ".join(s.name for s in missing[:5]) + (", ..." if len(missing) > 5 else "")

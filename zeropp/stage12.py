@@ -45,8 +45,8 @@ class Stage2Engine(_FullWeights):
     def _on_grad(self, s, grad):
         self.reducer.add(s, grad)
 
-    def backward(self, loss):
-        super().backward(loss)
+    def _backward(self, loss):
+        super()._backward(loss)
         self._finish_reduction()
 
 
@@ -65,9 +65,9 @@ class Stage1Engine(_FullWeights):
         else:
             self.accum[s.index] = grad.to(self.accum_dtype)
 
-    def backward(self, loss):
+    def _backward(self, loss):
         boundary = self.is_gradient_accumulation_boundary()
-        super().backward(loss)
+        super()._backward(loss)
         if boundary:
             for index, acc in self.accum.items():  # no gradient in the last micro-step
                 self.reducer.add(self.shards[index], acc)

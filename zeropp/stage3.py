@@ -288,10 +288,10 @@ class Stage3Engine(ShardedEngineBase):
         finally:
             self._end()
 
-    def backward(self, loss):
+    def _backward(self, loss):
         self._begin("backward")
         try:
-            super().backward(loss)
+            super()._backward(loss)
             self._finish_reduction()
         finally:
             self._end()
