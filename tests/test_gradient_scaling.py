@@ -57,14 +57,18 @@ def scaled_step(rank, world_size, case):
     engine = engine_for(Scaled(), world_size, top, zero, ranks_per_node=1)   # 2 nodes x 1 for qgZ
     engine.backward(engine(torch.tensor(GRAD, dtype=torch.float16)))
     result = engine.step()
-    return result.skipped, result.grad_norm
+    state = engine.scalar_state()
+    return result.skipped, result.grad_norm, (engine.global_step, engine.applied_steps, state["skipped_steps"])
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_fp16_gradients_are_averaged_in_deepspeeds_order(case):
     overflows = CASES[case][2]
-    for skipped, norm in run_distributed(scaled_step, world_size=2, args=(case,)):
+    for skipped, norm, steps in run_distributed(scaled_step, world_size=2, args=(case,)):
         assert skipped == overflows, case
+        # A skipped step is taken but not applied: the LR schedule does not advance on it,
+        # and checkpoints keep the count.
+        assert steps == ((1, 0, 1) if overflows else (1, 1, 0))
         if not overflows:  # the mean gradient, 40000 in each of 64 elements (exact in fp16 and INT4)
             assert norm == pytest.approx(GRAD * 8, rel=1e-6)
 

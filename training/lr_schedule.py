@@ -1,7 +1,10 @@
 """Learning-rate schedules: Megatron's (from the flags) or DeepSpeed's (the JSON `scheduler`).
 
     schedule = build_lr_schedule(args)    # once
-    lr = schedule(iteration)              # every optimizer step; iteration is 0-based
+    lr = schedule(engine.applied_steps)   # before every optimizer step
+
+Both schedules advance only on steps that updated the weights, as Megatron
+(`if update_successful`) and DeepSpeed (no scheduler step on overflow) do.
 
 A JSON scheduler and Megatron's schedule flags together are an error: the two
 describe different curves and neither can be partly overridden by the other.
@@ -20,17 +23,19 @@ MEGATRON_SCHEDULE_FLAGS = ("lr_decay_style", "lr_decay_iters", "lr_warmup_iters"
                            "lr_decay_samples", "lr_warmup_samples")
 
 
-def learning_rate(iteration: int, *, lr: float, min_lr: float, warmup_iters: int, decay_iters: int,
+def learning_rate(step: int, *, lr: float, min_lr: float, warmup_iters: int, decay_iters: int,
                   style: str) -> float:
-    """Megatron: linear warmup from 0, then decay to min_lr. LR for optimizer step
-    `iteration` (0-based: the first step uses iteration 0)."""
-    if warmup_iters > 0 and iteration < warmup_iters:
-        return lr * (iteration + 1) / warmup_iters
+    """Megatron's OptimizerParamScheduler.get_lr, in iterations: the LR of the optimizer
+    step that follows `step` applied ones (0 for the first, which runs at the warmup's
+    start, LR 0; skipped fp16 steps do not count). Linear warmup up to and including
+    step `warmup_iters`, then decay to `min_lr` at `decay_iters`."""
+    if warmup_iters > 0 and step <= warmup_iters:
+        return lr * step / warmup_iters
     if style == "constant":
         return lr
-    if iteration >= decay_iters:
+    if step > decay_iters:
         return min_lr
-    progress = (iteration - warmup_iters) / max(1, decay_iters - warmup_iters)
+    progress = (step - warmup_iters) / (decay_iters - warmup_iters)
     if style == "linear":
         coeff = 1.0 - progress
     elif style == "cosine":
@@ -42,9 +47,10 @@ def learning_rate(iteration: int, *, lr: float, min_lr: float, warmup_iters: int
 
 def deepspeed_learning_rate(iteration: int, *, kind: str, params: dict, base_lr: float) -> float:
     """DeepSpeed's WarmupLR / WarmupDecayLR / WarmupCosineLR (runtime/lr_schedules.py) for
-    optimizer step `iteration` (0-based). DeepSpeed sets the LR when it builds the
-    scheduler (its "not started" value) and calls scheduler.step() after each optimizer
-    step, so step k runs with the schedule at last_batch_iteration = k - 1.
+    the optimizer step that follows `iteration` applied ones. DeepSpeed sets the LR when
+    it builds the scheduler (its "not started" value) and calls scheduler.step() after
+    each applied optimizer step, so step k runs with the schedule at
+    last_batch_iteration = k - 1.
     `params` has every parameter filled in (SchedulerConfig.validate); `base_lr` is the
     optimizer's LR, which only WarmupCosineLR scales."""
     last = iteration - 1

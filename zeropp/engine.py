@@ -94,6 +94,7 @@ class Engine:
         self.clip = config.gradient_clipping
         self.micro_step = 0        # micro-batches seen since the last optimizer step
         self.global_step = 0       # optimizer steps taken (skipped ones included)
+        self.skipped_steps = 0     # of those, skipped on an fp16 overflow (DeepSpeed's name)
         self.lr = optim.lr
         self.clock = WallClock(config.wall_clock_breakdown, device)
 
@@ -141,6 +142,7 @@ class Engine:
         self.loss_scaler.update(overflow)
         self.micro_step = 0
         self.global_step += 1
+        self.skipped_steps += int(overflow)
         return StepResult(skipped=overflow, grad_norm=norm, loss_scale=scale)
 
     def set_lr(self, lr: float):
@@ -193,11 +195,19 @@ class Engine:
 
     def scalar_state(self) -> dict:
         """Small state every rank holds the same copy of (goes to the checkpoint's metadata)."""
-        return {"loss_scaler": self.loss_scaler.state_dict(), "global_step": self.global_step}
+        return {"loss_scaler": self.loss_scaler.state_dict(), "global_step": self.global_step,
+                "skipped_steps": self.skipped_steps}
 
     def load_scalar_state(self, sd: dict):
         self.loss_scaler.load_state_dict(sd["loss_scaler"])
         self.global_step = sd["global_step"]
+        self.skipped_steps = sd.get("skipped_steps", 0)   # absent from checkpoints before it was kept
+
+    @property
+    def applied_steps(self) -> int:
+        """Optimizer steps that updated the weights: what a learning-rate schedule
+        advances by (Megatron and DeepSpeed do not step it on a skipped update)."""
+        return self.global_step - self.skipped_steps
 
     def _moment_names(self) -> tuple[str, ...]:
         """The optimizer's per-element state tensors, by torch's names."""
