@@ -32,17 +32,13 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from bench import RESULTS, ROOT
 
-from model import GPT, GPTConfig, flops_per_iteration  # noqa: E402
+from model import GPT, GPTConfig, flops_per_iteration
 
 BENCH_MODEL = dict(vocab_size=4096, num_layers=4, hidden_size=192, num_attention_heads=4,
                    max_position_embeddings=16, hidden_dropout=0.0, attention_dropout=0.0)
@@ -90,7 +86,7 @@ def time_quant() -> dict:
 
 def _gloo_worker(rank, world):
     import torch.distributed as dist
-    from parallel.comm import _all_gather_flat
+    from parallel.comm import all_gather_flat
     res = {}
     for name, numel in (("bandwidth", 2 * 2**20), ("latency", 2)):
         inp = torch.zeros(numel, dtype=torch.bfloat16)
@@ -99,7 +95,7 @@ def _gloo_worker(rank, world):
         for i in range(13):
             dist.barrier()
             t0 = time.perf_counter()
-            _all_gather_flat(out, inp)
+            all_gather_flat(out, inp)
             ts.append(time.perf_counter() - t0)
         res[name] = statistics.median(ts[3:])
     # a ring all-gather: each rank sends (world - 1) shards of 4 MiB; a small one takes world - 1 hops
@@ -127,14 +123,14 @@ def engine_loopback() -> dict:
     at all (every byte over loopback): their median step times. Against the planner's
     prediction for the same setup, the difference is host work the time model does not
     itemize (hooks, bucket copies, Python around the quantizers): step_overhead_ms."""
-    from tests.distributed import run_distributed
+    from parallel.spawn import run_distributed
     return {f"{system}/{dtype}": run_distributed(_engine_worker, 4, args=(system, dtype),
                                                  env={"LOCAL_WORLD_SIZE": "2"})[0]
             for dtype in ("bf16", "fp32") for system in ENGINE_SYSTEMS}
 
 
 def time_gloo() -> dict:
-    from tests.distributed import run_distributed
+    from parallel.spawn import run_distributed
     return {**run_distributed(_gloo_worker, 2)[0], **{f"{k}_4_ranks": v for k, v in
                                                        run_distributed(_gloo_worker, 4)[0].items()}}
 
@@ -172,7 +168,7 @@ def main():
           f"per ring hop")
     print("  the bench's systems on 2 x 2 ranks over loopback (no link), median step ms: "
           + ", ".join(f"{k} {v * 1e3:.0f}" for k, v in loopback.items()))
-    path = ROOT / "bench" / "results" / "calibrate_compute.json"
+    path = RESULTS / "calibrate_compute.json"
     path.write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {path.relative_to(ROOT)}")
 

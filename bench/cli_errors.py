@@ -17,11 +17,10 @@ import tempfile
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from bench import ROOT
 
-from data.indexed_dataset import IndexedDatasetBuilder  # noqa: E402
-from data.tokenizer import train_sentencepiece  # noqa: E402
+from data.indexed_dataset import IndexedDatasetBuilder
+from data.tokenizer import train_sentencepiece
 
 DATA, MODEL = "work_dir/kjv_text_document", "work_dir/kjv_sp.model"
 
@@ -176,7 +175,7 @@ def cases(tmp, f):
 
 
 def run(argv):
-    proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, cwd=str(ROOT), timeout=300)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     if "Traceback" in proc.stderr:
         message = "TRACEBACK: " + proc.stderr.strip().splitlines()[-1]
@@ -193,7 +192,7 @@ def run(argv):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--output", default=os.path.join(ROOT, "cli_errors.md"))
+    parser.add_argument("--output", default=str(ROOT / "cli_errors.md"))
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         rows = []

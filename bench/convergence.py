@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import platform
 import re
@@ -40,7 +39,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench import RESULTS, ROOT
+from bench.megatron_log import parse_log
+
 DATA_PREFIX = "work_dir/kjv_text_document"
 TOKENIZER = "work_dir/kjv_sp.model"
 
@@ -48,14 +49,6 @@ ZERO3_FLAGS = ["--zero-stage", "3"]
 ZEROPP_FLAGS = ["--zero-stage", "3", "--zero-quantized-weights", "--zero-hpz-size", "2",
                 "--zero-quantized-gradients"]
 
-TRAIN_RE = re.compile(
-    r"iteration\s+(\d+)/\s*(\d+) \|.*?elapsed time per iteration \(ms\): ([\d.]+) \|.*?"
-    r"\| lm loss: ([-+\d.eE]+|nan|inf) \|.*?"
-    r"intra-node MB: ([\d.]+) \| inter-node MB: ([\d.]+) \|")
-GRAD_RE = re.compile(r"\| grad norm: ([-+\d.eEnaif]+) \|")  # absent after a skipped step, as in Megatron
-# Megatron's wording: "validation loss at iteration N [on validation set | on test set] | lm loss value: X"
-EVAL_RE = re.compile(r"validation loss at iteration (\d+)(?: on (validation|test) set)? \| "
-                     r"lm loss value: ([-+\d.eE]+|nan|inf)")
 TOLERANCE = 0.01
 
 
@@ -84,24 +77,6 @@ def command(a, zero_flags: list[str], scratch: Path) -> list[str]:
              "--config", "configs/demo.yaml"] + model_flags(a) + zero_flags +
             ["--save", str(scratch / "checkpoints"), "--save-interval", "0",
              "--tensorboard-dir", str(scratch / "tensorboard")])
-
-
-def parse_log(text: str) -> dict:
-    train, valid, test = [], [], None
-    for line in text.splitlines():
-        m = TRAIN_RE.search(line)
-        if m:
-            train.append({"iteration": int(m[1]), "iter_ms": float(m[3]), "loss": float(m[4]),
-                          "grad_norm": float(g[1]) if (g := GRAD_RE.search(line)) else math.nan,
-                          "intra_mb": float(m[5]), "inter_mb": float(m[6])})
-            continue
-        m = EVAL_RE.search(line)
-        if m:
-            if m[2] == "test":
-                test = {"iteration": int(m[1]), "loss": float(m[3])}
-            elif not valid or valid[-1]["iteration"] != int(m[1]):
-                valid.append({"iteration": int(m[1]), "loss": float(m[3])})
-    return {"train": train, "validation": valid, "test": test}
 
 
 def run_one(name: str, cmd: list[str], log_path: Path, timeout: float) -> dict:
@@ -361,7 +336,7 @@ def main(argv=None):
 
     check_data()
     scratch = Path(tempfile.mkdtemp(prefix="convergence-"))
-    out_dir = Path(a.out_dir) if a.out_dir else (scratch / "results" if a.quick else ROOT / "bench/results")
+    out_dir = Path(a.out_dir) if a.out_dir else (scratch / "results" if a.quick else RESULTS)
     out_dir.mkdir(parents=True, exist_ok=True)
 
     variants = [("ZeRO-3", ZERO3_FLAGS, a.seed)]

@@ -49,17 +49,14 @@ import time
 import zlib
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-
-import zeropp  # noqa: E402
-from model import GPT, GPTConfig, num_parameters  # noqa: E402
-from parallel.comm import Communicator  # noqa: E402
-from parallel.topology import topology_from_env  # noqa: E402
-from tests.distributed import run_distributed  # noqa: E402
+import zeropp
+from bench import RESULTS
+from model import GPT, GPTConfig, num_parameters
+from parallel.comm import Communicator
+from parallel.topology import topology_from_env
+from parallel.spawn import run_distributed
 
 
 def rss_mb(field: str) -> float:
@@ -206,14 +203,14 @@ def rank_main(rank, world, a):
         losses.append(loss.item())
         swap = max(swap, rss_mb("VmSwap"))
     peaks = engine.peak_buffers()
-    secondary = getattr(engine, "secondary_flat", None)
-    peaks["hpz_secondary_bytes"] = 0 if secondary is None else secondary.untyped_storage().nbytes()
+    hpz = getattr(engine, "secondary_partition", None)   # stage 3 with hpZ
+    peaks["hpz_secondary_bytes"] = 0 if hpz is None else hpz.flat.untyped_storage().nbytes()
     out = {"rank": rank, "start_rss_mb": start_rss, "peak_rss_after_construction_mb": after_construct,
            "peak_rss_mb": rss_mb("VmHWM"), "swap_after_steps_mb": swap, "construct_s": construct_s, "step_s": step_s,
            "losses": losses, "peaks": peaks, "num_parameters": num_parameters(cfg)}
     if a.checkpoint:
         trained = {"engine": engine, "model": model}
-        del engine, model, secondary, loss
+        del engine, model, hpz, loss
         out["checkpoint"] = checkpoint_phase(a, cfg, ds, comm, optim, trained, param_shapes, a.steps)
     return out
 
@@ -284,7 +281,7 @@ def main():
     p.add_argument("--checkpoint", metavar="DIR", default=None,
                    help="after training, save a sharded checkpoint to DIR and load it into a fresh engine")
     p.add_argument("--timeout", type=float, default=3600)
-    p.add_argument("--out", default=str(ROOT / "bench/results/large_model.json"))
+    p.add_argument("--out", default=str(RESULTS / "large_model.json"))
     a = p.parse_args()
     a.bucket, a.max_live = int(a.bucket), int(a.max_live)
 

@@ -19,22 +19,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from bench import RESULTS, ROOT
 
-import zeropp  # noqa: E402
-from model import GPTConfig  # noqa: E402
-from planner.cluster import load_cluster  # noqa: E402
-from planner.plan import Job, plan_config  # noqa: E402
-from planner.trace import trace_model  # noqa: E402
+import zeropp
+from model import GPTConfig
+from planner.cluster import load_cluster
+from planner.plan import Job, plan_config
+from planner.trace import trace_model
 
-RESULTS = ROOT / "bench" / "results"
 CLUSTER = "configs/clusters/emulated_slow_link.yaml"
 SYSTEMS = ["zero3-reuse0", "zeropp-qwz", "zeropp-hpz", "zeropp-qgz", "zeropp"]
 TOLERANCE = 0.25

@@ -1,14 +1,13 @@
 #!/usr/bin/env python
 """ZeRO benchmark: our engine's stages 0-3 next to PyTorch FSDP2 and DeepSpeed ZeRO.
 
-    .venv/bin/python bench/zero_bench.py                       # default run, ~5 min on 2 cores
-    .venv/bin/python bench/zero_bench.py --steps 20 --num-layers 6 --out /tmp/b.json
+    .venv/bin/python -m bench.zero_bench                       # default run, ~5 min on 2 cores
+    .venv/bin/python -m bench.zero_bench --steps 20 --num-layers 6 --out /tmp/b.json
 
 One GPT (model/gpt.py), one seed, one data stream, fp32, AdamW (lr 1e-4,
 betas 0.9/0.95, eps 1e-8, weight decay 0.01 on matrices only) for every
-system. Each system runs in its own fresh set of gloo ranks (spawned like
-tests/distributed.py, torch.set_num_threads(1) per rank), so max RSS is that
-system's own. A system that fails or hangs becomes an error row; the others
+system. Each system runs in its own fresh set of gloo ranks (parallel/spawn.py,
+torch.set_num_threads(1) per rank), so max RSS is that system's own. A system that fails or hangs becomes an error row; the others
 still run. See bench/README.md for what each column means and the caveats.
 """
 from __future__ import annotations
@@ -16,91 +15,29 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import pickle
 import platform
-import queue as queue_mod
-import socket
 import statistics
 import sys
 import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # also in the spawned ranks, which re-import this file
-    sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+from bench import RESULTS
 
-from bench.zero_systems import (ALL_SYSTEMS, COUNTER, DEEPSPEED, DEFAULT_SYSTEMS, LABELS, OPTIM,  # noqa: E402
-                                 PERSISTENCE_THRESHOLD, REUSE0, REUSE0_PREFETCH_FRACTION, WORLD1_SYSTEMS,
-                                 num_params, run_rank, stage_of, zero_section)
-
-
-# --------------------------------------------------------------------------------------
-# Process harness (tests/distributed.py's approach, plus a timeout and no crash on failure).
-# --------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank, world, port, system, a, q):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      OMP_NUM_THREADS="1")
-    if system in DEEPSPEED:
-        os.environ["DS_ACCELERATOR"] = "cpu"
-    torch.set_num_threads(1)  # the ranks share the machine's cores
-    import warnings
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", category=DeprecationWarning)
-    try:
-        COUNTER.install()  # before DeepSpeed binds torch.distributed functions
-        if system not in DEEPSPEED:  # DeepSpeed joins through deepspeed.init_distributed
-            dist.init_process_group("gloo", rank=rank, world_size=world)
-        q.put((rank, "ok", pickle.dumps(run_rank(rank, world, system, a))))
-    except BaseException:
-        q.put((rank, "error", traceback.format_exc()))
-    finally:
-        try:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        except Exception:
-            pass
+from bench.zero_systems import (ALL_SYSTEMS, DEEPSPEED, DEFAULT_SYSTEMS, LABELS, OPTIM, PERSISTENCE_THRESHOLD,
+                                REUSE0, REUSE0_PREFETCH_FRACTION, WORLD1_SYSTEMS, bench_rank, num_params,
+                                stage_of, zero_section)
+from parallel.spawn import spawn_ranks
 
 
 def launch(system, world, a, timeout):
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, system, a, q), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    results, error = {}, None
-    deadline = time.monotonic() + timeout
-    while len(results) < world and error is None:
-        try:
-            rank, status, value = q.get(timeout=max(0.1, deadline - time.monotonic()))
-        except queue_mod.Empty:
-            error = f"timed out after {timeout:.0f} s (hung or too slow); got {len(results)}/{world} ranks"
-            break
-        if status == "ok":
-            results[rank] = pickle.loads(value)
-        else:
-            error = f"rank {rank}:\n{value}"
-    for p in procs:
-        p.join(timeout=5 if error else 30)
-        if p.is_alive():
-            p.kill()
-            p.join()
-    if error:
-        return None, error
-    return [results[r] for r in range(world)], None
+    """(per-rank results, None) or (None, error): a system that fails or hangs becomes a row."""
+    env = {"LOCAL_WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1"}
+    if system in DEEPSPEED:
+        env["DS_ACCELERATOR"] = "cpu"
+    return spawn_ranks(bench_rank, world, args=(system, a), env=env, timeout=timeout, init_process_group=False)
 
 
 # --------------------------------------------------------------------------------------
@@ -297,7 +234,7 @@ def main(argv=None):
                    help="comma list run with world size 1 for the engine-overhead table "
                         "('' to skip); 'plain' is the reference loop")
     p.add_argument("--timeout", type=float, default=240, help="seconds per system before it is an error")
-    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "zero_bench.json"))
+    p.add_argument("--out", default=str(RESULTS / "zero_bench.json"))
     args = p.parse_args(argv)
     a = {k: getattr(args, k) for k in ("num_layers", "hidden", "heads", "vocab", "seq", "micro_batch",
                                         "warmup", "steps", "seed")}

@@ -23,7 +23,7 @@ import os
 
 import torch
 
-from tests.distributed import run_distributed
+from parallel.spawn import run_distributed
 from zeropp.quant import wire_nbytes
 
 SYSTEMS = {"ZeRO-3": {}, "+qwZ": {"zero_quantized_weights": True},

@@ -71,11 +71,13 @@ OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast")
 
 # torch 2.13 renamed the flat-tensor collectives; older releases have only the old
 # names. Looked up at call time, so tools that wrap torch.distributed see the calls.
-def _all_gather_flat(*args, **kwargs):
+def all_gather_flat(*args, **kwargs):
+    """torch.distributed's flat all-gather, under the name this torch version has."""
     return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(*args, **kwargs)
 
 
-def _reduce_scatter_flat(*args, **kwargs):
+def reduce_scatter_flat(*args, **kwargs):
+    """torch.distributed's flat reduce-scatter, under the name this torch version has."""
     return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(*args, **kwargs)
 
 
@@ -261,7 +263,7 @@ class Communicator:
             output.copy_(input.view_as(output))
             return Work()
         self._charge("all_gather", phase, group, self._nbytes(input), plain=plain)
-        return self._issued(_all_gather_flat(output, input, group=group, async_op=async_op), async_op)
+        return self._issued(all_gather_flat(output, input, group=group, async_op=async_op), async_op)
 
     def reduce_scatter(self, output, input, op=dist.ReduceOp.SUM, group=None, async_op=False,
                        phase="other"):
@@ -270,7 +272,7 @@ class Communicator:
             output.copy_(input.view_as(output))
             return Work()
         self._charge("reduce_scatter", phase, group, self._nbytes(output))
-        return self._issued(_reduce_scatter_flat(output, input, op=op, group=group, async_op=async_op),
+        return self._issued(reduce_scatter_flat(output, input, op=op, group=group, async_op=async_op),
                             async_op)
 
     def all_to_all(self, output, input, group=None, async_op=False, phase="other", plain=True):

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from parallel.comm import wire_bytes
 from parallel.topology import Topology
 from zeropp.config import ZeroConfig
-from zeropp.engine import DDP_BUCKET_MB
+from zeropp.stage0 import DDP_BUCKET_MB
 from zeropp.quant_format import wire_nbytes
 from zeropp.schedule import backward_order, bucketize, gather_buckets, gradient_buckets, reuse_set, without
 

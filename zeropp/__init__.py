@@ -1,7 +1,8 @@
 """ZeRO stages 0-3 (and ZeRO++) for any nn.Module."""
 from zeropp.config import ConfigError, DeepSpeedConfig, OptimizerSettings, ZeroConfig
-from zeropp.engine import DDPEngine, Engine, StepResult
+from zeropp.engine import Engine, StepResult
 from zeropp.init import ParamInit
+from zeropp.stage0 import DDPEngine
 
 
 def initialize(module, config: DeepSpeedConfig, comm, device, optim: OptimizerSettings,

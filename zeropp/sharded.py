@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 
 from zeropp.collectives import GradientReducer, ShardGather, ShardReduce, gather_bucketed
-from zeropp.config import DeepSpeedConfig
 from zeropp.engine import Engine, FlatState, communication_dtype
 from zeropp.init import ParamInit, full_value, materialize_rest, replace_data
 from zeropp.partition import Partition, ShardedParam
