@@ -52,7 +52,7 @@ def main(argv=None):
 
     cfg = model_config(args, tokenizer.vocab_size, args.seed)
     if args.save:  # before hours of training, not after
-        warn_if_disk_is_short(args, cfg)
+        preflight_save_dir(args, cfg)
     train_ds, valid_ds, test_ds = build_datasets(args)
     with torch.device("meta"):  # no memory: the engine creates each weight, keeping its shard
         model = GPT(cfg)
@@ -77,10 +77,10 @@ def main(argv=None):
     if dist.is_initialized():
         dist.destroy_process_group()
     if early_stop is not None:
-        early_stop.report()  # after the process group is gone; raises TrainingDiverged if the loss diverged
+        early_stop.report()  # the signal's line (every rank prints it: no group now) or TrainingDiverged
 
 
-def warn_if_disk_is_short(args, cfg):
+def preflight_save_dir(args, cfg):
     """Fails if --save is not writable; warns if its disk cannot hold one checkpoint."""
     expected = checkpoint_bytes(num_parameters(cfg), optimizer_moments(args.optimizer_settings))
     warning = check_save_dir(args.save, expected)

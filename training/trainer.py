@@ -227,9 +227,9 @@ class Trainer:
                                         end_of_training=True)
         if self.test_ds is not None:
             self.logger.validation_line(iteration, "test", self.evaluate(self.test_ds))
-        if self.checkpointer is not None and not self.save_due():
-            self.save()
         if self.checkpointer is not None:
+            if not self.save_due():  # unless --save-interval just saved it
+                self.save()
             self.checkpointer.finish()
 
     # -- evaluation and checkpoints --------------------------------------------------------------
