@@ -122,6 +122,9 @@ class EarlyStop:
 
 
 class Trainer:
+    """Runs training from `iteration` (and `consumed_samples`, where `train_batches`
+    starts) to --train-iters; `cross_node` holds the bytes sent across nodes for the summary."""
+
     def __init__(self, args, engine, comm: Communicator, device: torch.device, schedule, logger, checkpointer,
                  train_batches, valid_ds, test_ds, flops_per_iteration: float, iteration: int,
                  consumed_samples: int):
