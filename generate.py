@@ -11,7 +11,7 @@ import torch
 from data.tokenizer import build_tokenizer
 from model import GPT, GPTConfig
 from tools.export_checkpoint import consolidated_state_dict
-from training.checkpoint import CheckpointError
+from training.checkpoint_files import CheckpointError
 
 
 def load_model(load_dir: str):

@@ -141,7 +141,7 @@ def vocab_size(args) -> tuple[int, str]:
 
 def job_from_args(args, cluster: Cluster) -> Job:
     from training.args import resolve_batch
-    from train import model_config
+    from training.model_args import model_config
     world, rpn = cluster.world_size, cluster.gpus_per_node
     zero = args.ds_config.zero_optimization
     zero.validate_topology(rpn, world)

@@ -22,8 +22,8 @@ import sys
 import torch
 import torch.distributed.checkpoint as dcp
 
-from training.checkpoint import (CheckpointError, read_meta, resolve_checkpoint,
-                                 single_process_quiet, verify_checksums)
+from training.checkpoint_files import CheckpointError, read_meta, resolve_checkpoint, verify_checksums
+from training.checkpoint_state import single_process_quiet
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 

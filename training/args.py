@@ -9,6 +9,8 @@ is reported as a UserWarning. Exception: the learning-rate schedule, where a JSO
 training/lr_schedule.py). A JSON `optimizer` section brings DeepSpeed's defaults
 for the parameters it leaves out (e.g. weight_decay 0), not the flags' defaults.
 
+The merging with the JSON is in training/deepspeed_args.py.
+
 Every user error (a bad flag value, YAML key, JSON key, or a combination that
 would do nothing or the wrong thing) raises zeropp.ConfigError with one line
 that names the flag, key or file; train.py prints it and exits with status 2.
@@ -19,16 +21,14 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import math
 import os
-import warnings
 
 import yaml
 
+from training.deepspeed_args import merge_deepspeed_config
 from training.flags import NO_TP, Refused, build_parser
 from training.lr_schedule import build_lr_schedule
 from common import ConfigError
-from zeropp.config import DeepSpeedConfig, OptimizerSettings, load_json
 
 
 # Megatron flags that describe features this product does not have: refuse
@@ -45,7 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         _apply_yaml(parser, args, explicit)
     args.explicit = explicit
     _check_supported(args)
-    args.ds_config = _merge_deepspeed_config(args, explicit)
+    args.ds_config = merge_deepspeed_config(args, explicit)
     _derive(args)
     build_lr_schedule(args)  # a JSON scheduler against Megatron's schedule flags fails here, early
     return args
@@ -181,145 +181,6 @@ def _check_supported(args):
                           f"remove it or change --tokenizer-type")
     if args.save_interval is not None and args.save is None:
         raise ConfigError(f"{flag(args, 'save_interval')} has no effect without --save; add --save DIR")
-
-
-_GIVEN = object()  # merge(): "take the flag's value if it was given"
-# Megatron's --optimizer names -> OptimizerSettings.type (Megatron's adam decouples weight decay).
-_MEGATRON_OPTIMIZERS = {"adam": "adamw", "adamw": "adamw", "sgd": "sgd"}
-
-
-def _merge_deepspeed_config(args, explicit: set[str]) -> DeepSpeedConfig:
-    """One DeepSpeedConfig from the JSON and the flags; flags win and conflicts are reported."""
-    path = args.deepspeed_config
-    raw = _read_json(path) if path else {}
-    ds = DeepSpeedConfig.from_dict(raw, where=path or "defaults")
-    in_file = _dotted_keys(raw)
-    zero = ds.zero_optimization
-
-    def merge(dest, json_key, obj, attr, value=_GIVEN, shown=None):
-        """An explicit flag (command line or YAML) wins over the JSON; a disagreement is reported."""
-        if value is _GIVEN:
-            value = getattr(args, dest) if dest in explicit else None
-        if value is None:
-            return
-        if json_key in in_file and getattr(obj, attr) != value:
-            _conflict(dest, value if shown is None else shown, json_key, getattr(obj, attr), path)
-        setattr(obj, attr, value)
-
-    merge("zero_stage", "zero_optimization.stage", zero, "stage")
-    merge("zero_hpz_size", "zero_optimization.zero_hpz_partition_size", zero, "zero_hpz_partition_size")
-    merge("zero_quantized_weights", "zero_optimization.zero_quantized_weights", zero, "zero_quantized_weights")
-    merge("zero_quantized_gradients", "zero_optimization.zero_quantized_gradients", zero,
-          "zero_quantized_gradients")
-    merge("zero_reduce_bucket_size", "zero_optimization.reduce_bucket_size", zero, "reduce_bucket_size")
-    merge("fp16", "fp16.enabled", ds.fp16, "enabled")
-    merge("bf16", "bf16.enabled", ds.bf16, "enabled")
-    merge("loss_scale", "fp16.loss_scale", ds.fp16, "loss_scale")
-    if "initial_loss_scale" in explicit:  # the flag is a scale, the JSON a power of two
-        merge("initial_loss_scale", "fp16.initial_scale_power", ds.fp16, "initial_scale_power",
-              value=int(math.log2(args.initial_loss_scale)), shown=args.initial_loss_scale)
-    merge("min_loss_scale", "fp16.min_loss_scale", ds.fp16, "min_loss_scale")
-    merge("loss_scale_window", "fp16.loss_scale_window", ds.fp16, "loss_scale_window")
-    merge("hysteresis", "fp16.hysteresis", ds.fp16, "hysteresis")
-    merge("clip_grad", "gradient_clipping", ds, "gradient_clipping")
-    if "gradient_clipping" not in in_file and args.clip_grad is None:
-        ds.gradient_clipping = 1.0  # Megatron's default
-    merge("micro_batch_size", "train_micro_batch_size_per_gpu", ds, "train_micro_batch_size_per_gpu")
-    merge("global_batch_size", "train_batch_size", ds, "train_batch_size")
-    # steps_per_print is the default of --log-interval: file over built-in default, flag over file.
-    merge("log_interval", "steps_per_print", ds, "steps_per_print")
-    if "steps_per_print" in in_file:
-        args.log_interval = ds.steps_per_print
-    ds.steps_per_print = args.log_interval
-    args.optimizer_settings = _optimizer_settings(args, ds, explicit, in_file, merge)
-    # The flags now mirror the merged config.
-    args.fp16, args.bf16 = ds.fp16.enabled, ds.bf16.enabled
-    args.zero_stage = zero.stage
-    args.micro_batch_size = ds.train_micro_batch_size_per_gpu   # None: resolve_batch derives it
-    args.global_batch_size = ds.train_batch_size
-    args.clip_grad = ds.gradient_clipping
-    ds.validate("flags and --deepspeed_config")
-    _check_loss_scaling(ds, path or "flags")
-    return ds
-
-
-def _conflict(dest: str, value, json_key: str, json_value, path: str):
-    warnings.warn(f"--{dest.replace('_', '-')} {value} conflicts with {json_key}={json_value} "
-                  f"in {path}; using the flag", UserWarning, stacklevel=3)
-
-
-def _optimizer_settings(args, ds: DeepSpeedConfig, explicit: set[str], in_file: set[str],
-                        merge) -> OptimizerSettings:
-    """The optimizer from the flags, or from the JSON's optimizer section with explicit flags on top."""
-    flag_type = _MEGATRON_OPTIMIZERS[args.optimizer]
-    if ds.optimizer is None:
-        settings = OptimizerSettings(type=flag_type, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
-                                     eps=args.adam_eps, weight_decay=args.weight_decay,
-                                     momentum=args.sgd_momentum if flag_type == "sgd" else 0.0)
-    else:
-        # What the JSON leaves out takes DeepSpeed's defaults for its optimizer, not the flags'.
-        settings = ds.optimizer.settings()
-        if "optimizer" in explicit and flag_type != settings.type:
-            _conflict("optimizer", f"{args.optimizer} ({flag_type})", "optimizer.type",
-                      f"{ds.optimizer.type} ({settings.type})", args.deepspeed_config)
-            settings.type = flag_type
-        merge("lr", "optimizer.params.lr", settings, "lr")
-        merge("weight_decay", "optimizer.params.weight_decay", settings, "weight_decay")
-        merge("adam_eps", "optimizer.params.eps", settings, "eps")
-        merge("sgd_momentum", "optimizer.params.momentum", settings, "momentum")
-        betas = list(settings.betas)
-        for i, dest in enumerate(("adam_beta1", "adam_beta2")):
-            if dest in explicit:
-                if "optimizer.params.betas" in in_file and betas[i] != getattr(args, dest):
-                    _conflict(dest, getattr(args, dest), f"optimizer.params.betas[{i}]", betas[i],
-                              args.deepspeed_config)
-                betas[i] = getattr(args, dest)
-        settings.betas = tuple(betas)
-    args.lr, args.weight_decay, args.adam_eps = settings.lr, settings.weight_decay, settings.eps
-    args.adam_beta1, args.adam_beta2 = settings.betas
-    if settings.type == "sgd":
-        args.sgd_momentum = settings.momentum
-    # Flags of the other optimizer would do nothing: refuse them rather than ignore them.
-    idle = ("adam_beta1", "adam_beta2", "adam_eps") if settings.type == "sgd" else ("sgd_momentum",)
-    idle = [dest for dest in idle if dest in explicit]
-    if idle:
-        raise ConfigError(f"{', '.join('--' + d.replace('_', '-') for d in idle)} has no effect with "
-                          f"optimizer {settings.type}; remove it")
-    return settings
-
-
-def _dotted_keys(raw: dict, prefix: str = "") -> set[str]:
-    """Dotted names of the keys a JSON object sets (to tell file values from defaults)."""
-    keys = set()
-    for k, v in raw.items():
-        keys.add(prefix + k)
-        if isinstance(v, dict):
-            keys |= _dotted_keys(v, prefix + k + ".")
-    return keys
-
-
-def _read_json(path: str) -> dict:
-    """The --deepspeed_config file, with a one-line error for a missing, unreadable or non-JSON file."""
-    if os.path.exists(path) and not os.path.isfile(path):
-        raise ConfigError(f"--deepspeed_config {path} is a directory, not a JSON file")
-    try:
-        return load_json(path)
-    except OSError as e:
-        raise ConfigError(f"--deepspeed_config {path} cannot be read: {e.strerror}") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"--deepspeed_config {path} is not a text (UTF-8) JSON file") from None
-
-
-def _check_loss_scaling(ds: DeepSpeedConfig, where: str):
-    """fp16 settings the engine would take as they are (from the JSON; the flags check their own range)."""
-    fp16 = ds.fp16
-    for name, ok, rule in (("loss_scale", fp16.loss_scale >= 0, ">= 0 (0 = dynamic scaling)"),
-                           ("initial_scale_power", 0 <= fp16.initial_scale_power < 64, "in [0, 64)"),
-                           ("loss_scale_window", fp16.loss_scale_window >= 1, ">= 1"),
-                           ("hysteresis", fp16.hysteresis >= 1, ">= 1"),
-                           ("min_loss_scale", fp16.min_loss_scale > 0, "> 0")):
-        if not ok:
-            raise ConfigError(f"{where}: fp16.{name} must be {rule}, got {getattr(fp16, name)}")
 
 
 def _derive(args):

@@ -1,0 +1,262 @@
+"""The training loop: steps, logging windows, evaluation, checkpoints, and when to stop.
+
+    trainer = Trainer(args, engine, comm, device, schedule, logger, checkpointer,
+                      train_batches, valid_ds, test_ds, flops, iteration, consumed_samples)
+    early_stop = trainer.run()   # None when training reached --train-iters
+
+Each iteration: micro-batches forward and backward, one engine.step(), a log line
+every --log-interval iterations (averaged over the window since the last), an
+evaluation every --eval-interval and a checkpoint every --save-interval. A signal
+(SIGTERM, SIGINT) or a loss that stays non-finite stops the loop after saving.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from data.sampler import build_data_loader
+from parallel.comm import Communicator
+from parallel.launch import print_rank0
+from training.signals import StopRequest
+from zeropp.memory import memory_report
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss stayed non-finite: training stopped after saving the last good state."""
+
+
+def mean_over_ranks(comm: Communicator, values, device: torch.device):
+    """The mean over ranks of a number, or of each number in a list."""
+    t = torch.tensor(values if isinstance(values, list) else [values], dtype=torch.float64,
+                     device=device)  # NCCL reduces GPU tensors only
+    comm.all_reduce(t, phase="other")
+    t /= comm.topology.world_size
+    return t.tolist() if isinstance(values, list) else t.item()
+
+
+@dataclass
+class Step:
+    """One iteration as this rank saw it."""
+    lr: float
+    loss: float            # mean over the micro-batches
+    skipped: bool          # the engine skipped the update (fp16 overflow, non-finite gradients)
+    loss_scale: float
+    grad_norm: float
+
+    @property
+    def bad(self) -> bool:
+        return self.skipped or not math.isfinite(self.loss)
+
+
+@dataclass
+class LogWindow:
+    """What the next training log line averages over."""
+    start: float = field(default_factory=time.time)
+    loss_sum: float = 0.0      # of the finite losses
+    finite_steps: int = 0
+    iterations: int = 0
+    skipped: int = 0
+    nan_iterations: int = 0
+
+    def add(self, step: Step):
+        self.skipped += int(step.skipped)
+        if math.isfinite(step.loss):
+            self.loss_sum += step.loss
+            self.finite_steps += 1
+        else:
+            self.nan_iterations += 1
+        self.iterations += 1
+
+    def mean_loss(self) -> float:
+        return self.loss_sum / max(self.finite_steps, 1)
+
+
+@dataclass
+class CrossNodeTraffic:
+    """Bytes sent across nodes (means over ranks) summed over the logged iterations, for the summary."""
+    iterations: int = 0
+    sent_bytes: float = 0.0
+    plain_zero3_bytes: float = 0.0   # what ZeRO-3 without ZeRO++ would have sent
+
+
+class NonFinitePolicy:
+    """fp16 skips overflowing steps and backs off its loss scale; in fp32/bf16 one bad step stops.
+    --max-nan-iters N stops after N consecutive bad iterations in any precision."""
+
+    def __init__(self, max_nan_iters: int | None, dtype: torch.dtype):
+        self.max_nan_iters = max_nan_iters
+        self.limit = max_nan_iters or (None if dtype == torch.float16 else 1)
+        self.bad_streak = 0
+
+    def record(self, step: Step) -> bool:
+        """Count `step`; True when training must stop."""
+        self.bad_streak = self.bad_streak + 1 if step.bad else 0
+        return self.limit is not None and self.bad_streak >= self.limit
+
+
+@dataclass
+class EarlyStop:
+    """Why training stopped before --train-iters, and where the last good state went."""
+    iteration: int
+    checkpoint: str | None            # None without --save
+    save_dir: str | None
+    signal_name: str | None = None    # SIGTERM or SIGINT; None: the loss diverged
+    bad_streak: int = 0
+    max_nan_iters: int | None = None
+
+    def report(self):
+        """The signal's line, or TrainingDiverged."""
+        path = self.checkpoint
+        if self.signal_name:
+            print_rank0(f"> {self.signal_name} received: stopped after iteration {self.iteration}; " + (
+                f"checkpoint {path}; resume with --load {self.save_dir}" if path else "nothing saved (no --save)"))
+            return
+        raise TrainingDiverged(
+            f"the loss or gradient was not finite for {self.bad_streak} consecutive iteration(s), the last at "
+            f"iteration {self.iteration}; those steps were skipped, so the weights are the last good ones" +
+            (f", saved to {path}" if path else " (not saved: no --save)") +
+            "; lower --lr, check the data" + (", or raise --max-nan-iters" if self.max_nan_iters else ""))
+
+
+class Trainer:
+    """Runs training from `iteration` (and `consumed_samples`, where `train_batches`
+    starts) to --train-iters; `cross_node` holds the bytes sent across nodes for the summary."""
+
+    def __init__(self, args, engine, comm: Communicator, device: torch.device, schedule, logger, checkpointer,
+                 train_batches, valid_ds, test_ds, flops_per_iteration: float, iteration: int,
+                 consumed_samples: int):
+        self.args, self.engine, self.comm, self.device = args, engine, comm, device
+        self.schedule, self.logger = schedule, logger
+        self.checkpointer = checkpointer  # None without --save
+        self.train_batches, self.valid_ds, self.test_ds = train_batches, valid_ds, test_ds
+        self.flops_per_iteration = flops_per_iteration
+        self.iteration, self.consumed_samples = iteration, consumed_samples
+        self.nonfinite = NonFinitePolicy(args.max_nan_iters, engine.dtype)
+        self.window: LogWindow | None = None   # the iterations since the last log line, while running
+        self.cross_node = CrossNodeTraffic()
+
+    # -- the loop ------------------------------------------------------------------------------
+    def run(self) -> EarlyStop | None:
+        """Train to --train-iters, then evaluate and save; an EarlyStop if a signal or a
+        diverging loss stopped it first (its checkpoint written)."""
+        stop = StopRequest()
+        self.window = LogWindow()  # the first log line's time starts here
+        self.comm.reset_stats()
+        self.engine.train()
+        first_iteration = self.iteration
+        diverged = signalled = False
+        while self.iteration < self.args.train_iters:
+            step = self.train_step(log_memory=self.iteration == first_iteration + 1)
+            self.window.add(step)
+            diverged = self.nonfinite.record(step)
+            signalled = stop.agreed(self.comm, self.device)
+            if self.iteration % self.args.log_interval == 0 or self.iteration == self.args.train_iters:
+                self.log_window(step)
+            if diverged or signalled:
+                break
+            self.evaluate_and_save_on_interval()
+        stop.restore()
+        if diverged or signalled:
+            return self.stop_early(stop.name if signalled else None)
+        self.finish()
+        return None
+
+    def train_step(self, log_memory: bool = False) -> Step:
+        """One iteration: forward and backward over the micro-batches, then the optimizer step."""
+        args = self.args
+        lr = self.schedule(self.iteration)
+        self.engine.set_lr(lr)
+        loss = 0.0
+        for _ in range(args.gradient_accumulation_steps):
+            batch = next(self.train_batches).to(self.device)
+            micro_loss = self.engine(batch[:, :-1], batch[:, 1:])
+            self.engine.backward(micro_loss)
+            loss += micro_loss.item() / args.gradient_accumulation_steps
+        if log_memory:  # Adam's state exists after one step; gradients until step()
+            self.logger.memory_line(memory_report(self.engine))
+        result = self.engine.step()
+        self.iteration += 1
+        self.consumed_samples += args.global_batch_size
+        return Step(lr, loss, result.skipped, result.loss_scale, result.grad_norm)
+
+    def log_window(self, last: Step):
+        """The training line for the iterations since the last one (means over ranks)."""
+        args, window = self.args, self.window
+        elapsed = (time.time() - window.start) / window.iterations
+        stats = self.comm.reset_stats()
+        # Bytes: the mean over ranks (in a ring some ranks send across nodes, others do not).
+        loss, intra, inter, plain_inter = mean_over_ranks(
+            self.comm, [window.mean_loss(), stats.intra_node_bytes, stats.inter_node_bytes,
+                        stats.plain_inter_node_bytes], self.device)
+        self.cross_node.iterations += window.iterations
+        self.cross_node.sent_bytes += inter
+        self.cross_node.plain_zero3_bytes += plain_inter
+        samples_per_s = args.global_batch_size / elapsed
+        self.logger.training_line(self.iteration, args.train_iters, {
+            "consumed": self.consumed_samples, "iter_ms": elapsed * 1000, "lr": last.lr,
+            "global_batch": args.global_batch_size, "loss": loss,
+            "loss_scale": last.loss_scale, "grad_norm": None if last.skipped else last.grad_norm,
+            "skipped": window.skipped, "nan": window.nan_iterations, "samples_per_s": samples_per_s,
+            "tokens_per_s": samples_per_s * args.seq_length,
+            "tflops": self.flops_per_iteration / elapsed / self.comm.topology.world_size / 1e12,
+            "intra_mb": intra / window.iterations / 2**20,
+            "inter_mb": inter / window.iterations / 2**20})
+        self.window = LogWindow()
+
+    def evaluate_and_save_on_interval(self):
+        args, iteration = self.args, self.iteration
+        if self.valid_ds is not None and args.eval_interval and iteration % args.eval_interval == 0:
+            self.logger.validation_line(iteration, "validation", self.evaluate(self.valid_ds))
+        if self.save_due():
+            self.save()
+        if self.window.iterations == 0:
+            self.window.start = time.time()  # evaluation and saving are not training time
+
+    # -- the end ---------------------------------------------------------------------------------
+    def stop_early(self, signal_name: str | None) -> EarlyStop:
+        """Save the last good state (waiting for the files) on a signal or a diverging loss."""
+        path = self.save(wait=True) if self.checkpointer is not None else None
+        return EarlyStop(self.iteration, path, self.args.save, signal_name, self.nonfinite.bad_streak,
+                         self.args.max_nan_iters)
+
+    def finish(self):
+        """After the last iteration: the final validation (unless just run), the test set, the last save."""
+        args, iteration = self.args, self.iteration
+        if self.valid_ds is not None and iteration % args.eval_interval != 0:
+            self.logger.validation_line(iteration, "validation", self.evaluate(self.valid_ds),
+                                        end_of_training=True)
+        if self.test_ds is not None:
+            self.logger.validation_line(iteration, "test", self.evaluate(self.test_ds))
+        if self.checkpointer is not None:
+            if not self.save_due():  # unless --save-interval just saved it
+                self.save()
+            self.checkpointer.finish()
+
+    # -- evaluation and checkpoints --------------------------------------------------------------
+    def evaluate(self, dataset) -> float:
+        """Mean loss over --eval-iters global batches, always the same ones."""
+        args, topology = self.args, self.comm.topology
+        self.engine.eval()
+        loader = iter(build_data_loader(dataset, 0, args.micro_batch_size, topology.rank, topology.world_size))
+        total, count = 0.0, 0
+        with torch.no_grad():
+            for _ in range(args.eval_iters * args.gradient_accumulation_steps):
+                batch = next(loader, None)
+                if batch is None:
+                    break
+                batch = batch.to(self.device)
+                total += self.engine(batch[:, :-1], batch[:, 1:]).item()
+                count += 1
+        self.engine.train()
+        return mean_over_ranks(self.comm, total / max(count, 1), self.device)
+
+    def save_due(self) -> bool:
+        """Whether --save-interval saves this iteration."""
+        interval = self.args.save_interval
+        return self.checkpointer is not None and bool(interval) and self.iteration % interval == 0
+
+    def save(self, wait: bool = False) -> str:
+        return self.checkpointer.save(self.iteration, self.consumed_samples, wait=wait)
