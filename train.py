@@ -27,7 +27,8 @@ from parallel.comm import Communicator
 from parallel.launch import init_distributed, print_rank0
 from parallel.topology import topology_from_env
 from training.args import parse_args, resolve_batch
-from training.checkpoint import Checkpointer, check_save_dir, checkpoint_bytes, load_checkpoint, optimizer_moments
+from training.checkpoint import (Checkpointer, Progress, check_save_dir, checkpoint_bytes, load_checkpoint,
+                                 optimizer_moments)
 from training.checkpoint_files import CheckpointError
 from training.logger import TrainingLogger, peak_memory_mb
 from training.lr_schedule import build_lr_schedule
@@ -60,16 +61,16 @@ def main(argv=None):
                                args.gradient_accumulation_steps, param_init=model.init_parameter)
     schedule = build_lr_schedule(args)
     print_job(args, topology, cfg, engine, device, tokenizer.vocab_size)
-    iteration, consumed = resume(args, engine, cfg) if args.load else (0, 0)
+    progress = resume(args, engine, cfg) if args.load else Progress()
 
     logger = TrainingLogger(args.tensorboard_dir)
-    train_batches = iter(build_data_loader(train_ds, consumed, args.micro_batch_size, topology.rank,
-                                           topology.world_size, args.num_workers))
+    train_batches = iter(build_data_loader(train_ds, progress.consumed_train_samples, args.micro_batch_size,
+                                           topology.rank, topology.world_size, args.num_workers))
     checkpointer = Checkpointer(args.save, engine, checkpoint_meta(args, cfg, model, argv), keep_last=args.keep_last,
                                 async_save=args.async_save) if args.save else None
     trainer = Trainer(args, engine, comm, device, schedule, logger, checkpointer, train_batches, valid_ds, test_ds,
                       flops_per_iteration(cfg, args.global_batch_size, args.seq_length, args.checkpoint_activations),
-                      iteration, consumed)
+                      progress)
     early_stop = trainer.run()
     if early_stop is None:
         print_summary(args, topology, trainer.cross_node)
@@ -118,18 +119,19 @@ def zeropp_label(zero) -> str:
     return f"ZeRO-3 + ZeRO++ ({', '.join(on)})" if on else f"ZeRO stage {zero.stage}"
 
 
-def resume(args, engine, cfg) -> tuple[int, int]:
-    """--load: the iteration and consumed samples to continue from ((0, 0) if nothing is there yet)."""
+def resume(args, engine, cfg) -> Progress:
+    """--load: where to continue from (the start if nothing is there yet)."""
     start = time.time()
     meta = load_checkpoint(args.load, engine, not args.no_load_optim, not args.no_load_rng,
                            model_config=dataclasses.asdict(cfg))
     if meta is None:
         print_rank0(f"> no checkpoint in {args.load}; starting from scratch")
-        return 0, 0
+        return Progress()
     iteration, consumed = meta["iteration"], meta["consumed_train_samples"]
     print_rank0(f"> resumed from {args.load} at iteration {iteration}, {consumed} samples consumed "
                 f"(saved by {meta['world_size']} ranks; loaded in {time.time() - start:.2f} s)")
-    return iteration, consumed
+    # Checkpoints from before validation progress was kept start validation over.
+    return Progress(iteration, consumed, meta.get("consumed_valid_samples", 0))
 
 
 def checkpoint_meta(args, cfg, model, argv) -> dict:

@@ -95,7 +95,7 @@ def lr_per_iteration(get_lr, skipped_at, iters=12):
 def test_megatron_schedule_step_for_step_with_a_skipped_step(style):
     """12 iterations, warmup 3, decay over 10, the 5th update skipped (an fp16 overflow):
     the LR of every iteration is Megatron's. The trainer calls the schedule with
-    engine.applied_steps, which a skipped step does not advance."""
+    iteration - engine.skipped_steps, which a skipped step does not advance."""
     args = parse_args(BASE + ["--lr", "0.01", "--min-lr", "0.001", "--lr-warmup-iters", "3",
                               "--lr-decay-iters", "10", "--lr-decay-style", style, "--train-iters", "12"])
     ours = build_lr_schedule(args)

@@ -121,3 +121,22 @@ def test_log_lines_are_megatrons(capsys):
     assert any(line.startswith(" validation loss at iteration 10 on validation set | lm loss value: ")
                for line in lines)
     assert any(line.startswith(" validation loss at iteration 10 on test set | ") for line in lines)
+
+
+def validation_losses(out: str) -> list[float]:
+    return [float(line.split("lm loss value:")[1].split("|")[0]) for line in out.splitlines()
+            if "lm loss value:" in line and "test set" not in line]
+
+
+def test_validation_continues_where_it_stopped_also_after_resume(corpus, tmp_path, capsys):
+    """Megatron's validation iterator: each evaluation reads the next --eval-iters batches
+    (with the LR this small the weights barely move, so equal losses would mean the same
+    batches), and a resumed run evaluates the batches the uninterrupted run would have."""
+    still = ["--lr", "1e-9", "--min-lr", "0", "--eval-interval", "2", "--eval-iters", "1", "--split", "60,40,0"]
+    train.main(flags(corpus, tmp_path / "straight", 6, still))
+    straight = validation_losses(capsys.readouterr().out)
+    assert len(straight) == 3 and len(set(straight)) == 3, straight
+    train.main(flags(corpus, tmp_path / "split", 4, still + ["--save-interval", "2"]))
+    train.main(flags(corpus, tmp_path / "split", 6, still + ["--load", str(tmp_path / "split" / "ckpt" / "iter_0000002")]))
+    split = validation_losses(capsys.readouterr().out)
+    assert split[0] == straight[0] and split[-1] == straight[-1], (split, straight)

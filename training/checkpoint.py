@@ -257,6 +257,15 @@ def _reason(error: BaseException) -> str:
     return lines[-1] if lines else type(error).__name__
 
 
+@dataclass
+class Progress:
+    """Where a run stands: what a checkpoint records besides the state, and where a
+    resume starts (Megatron's iteration and consumed samples)."""
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0   # validation continues where it stopped
+
+
 class Checkpointer:
     """train.py's saves into one directory, each reported in one line. With
     `async_save` the files are written by a background thread while training
@@ -269,11 +278,13 @@ class Checkpointer:
         self.async_group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
         self.pending: PendingSave | None = None   # the background save in flight
 
-    def save(self, iteration: int, consumed_samples: int, wait: bool = False) -> str:
-        """Save `iteration` (collective), after finishing the save in flight; with `wait`
+    def save(self, progress: Progress, wait: bool = False) -> str:
+        """Save at `progress` (collective), after finishing the save in flight; with `wait`
         a background save is finished too. Returns the checkpoint's directory."""
         self.finish()
-        result = save_checkpoint(self.save_dir, iteration, self.engine, consumed_samples, self.meta,
+        iteration = progress.iteration
+        result = save_checkpoint(self.save_dir, iteration, self.engine, progress.consumed_train_samples,
+                                 {**self.meta, "consumed_valid_samples": progress.consumed_valid_samples},
                                  keep_last=self.keep_last, async_group=self.async_group)
         if isinstance(result, PendingSave):
             self.pending = result

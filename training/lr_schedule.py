@@ -1,7 +1,7 @@
 """Learning-rate schedules: Megatron's (from the flags) or DeepSpeed's (the JSON `scheduler`).
 
     schedule = build_lr_schedule(args)    # once
-    lr = schedule(engine.applied_steps)   # before every optimizer step
+    lr = schedule(iteration - engine.skipped_steps)   # before every optimizer step
 
 Both schedules advance only on steps that updated the weights, as Megatron
 (`if update_successful`) and DeepSpeed (no scheduler step on overflow) do.

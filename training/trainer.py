@@ -1,12 +1,15 @@
 """The training loop: steps, logging windows, evaluation, checkpoints, and when to stop.
 
     trainer = Trainer(args, engine, comm, device, schedule, logger, checkpointer,
-                      train_batches, valid_ds, test_ds, flops, iteration, consumed_samples)
+                      train_batches, valid_ds, test_ds, flops, progress)
     early_stop = trainer.run()   # None when training reached --train-iters
 
 Each iteration: micro-batches forward and backward, one engine.step(), a log line
 every --log-interval iterations (averaged over the window since the last), an
-evaluation every --eval-interval and a checkpoint every --save-interval. A signal
+evaluation every --eval-interval and a checkpoint every --save-interval. As in
+Megatron, the learning rate follows the applied optimizer steps (a skipped fp16
+step does not advance it) and each evaluation reads the next --eval-iters
+batches of the validation set, where the last one stopped (also across a resume). A signal
 (SIGTERM, SIGINT) or a loss that stays non-finite stops the loop after saving.
 """
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 from data.sampler import build_data_loader
 from parallel.comm import Communicator
 from parallel.launch import print_rank0
+from training.checkpoint import Progress
 from training.signals import StopRequest
 from zeropp.memory import memory_report
 
@@ -126,14 +130,15 @@ class Trainer:
     starts) to --train-iters; `cross_node` holds the bytes sent across nodes for the summary."""
 
     def __init__(self, args, engine, comm: Communicator, device: torch.device, schedule, logger, checkpointer,
-                 train_batches, valid_ds, test_ds, flops_per_iteration: float, iteration: int,
-                 consumed_samples: int):
+                 train_batches, valid_ds, test_ds, flops_per_iteration: float, progress: Progress):
         self.args, self.engine, self.comm, self.device = args, engine, comm, device
         self.schedule, self.logger = schedule, logger
         self.checkpointer = checkpointer  # None without --save
         self.train_batches, self.valid_ds, self.test_ds = train_batches, valid_ds, test_ds
         self.flops_per_iteration = flops_per_iteration
-        self.iteration, self.consumed_samples = iteration, consumed_samples
+        self.iteration, self.consumed_samples = progress.iteration, progress.consumed_train_samples
+        self.consumed_valid_samples = progress.consumed_valid_samples
+        self._valid_batches = None   # the validation loader, built at the first evaluation
         self.nonfinite = NonFinitePolicy(args.max_nan_iters, engine.dtype)
         self.window: LogWindow | None = None   # the iterations since the last log line, while running
         self.cross_node = CrossNodeTraffic()
@@ -167,7 +172,8 @@ class Trainer:
     def train_step(self, log_memory: bool = False) -> Step:
         """One iteration: forward and backward over the micro-batches, then the optimizer step."""
         args = self.args
-        lr = self.schedule(self.iteration)
+        # Skipped updates do not advance the schedule (Megatron: `if update_successful`).
+        lr = self.schedule(self.iteration - self.engine.skipped_steps)
         self.engine.set_lr(lr)
         loss = 0.0
         for _ in range(args.gradient_accumulation_steps):
@@ -209,7 +215,7 @@ class Trainer:
     def evaluate_and_save_on_interval(self):
         args, iteration = self.args, self.iteration
         if self.valid_ds is not None and args.eval_interval and iteration % args.eval_interval == 0:
-            self.logger.validation_line(iteration, "validation", self.evaluate(self.valid_ds))
+            self.logger.validation_line(iteration, "validation", self.validate())
         if self.save_due():
             self.save()
         if self.window.iterations == 0:
@@ -226,25 +232,45 @@ class Trainer:
         """After the last iteration: the final validation (unless just run), the test set, the last save."""
         args, iteration = self.args, self.iteration
         if self.valid_ds is not None and iteration % args.eval_interval != 0:
-            self.logger.validation_line(iteration, "validation", self.evaluate(self.valid_ds),
-                                        end_of_training=True)
+            self.logger.validation_line(iteration, "validation", self.validate(), end_of_training=True)
         if self.test_ds is not None:
-            self.logger.validation_line(iteration, "test", self.evaluate(self.test_ds))
+            test_batches = iter(self._loader(self.test_ds, 0))
+            self.logger.validation_line(iteration, "test", self.evaluate(test_batches))
         if self.checkpointer is not None:
             if not self.save_due():  # unless --save-interval just saved it
                 self.save()
             self.checkpointer.finish()
 
     # -- evaluation and checkpoints --------------------------------------------------------------
-    def evaluate(self, dataset) -> float:
-        """Mean loss over --eval-iters global batches, always the same ones."""
-        args, topology = self.args, self.comm.topology
+    def _loader(self, dataset, consumed: int):
+        topology = self.comm.topology
+        return build_data_loader(dataset, consumed, self.args.micro_batch_size, topology.rank, topology.world_size)
+
+    def validate(self) -> float:
+        """The validation loss over the next --eval-iters global batches (Megatron's
+        iterator: each evaluation continues where the last stopped; it starts over
+        at the end of the set)."""
+        if self._valid_batches is None:
+            self._valid_batches = self._cycle(self.valid_ds, self.consumed_valid_samples % len(self.valid_ds))
+        loss = self.evaluate(self._valid_batches)
+        self.consumed_valid_samples += self.args.eval_iters * self.args.global_batch_size
+        return loss
+
+    def _cycle(self, dataset, consumed: int):
+        """`dataset`'s batches from `consumed` samples on, starting over at its end."""
+        while True:
+            yield from self._loader(dataset, consumed)
+            consumed = 0
+
+    def evaluate(self, batches) -> float:
+        """Mean loss over --eval-iters global batches drawn from `batches` (the
+        engine computes with the exact weights: those a checkpoint saves)."""
+        args = self.args
         self.engine.eval()
-        loader = iter(build_data_loader(dataset, 0, args.micro_batch_size, topology.rank, topology.world_size))
         total, count = 0.0, 0
         with torch.no_grad():
             for _ in range(args.eval_iters * args.gradient_accumulation_steps):
-                batch = next(loader, None)
+                batch = next(batches, None)
                 if batch is None:
                     break
                 batch = batch.to(self.device)
@@ -259,4 +285,5 @@ class Trainer:
         return self.checkpointer is not None and bool(interval) and self.iteration % interval == 0
 
     def save(self, wait: bool = False) -> str:
-        return self.checkpointer.save(self.iteration, self.consumed_samples, wait=wait)
+        return self.checkpointer.save(Progress(self.iteration, self.consumed_samples, self.consumed_valid_samples),
+                                      wait=wait)

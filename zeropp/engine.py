@@ -201,12 +201,6 @@ class Engine:
         self.global_step = sd["global_step"]
         self.skipped_steps = sd.get("skipped_steps", 0)   # absent from checkpoints before it was kept
 
-    @property
-    def applied_steps(self) -> int:
-        """Optimizer steps that updated the weights: what a learning-rate schedule
-        advances by (Megatron and DeepSpeed do not step it on a skipped update)."""
-        return self.global_step - self.skipped_steps
-
     def _moment_names(self) -> tuple[str, ...]:
         """The optimizer's per-element state tensors, by torch's names."""
         s = self.optim_settings
