@@ -109,7 +109,8 @@ def write_ds(tmp_path, config: dict) -> str:
 ADAM = {"type": "Adam", "params": {"lr": 1e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0}}
 SGD = {"type": "SGD", "params": {"lr": 1e-4, "momentum": 0.9}}
 Z3 = {"stage": 3}
-# Every flag that has a DeepSpeed JSON twin: flags, JSON, the warning, and where the flag's value lands.
+# Every flag that has a DeepSpeed JSON twin: flags, JSON, the warning, and where the flag's value lands
+# (loss-scaling flags with fp16 enabled in the JSON: without fp16 they are refused).
 CONFLICTS = [
     (["--zero-stage", "2"], {"zero_optimization": {"stage": 1}},
      "--zero-stage 2 conflicts with zero_optimization.stage=1", "ds_config.zero_optimization.stage", 2),
@@ -125,16 +126,16 @@ CONFLICTS = [
      "ds_config.zero_optimization.reduce_bucket_size", 1_000_000),
     (["--fp16"], {"fp16": {"enabled": False}}, "--fp16 True conflicts with fp16.enabled=False", "fp16", True),
     (["--bf16"], {"bf16": {"enabled": False}}, "--bf16 True conflicts with bf16.enabled=False", "bf16", True),
-    (["--loss-scale", "128"], {"fp16": {"loss_scale": 0}}, "--loss-scale 128.0 conflicts with fp16.loss_scale=0.0",
+    (["--loss-scale", "128"], {"fp16": {"enabled": True, "loss_scale": 0}}, "--loss-scale 128.0 conflicts with fp16.loss_scale=0.0",
      "ds_config.fp16.loss_scale", 128),
-    (["--initial-loss-scale", "1024"], {"fp16": {"initial_scale_power": 16}},
+    (["--initial-loss-scale", "1024"], {"fp16": {"enabled": True, "initial_scale_power": 16}},
      "--initial-loss-scale 1024.0 conflicts with fp16.initial_scale_power=16",
      "ds_config.fp16.initial_scale_power", 10),
-    (["--min-loss-scale", "2"], {"fp16": {"min_loss_scale": 1}}, "--min-loss-scale 2.0 conflicts",
+    (["--min-loss-scale", "2"], {"fp16": {"enabled": True, "min_loss_scale": 1}}, "--min-loss-scale 2.0 conflicts",
      "ds_config.fp16.min_loss_scale", 2),
-    (["--loss-scale-window", "500"], {"fp16": {"loss_scale_window": 1000}}, "--loss-scale-window 500 conflicts",
+    (["--loss-scale-window", "500"], {"fp16": {"enabled": True, "loss_scale_window": 1000}}, "--loss-scale-window 500 conflicts",
      "ds_config.fp16.loss_scale_window", 500),
-    (["--hysteresis", "4"], {"fp16": {"hysteresis": 2}}, "--hysteresis 4 conflicts with fp16.hysteresis=2",
+    (["--hysteresis", "4"], {"fp16": {"enabled": True, "hysteresis": 2}}, "--hysteresis 4 conflicts with fp16.hysteresis=2",
      "ds_config.fp16.hysteresis", 4),
     (["--clip-grad", "0.5"], {"gradient_clipping": 1.0}, "--clip-grad 0.5 conflicts with gradient_clipping=1.0",
      "ds_config.gradient_clipping", 0.5),
@@ -255,3 +256,14 @@ def test_batch_arithmetic_errors(tmp_path, flags, config, message):
 def test_flags_of_the_other_optimizer_are_refused(flags, message):
     with pytest.raises(ConfigError, match=message):
         parse_args(REQUIRED + flags)
+
+
+@pytest.mark.parametrize("precision", [[], ["--bf16"]])
+@pytest.mark.parametrize("extra", [["--loss-scale", "128"], ["--hysteresis", "4"], ["--initial-loss-scale", "1024"],
+                                   ["--min-loss-scale", "2", "--loss-scale-window", "100"]])
+def test_fp16_only_flags_without_fp16_are_refused(precision, extra):
+    with pytest.raises(ConfigError, match=r"act\(s\) on fp16 loss scaling only, and this run is "
+                                          + ("bf16" if precision else "fp32")) as error:
+        parse_args(REQUIRED + precision + extra)
+    assert extra[0] in str(error.value) and "\n" not in str(error.value)
+    parse_args(REQUIRED + ["--fp16"] + extra)   # with --fp16 they act

@@ -46,6 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.explicit = explicit
     _check_supported(args)
     args.ds_config = merge_deepspeed_config(args, explicit)
+    _check_fp16_only(args)
     _derive(args)
     build_lr_schedule(args)  # a JSON scheduler against Megatron's schedule flags fails here, early
     return args
@@ -144,6 +145,18 @@ def _apply_yaml(parser, args, explicit: set[str]):
         setattr(args, dest, value)
         explicit.add(dest)
         args.from_yaml.add(dest)
+
+
+_FP16_ONLY = ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")
+
+
+def _check_fp16_only(args):
+    """Loss-scaling flags act on fp16 training only; in bf16 or fp32 they would do nothing."""
+    given = [flag(args, d) for d in _FP16_ONLY if d in args.explicit]
+    if given and not args.ds_config.fp16.enabled:
+        precision = "bf16" if args.ds_config.bf16.enabled else "fp32"
+        raise ConfigError(f"{', '.join(given)} act(s) on fp16 loss scaling only, and this run is {precision} "
+                          f"(no loss scaling); drop the flag(s) or train with --fp16")
 
 
 def _check_supported(args):
