@@ -75,7 +75,6 @@ REFUSED = [
     ({"pipeline": {"stages": 2}}, "pipeline"),
     ({"tensorboard": {"enabled": True}}, "tensorboard"),
     ({"bfloat16": {"enabled": True}}, "bfloat16"),
-    ({"wall_clock_breakdown": True}, "wall_clock_breakdown"),
     ({"activation_checkpointing": {"partition_activations": True}}, "activation_checkpointing"),
     ({"fp16": {"enabled": True, "auto_cast": True}}, "fp16.auto_cast"),
     ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}}, "fp16_master_weights_and_grads"),

@@ -140,3 +140,21 @@ def test_validation_continues_where_it_stopped_also_after_resume(corpus, tmp_pat
     train.main(flags(corpus, tmp_path / "split", 6, still + ["--load", str(tmp_path / "split" / "ckpt" / "iter_0000002")]))
     split = validation_losses(capsys.readouterr().out)
     assert split[0] == straight[0] and split[-1] == straight[-1], (split, straight)
+
+
+def test_wall_clock_breakdown_logs_each_phase(corpus, tmp_path, capsys):
+    """DeepSpeed's wall_clock_breakdown: a per-phase line at every log line, nested
+    phases no longer than what holds them, and TensorBoard scalars."""
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"wall_clock_breakdown": True}))
+    train.main(flags(corpus, tmp_path, 4, ["--deepspeed_config", str(ds)]))
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith(" time (ms) |")]
+    assert len(lines) == 2
+    for line in lines:
+        ms = {k.strip(): float(v) for k, v in (part.split(":") for part in line.split("|")[1:])}
+        assert set(ms) == {"forward", "backward", "backward_inner", "backward_allreduce", "step"}
+        assert ms["forward"] > 0 and ms["step"] > 0
+        assert ms["backward_inner"] + ms["backward_allreduce"] <= ms["backward"]
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert {"time/forward", "time/backward", "time/step"} <= set(events.Tags()["scalars"])

@@ -60,6 +60,12 @@ class TrainingLogger:
             "comm/inter-node-MB-per-iteration": s["inter_mb"],
             "memory/peak-MB": peak_memory_mb()})
 
+    def wall_clock_line(self, it: int, ms: dict):
+        """wall_clock_breakdown: DeepSpeed's per-phase line (this rank's times, ms per
+        iteration over the log interval); TensorBoard gets time/<phase>."""
+        print_rank0(" time (ms) | " + " | ".join(f"{name}: {value:.2f}" for name, value in ms.items()))
+        self.scalars(it, {f"time/{name}": value / 1000 for name, value in ms.items()})
+
     def memory_line(self, report: dict):
         m, p = report["measured_bytes"], report["predicted_bytes"]
         print_rank0(f"> model states per rank (ZeRO stage {report['stage']}, {report['world_size']} ranks, "

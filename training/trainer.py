@@ -210,6 +210,10 @@ class Trainer:
             "tflops": self.flops_per_iteration / elapsed / self.comm.topology.world_size / 1e12,
             "intra_mb": intra / window.iterations / 2**20,
             "inter_mb": inter / window.iterations / 2**20})
+        if self.engine.clock.enabled:   # wall_clock_breakdown
+            seconds = self.engine.clock.read_and_reset()
+            self.logger.wall_clock_line(self.iteration, {name: 1000 * s / window.iterations
+                                                         for name, s in seconds.items()})
         self.window = LogWindow()
 
     def evaluate_and_save_on_interval(self):
@@ -268,7 +272,7 @@ class Trainer:
         args = self.args
         self.engine.eval()
         total, count = 0.0, 0
-        with torch.no_grad():
+        with torch.no_grad(), self.engine.clock.paused():
             for _ in range(args.eval_iters * args.gradient_accumulation_steps):
                 batch = next(batches, None)
                 if batch is None:

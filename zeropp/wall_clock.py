@@ -38,6 +38,15 @@ class WallClock:
             self._sync()
             self.seconds[name] += time.perf_counter() - start
 
+    @contextlib.contextmanager
+    def paused(self):
+        """Time nothing inside (evaluation is not training's time)."""
+        enabled, self.enabled = self.enabled, False
+        try:
+            yield
+        finally:
+            self.enabled = enabled
+
     def _sync(self):
         if self._cuda:
             torch.cuda.synchronize()
