@@ -22,7 +22,7 @@ import sys
 import torch
 import torch.distributed.checkpoint as dcp
 
-from training.checkpoint_files import CheckpointError, read_meta, resolve_checkpoint, verify_checksums
+from training.checkpoint_files import CheckpointError, damaged, read_meta, resolve_checkpoint, verify_checksums
 from training.checkpoint_state import single_process_quiet
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -34,11 +34,10 @@ def open_checkpoint(load: str) -> tuple[str, dict]:
     if path is None:
         raise CheckpointError(f"--load {load}: no checkpoint there (no {os.path.join(load, 'meta.json')} "
                               f"and no latest_checkpointed_iteration.txt)")
-    meta = read_meta(path)
-    problems = verify_checksums(path)
+    problems = verify_checksums(path)   # every file, meta.json included, before reading any
     if problems:
-        raise CheckpointError(f"checkpoint {path} is damaged: {problems[0]}")
-    return path, meta
+        raise damaged(path, problems[0])
+    return path, read_meta(path)
 
 
 def model_tensors(path: str, meta: dict, dtype: torch.dtype = torch.float32):

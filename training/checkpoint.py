@@ -44,9 +44,9 @@ import torch.distributed.checkpoint as dcp
 
 from common import ConfigError
 from parallel.launch import print_rank0, rank, world_size
-from training.checkpoint_files import (CHECKSUMS, FORMAT_VERSION, META, TRACKER, CheckpointError, file_crc32,
-                                       fsync_dir, iteration_dir, latest_iteration, prune_checkpoints, read_meta,
-                                       resolve_checkpoint, verify_on_all_ranks, write_text_atomic)
+from training.checkpoint_files import (CHECKSUMS, FORMAT_VERSION, META, TRACKER, CheckpointError, checksums_json,
+                                       file_crc32, fsync_dir, iteration_dir, latest_iteration, prune_checkpoints,
+                                       read_meta, resolve_checkpoint, verify_on_all_ranks, write_text_atomic)
 from training.checkpoint_state import as_dcp, engine_device, rng_state, set_rng_state, single_process_quiet
 from zeropp.engine import FlatState
 
@@ -203,8 +203,10 @@ class _Finisher:
             try:
                 info = dict(self.info, rng=[g["rng"] for g in gathered])
                 checksums = {name: v for g in gathered for name, v in g["checksums"].items()}
-                write_text_atomic(os.path.join(tmp, CHECKSUMS), json.dumps(checksums, indent=1))
-                write_text_atomic(os.path.join(tmp, META), json.dumps(info, indent=1, default=str))
+                meta_path = os.path.join(tmp, META)
+                write_text_atomic(meta_path, json.dumps(info, indent=1, default=str))
+                checksums[META] = [os.path.getsize(meta_path), file_crc32(meta_path)]
+                write_text_atomic(os.path.join(tmp, CHECKSUMS), checksums_json(checksums))
                 fsync_dir(tmp)
                 if os.path.exists(final):
                     shutil.rmtree(final)
@@ -318,6 +320,7 @@ def load_checkpoint(load: str, engine, load_optim: bool = True, load_rng: bool =
     path = resolve_checkpoint(load)
     if path is None:
         return None
+    verify_on_all_ranks(path)   # every file, meta.json included, before anything is read from them
     meta = read_meta(path)
     if model_config is not None:
         diff = [f"{k} {meta['model_config'].get(k)} (checkpoint) vs {model_config[k]} (now)"
@@ -325,7 +328,6 @@ def load_checkpoint(load: str, engine, load_optim: bool = True, load_rng: bool =
         if diff:
             raise ConfigError(f"--load {path} holds a different model: {'; '.join(diff)}; "
                               f"pass the model flags it was trained with")
-    verify_on_all_ranks(path)
 
     state = engine.checkpoint_state(for_load=True, optimizer=load_optim)
     stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata

@@ -65,13 +65,18 @@ def complete_iterations(root: str) -> list[int]:
 
 
 def latest_iteration(root: str) -> int | None:
+    """The iteration the tracker names (None without a tracker)."""
     try:
         with open(os.path.join(root, TRACKER)) as f:
             text = f.read().strip()
-    except OSError:
+    except FileNotFoundError:
         return None
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{os.path.join(root, TRACKER)} is unreadable ({e.__class__.__name__}); "
+                              f"{_intact_hint(root, None)}") from None
     if not text.isdigit():
-        raise CheckpointError(f"{os.path.join(root, TRACKER)} should hold an iteration number, got {text!r}")
+        raise CheckpointError(f"{os.path.join(root, TRACKER)} should hold an iteration number, got {text[:40]!r}; "
+                              f"{_intact_hint(root, None)}")
     return int(text)
 
 
@@ -83,38 +88,116 @@ def prune_checkpoints(save_dir: str, keep_last: int, newest: int):
             shutil.rmtree(iteration_dir(save_dir, it), ignore_errors=True)
 
 
+def _iteration_of(path: str) -> int | None:
+    name = os.path.basename(os.path.normpath(path))
+    return int(name[5:]) if name.startswith("iter_") and name[5:].isdigit() else None
+
+
 def resolve_checkpoint(load: str) -> str | None:
     """The checkpoint directory `--load` names: the tracker's latest in a save
-    directory, or an `iter_*` directory itself. None if there is none yet."""
+    directory, or an `iter_*` directory itself; without a tracker, the newest
+    complete checkpoint there (the tracker is written last, so it can only be
+    missing if something removed it). None if there is no checkpoint yet."""
     if os.path.exists(os.path.join(load, META)):
         return load
+    if _iteration_of(load) is not None and os.path.isdir(load):   # an iter_* directory without its meta
+        raise damaged(load, f"{os.path.join(load, META)} is missing (the save did not finish)")
     it = latest_iteration(load)
     if it is None:
-        return None
+        done = complete_iterations(load)
+        if not done:
+            return None
+        it = done[-1]
+        print(f"> {os.path.join(load, TRACKER)} is missing: loading the newest complete checkpoint, "
+              f"iteration {it}", flush=True)
     path = iteration_dir(load, it)
-    if not os.path.exists(os.path.join(path, META)):
-        raise CheckpointError(f"--load {load}: the tracker names iteration {it} but {path} is missing or "
-                              f"incomplete; point --load at an earlier iter_* directory")
+    if os.path.isdir(path) and not os.path.exists(os.path.join(path, META)):
+        raise damaged(path, f"{os.path.join(path, META)} is missing")
+    if not os.path.isdir(path):
+        raise CheckpointError(f"--load {load}: the tracker names iteration {it} but {path} is missing; "
+                              f"{_intact_hint(load, it)}")
     return path
 
 
+# What meta.json must hold, and of which type, for a load to use it.
+META_FIELDS = {"format": int, "iteration": int, "consumed_train_samples": int, "world_size": int,
+               "engine": dict, "rng": list, "model_config": dict, "param_shapes": dict}
+
+
+def _read_meta(path: str) -> tuple[dict | None, str | None]:
+    meta, problem = _read_json(os.path.join(path, META))
+    if problem is None:
+        missing = [k for k, kind in META_FIELDS.items() if not isinstance(meta.get(k), kind)]
+        if missing:
+            meta, problem = None, f"{os.path.join(path, META)} lacks {', '.join(missing)} (or has the wrong type)"
+    return meta, problem
+
+
 def read_meta(path: str) -> dict:
-    with open(os.path.join(path, META)) as f:
-        meta = json.load(f)
-    if meta.get("format") != FORMAT_VERSION:
-        raise CheckpointError(f"{path} is in checkpoint format {meta.get('format', 1)}; this version reads "
+    """The checkpoint's meta.json, checked: a damaged one is a CheckpointError naming it."""
+    meta, problem = _read_meta(path)
+    if problem is not None:
+        raise damaged(path, problem)
+    if meta["format"] != FORMAT_VERSION:
+        raise CheckpointError(f"{path} is in checkpoint format {meta['format']}; this version reads "
                               f"format {FORMAT_VERSION} (sharded, torch.distributed.checkpoint)")
     return meta
 
 
-# -- integrity -------------------------------------------------------------------------------
-def verify_checksums(path: str, files: list[str] | None = None) -> list[str]:
-    """Problems found in `files` (default all) of the checkpoint at `path`."""
+def _read_json(file: str) -> tuple[dict | None, str | None]:
+    """(its object, None), or (None, what is wrong with it)."""
     try:
-        with open(os.path.join(path, CHECKSUMS)) as f:
-            expected = json.load(f)
-    except (OSError, ValueError) as e:
-        return [f"{os.path.join(path, CHECKSUMS)}: unreadable ({e})"]
+        with open(file, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        return None, f"{file} is missing"
+    except OSError as e:
+        return None, f"{file} is unreadable ({e.strerror or e.__class__.__name__})"
+    try:
+        value = json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as e:
+        return None, f"{file} is not valid JSON ({len(raw)} bytes; {str(e).splitlines()[0][:80]}: truncated or corrupted)"
+    if not isinstance(value, dict):
+        return None, f"{file} holds a {type(value).__name__}, not a JSON object"
+    return value, None
+
+
+# -- integrity -------------------------------------------------------------------------------
+SELF_CRC = "__crc32__"   # checksums.json's own checksum, of its table
+
+
+def _table_crc(table: dict) -> int:
+    return zlib.crc32(json.dumps(table, sort_keys=True).encode())
+
+
+def checksums_json(table: dict) -> str:
+    """checksums.json's text: {file: [size, crc32]} for every file of the checkpoint
+    (meta.json included), and the CRC of that table, so a damaged entry is told
+    from a damaged file."""
+    return json.dumps({**table, SELF_CRC: _table_crc(table)}, indent=1)
+
+
+def _read_checksums(path: str) -> tuple[dict | None, str | None]:
+    """checksums.json's table: {file: [size, crc32]}, or what is wrong with it."""
+    file = os.path.join(path, CHECKSUMS)
+    table, problem = _read_json(file)
+    own = table.pop(SELF_CRC, None) if problem is None else None   # absent in checkpoints from before it
+    if problem is None and not all(isinstance(v, list) and len(v) == 2 and all(isinstance(x, int) for x in v)
+                                   for v in table.values()):
+        table, problem = None, f"{file} has entries that are not [size, crc32]"
+    if problem is None and own is not None and own != _table_crc(table):
+        table, problem = None, f"{file} does not match its own checksum (corrupted)"
+    if problem is None and not table:
+        table, problem = None, f"{os.path.join(path, CHECKSUMS)} lists no files"
+    return table, problem
+
+
+def verify_checksums(path: str, files: list[str] | None = None) -> list[str]:
+    """Problems found in `files` (default all) of the checkpoint at `path`, its
+    checksums.json included."""
+    expected, problem = _read_checksums(path)
+    if problem is not None:
+        return [problem]
     problems = []
     for name in (files if files is not None else sorted(expected)):
         p = os.path.join(path, name)
@@ -128,12 +211,31 @@ def verify_checksums(path: str, files: list[str] | None = None) -> list[str]:
     return problems
 
 
+def _intact(path: str) -> bool:
+    return _read_meta(path)[1] is None and not verify_checksums(path)
+
+
+def _intact_hint(root: str, bad: int | None) -> str:
+    """Where to load from instead: the newest intact checkpoint in `root` other than `bad`."""
+    good = next((it for it in reversed(complete_iterations(root)) if it != bad and _intact(iteration_dir(root, it))),
+                None)
+    return (f"load the last good checkpoint with --load {iteration_dir(root, good)}" if good is not None
+            else "no other intact checkpoint was found there")
+
+
+def damaged(path: str, problem: str) -> CheckpointError:
+    """The one-line error for a damaged checkpoint: what is wrong, and what to load instead."""
+    root = os.path.dirname(os.path.abspath(path))
+    return CheckpointError(f"checkpoint {path} is damaged: {problem}; {_intact_hint(root, _iteration_of(path))}")
+
+
 def verify_on_all_ranks(path: str):
     """Every file checked once, the files split over the ranks; all ranks raise the same error."""
     this_rank, world = rank(), world_size()
-    with open(os.path.join(path, CHECKSUMS)) as f:
-        names = sorted(json.load(f))
-    problems = verify_checksums(path, names[this_rank::world])
+    expected, problem = _read_checksums(path)   # every rank reads the same file: the same outcome
+    if problem is not None:
+        raise damaged(path, problem)
+    problems = verify_checksums(path, sorted(expected)[this_rank::world])
     everyone = [None] * world
     if dist.is_initialized():
         dist.all_gather_object(everyone, problems)
@@ -141,11 +243,5 @@ def verify_on_all_ranks(path: str):
         everyone = [problems]
     problems = [p for ps in everyone for p in ps]
     if problems:
-        root = os.path.dirname(os.path.abspath(path))
-        bad = int(os.path.basename(path)[5:]) if os.path.basename(path)[5:].isdigit() else None
-        good = next((it for it in reversed(complete_iterations(root))
-                     if it != bad and not verify_checksums(iteration_dir(root, it))), None)
-        hint = (f"load the last good checkpoint with --load {iteration_dir(root, good)}" if good is not None
-                else "no other intact checkpoint was found there")
-        raise CheckpointError(f"checkpoint {path} is damaged: {problems[0]}"
-                              f"{f' (and {len(problems) - 1} more)' if len(problems) > 1 else ''}; {hint}")
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise damaged(path, problems[0] + more)
