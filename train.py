@@ -24,7 +24,7 @@ from data.sampler import build_data_loader
 from data.stats import unigram_entropy
 from model import GPT, flops_per_iteration, num_parameters
 from parallel.comm import Communicator
-from parallel.launch import init_distributed, print_rank0
+from parallel.launch import init_distributed, print_rank0, report_error_to_torchrun
 from parallel.topology import topology_from_env
 from training.args import parse_args, resolve_batch
 from training.checkpoint import (Checkpointer, Progress, check_save_dir, checkpoint_bytes, load_checkpoint,
@@ -163,9 +163,10 @@ def run(argv=None) -> int:
     except (zeropp.ConfigError, CheckpointError, TrainingDiverged) as e:
         # Checkpoint and divergence errors reach every rank alike too: a clear line, exit 1.
         rank = int(os.environ.get("RANK", "0"))
+        line = f"error: {' '.join(str(e).splitlines())}"
         if rank == 0 or not isinstance(e, zeropp.ConfigError):  # a checkpoint error may be one rank's own
-            prefix = f"[rank {rank}] " if rank else ""
-            print(f"{prefix}error: {' '.join(str(e).splitlines())}", file=sys.stderr, flush=True)
+            print(f"[rank {rank}] {line}" if rank else line, file=sys.stderr, flush=True)
+        report_error_to_torchrun(line)   # torchrun's failure summary shows this line
         if dist.is_initialized():
             dist.destroy_process_group()
         return 2 if isinstance(e, zeropp.ConfigError) else 1

@@ -1,7 +1,9 @@
 """Start-up under torchrun (or as a plain single process)."""
 from __future__ import annotations
 
+import json
 import os
+import time
 from datetime import timedelta
 
 import torch
@@ -25,6 +27,21 @@ def init_distributed(backend: str | None = None, timeout_minutes: int = 30) -> t
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
+
+
+def report_error_to_torchrun(line: str):
+    """Under torchrun (torch.distributed.elastic), put `line` where its failure
+    summary looks for this worker's error (the file @record writes), so the summary
+    shows the one line instead of "To enable traceback see ...". Nothing otherwise."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
+                                                                   "timestamp": str(int(time.time()))}}}, f)
+    except OSError:
+        pass   # the summary then shows torchrun's generic text: the line is on stderr anyway
 
 
 def rank() -> int:

@@ -269,3 +269,6 @@ class TestRealCommand:
         assert ours == ["error: argument --lr: must be >= 0, got -1"]
         assert proc.returncode != 0 and 'File "train.py"' not in proc.stderr
         assert "exitcode  : 2" in proc.stderr  # torchrun's report: our ranks exited with status 2
+        # torchrun's failure summary carries the one line (its own exit status is 1)
+        assert "traceback : error: argument --lr: must be >= 0, got -1" in proc.stderr
+        assert "To enable traceback" not in proc.stderr and proc.returncode == 1
