@@ -1,6 +1,6 @@
 """Run bad or unusual inputs through the real commands and tabulate what each prints.
 
-    .venv/bin/python bench/cli_errors.py [--output cli_errors.md]
+    .venv/bin/python -m bench.cli_errors [--output cli_errors.md]
 
 Each case is a real process (`python train.py ...`, `python -m data.preprocess ...`)
 started from the repository root on the bundled corpus (work_dir/, see the README's
@@ -10,6 +10,7 @@ one `error: ...` line (status 2), for an accepted input the last log line's star
 """
 import argparse
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -66,6 +67,9 @@ def files(tmp):
         "small_model": small,
         "neg": write_dataset(f"{tmp}/neg", [[1, 2, 3], [4, 5]], patch=(34 + 4, struct.pack("<i", -2))),
         "multimodal": write_dataset(f"{tmp}/mm", [[1, 2, 3], [4, 5]], extra_idx=bytes([0, 0])),
+        # two sequences (uint16): lengths at byte 34, pointers at 42
+        "pointer": write_dataset(f"{tmp}/ptr", [[1, 2, 3], [4, 5]], patch=(42 + 8, struct.pack("<q", 2))),
+        "swapped": write_dataset(f"{tmp}/swap", [[1, 2, 3], [4, 5]], patch=(34, struct.pack("<2i", 2, 3))),
         "garbage": (text("garbage.idx", "not an index"), text("garbage.bin", "x"))[0][:-4],
         "yaml": lambda body: text(f"run{next(count)}.yaml", body),  # one file per case
         "json": lambda body: text(f"ds{next(count)}.json", body),
@@ -170,8 +174,83 @@ def cases(tmp, f):
         ("accepted: --train-samples 4 --lr-warmup-samples 2 (no --train-iters)",
          train + no_iters + ["--train-samples", "4", "--lr-warmup-samples", "2"]),
         ("accepted: YAML `fp16: false`", train + b + ["--config", yaml("fp16: false\n")]),
+        # Loss-scaling flags outside fp16, DeepSpeed's gradient scaling keys at ZeRO stages 1-3.
+        ("--bf16 --loss-scale 128", train + b + ["--bf16", "--loss-scale", "128"]),
+        ("--hysteresis 4 (fp32)", train + b + ["--hysteresis", "4"]),
+        ("--bf16 --min-loss-scale 2 --loss-scale-window 100", train + b + ["--bf16", "--min-loss-scale", "2",
+                                                                           "--loss-scale-window", "100"]),
+        ('JSON `"gradient_predivide_factor": 2` with --zero-stage 3',
+         train + b + ["--zero-stage", "3", "--deepspeed_config", jsn('{"gradient_predivide_factor": 2}')]),
+        ('JSON `"prescale_gradients": true` with --zero-stage 2',
+         train + b + ["--zero-stage", "2", "--deepspeed_config", jsn('{"prescale_gradients": true}')]),
+        ('JSON `"stage3_gather_16bit_weights_on_model_save": true`',
+         train + b + ["--deepspeed_config", jsn('{"zero_optimization": {"stage": 3, '
+                                                '"stage3_gather_16bit_weights_on_model_save": true}}')]),
+        ("accepted: JSON `\"wall_clock_breakdown\": true`",
+         train + b + ["--deepspeed_config", jsn('{"wall_clock_breakdown": true}')]),
+        (".idx whose pointer table disagrees with the lengths", train + with_value(b, "--data-path", f["pointer"])),
+        (".idx with two lengths swapped", train + with_value(b, "--data-path", f["swapped"])),
+    ]
+    return out + checkpoint_cases(tmp, b)
+
+
+DAMAGES = [("meta.json", "missing"), ("meta.json", "empty"), ("meta.json", "truncated"), ("meta.json", "flipped"),
+           ("checksums.json", "missing"), ("checksums.json", "truncated"), ("checksums.json", "flipped"),
+           (".metadata", "truncated"), (".metadata", "flipped"), ("__0_0.distcp", "missing"),
+           ("__0_0.distcp", "truncated")]
+
+
+def checkpoint_cases(tmp, b):
+    """--load (and the exporter) on a checkpoint whose files were damaged: iterations 1 and 2
+    saved, iteration 2's file damaged, so the line should point at iteration 1."""
+    pristine = f"{tmp}/ckpt"
+    subprocess.run([sys.executable, "train.py", *b, "--save", pristine, "--save-interval", "1"],
+                   capture_output=True, cwd=str(ROOT), timeout=300, check=True)
+    out, count = [], iter(range(100))
+
+    def copy(damage=None):
+        path = f"{tmp}/ckpt{next(count)}"
+        shutil.copytree(pristine, path)
+        if damage:
+            damage(path)
+        return path
+
+    def resume(path):
+        return ["train.py"] + with_value(b, "--train-iters", "3") + ["--load", path]
+
+    for name, how in DAMAGES:
+        path = copy(lambda p, name=name, how=how: _damage(os.path.join(p, "iter_0000002", name), how))
+        out.append((f"--load: {name} {how}", resume(path)))
+    out += [
+        ("--load: tracker holds `x2`", resume(copy(lambda p: _write(f"{p}/latest_checkpointed_iteration.txt", "x2")))),
+        ("--load: tracker names a missing iteration 7",
+         resume(copy(lambda p: _write(f"{p}/latest_checkpointed_iteration.txt", "7")))),
+        ("--load iter_0000002 without its meta.json",
+         resume(copy(lambda p: os.remove(f"{p}/iter_0000002/meta.json")) + "/iter_0000002")),
+        ("accepted: --load without a tracker (loads the newest complete)",
+         resume(copy(lambda p: os.remove(f"{p}/latest_checkpointed_iteration.txt")))),
+        ("export --format hf: meta.json truncated",
+         ["-m", "tools.export_checkpoint", "--load", copy(lambda p: _damage(f"{p}/iter_0000002/meta.json",
+                                                                             "truncated")),
+          "--format", "hf", "--output", f"{tmp}/hf"]),
     ]
     return out
+
+
+def _write(path, text):
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def _damage(path, how):
+    if how == "missing":
+        os.remove(path)
+        return
+    data = bytearray(open(path, "rb").read())
+    data = {"empty": bytearray(), "truncated": data[:len(data) // 2]}.get(how, data)
+    if how == "flipped":
+        data[len(data) // 2] ^= 0x01
+    open(path, "wb").write(bytes(data))
 
 
 def run(argv):
