@@ -272,10 +272,14 @@ def run(argv):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output", default=str(ROOT / "cli_errors.md"))
+    parser.add_argument("--start-at", default=None, help="run the cases from the first whose name starts so")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         rows = []
-        for name, argv in cases(tmp, files(tmp)):
+        todo = cases(tmp, files(tmp))
+        if args.start_at:
+            todo = todo[next(i for i, (name, _) in enumerate(todo) if name.startswith(args.start_at)):]
+        for name, argv in todo:
             status, message = run(argv)
             rows.append((name, status, message))
             print(f"{status:3d}  {name}: {message}", flush=True)
