@@ -90,8 +90,10 @@ def test_flops_formula_recompute_is_larger():
 
 def test_lr_schedule_warmup_and_decay():
     kw = dict(lr=1.0, min_lr=0.1, warmup_iters=10, decay_iters=110)
-    assert learning_rate(0, style="cosine", **kw) == pytest.approx(0.1)
-    assert learning_rate(9, style="cosine", **kw) == pytest.approx(1.0)
+    # Megatron: the first step at the warmup's start, the peak at its last step (inclusive)
+    assert learning_rate(0, style="cosine", **kw) == 0.0
+    assert learning_rate(1, style="cosine", **kw) == pytest.approx(0.1)
+    assert learning_rate(10, style="cosine", **kw) == pytest.approx(1.0)
     assert learning_rate(60, style="cosine", **kw) == pytest.approx(0.55)     # half way: mean of lr and min
     assert learning_rate(60, style="linear", **kw) == pytest.approx(0.55)
     assert learning_rate(35, style="cosine", **kw) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 4)))
