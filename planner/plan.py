@@ -22,7 +22,7 @@ from planner.comm import PHASES, Step, bytes_by_phase, iteration_collectives
 from planner.memory import buffer_bytes, formula_bytes, model_state_bytes
 from planner.timing import Timing, iteration_time
 from planner.trace import ModelTrace, shard_layout, trace_model
-from training.checkpoint import checkpoint_bytes
+from training.checkpoint import checkpoint_bytes, optimizer_moments
 from zeropp.config import DeepSpeedConfig, OptimizerSettings, ZeroConfig
 from zeropp.engine import communication_dtype, compute_dtype
 
@@ -231,7 +231,7 @@ def format_plan(job: Job, cluster: Cluster, trace: ModelTrace, plans: list[Confi
     out(f"   {'model states by ZeRO formula':<41}"
         + "".join(f"{_gib(sum(p.formula.values())):>{width}}" for p in plans))
     opt = job.optimizer
-    moments = {"sgd": int(opt.momentum > 0)}.get(opt.type, 2)
+    moments = optimizer_moments(opt)
     total = checkpoint_bytes(trace.num_parameters, moments)
     out(f"   checkpoint (--save; training/checkpoint.py): {total / 2**30:.1f} GiB per save, "
         f"{total / job.world / 2**30:.2f} GiB written by each GPU (its fp32 masters and {moments} optimizer "
