@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """A model larger than any rank may hold, built shard by shard and trained.
 
-    .venv/bin/python bench/large_model.py                       # the 18B run's widths, 2 layers (~1.2 B)
-    .venv/bin/python bench/large_model.py --num-layers 1 --hidden 2048 --vocab 8192 --steps 1
+    .venv/bin/python -m bench.large_model                       # the 18B run's widths, 2 layers (~1.2 B)
+    .venv/bin/python -m bench.large_model --num-layers 1 --hidden 2048 --vocab 8192 --steps 1
 
 Each of --world gloo ranks builds the GPT on the meta device, lets ZeRO-3
 create it one weight at a time (zeropp/init.py), then trains --steps steps on
@@ -26,7 +26,7 @@ every local state tensor before save and after load checks the round trip;
 `du` of DIR is compared with the bytes written. Results go under the JSON's
 "checkpoint" key. DIR is left in place (delete it afterwards).
 
-    .venv/bin/python bench/large_model.py --num-layers 2 --hidden 2048 --vocab 16384 --world 4 \
+    .venv/bin/python -m bench.large_model --num-layers 2 --hidden 2048 --vocab 16384 --world 4 \
         --optimizer adamw --steps 1 --checkpoint /tmp/ckpt_bench --out bench/results/large_model_checkpoint.json
 
 Defaults fit 4 ranks in 24 GiB: bf16 weights with fp32 masters, SGD
