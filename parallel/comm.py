@@ -56,6 +56,7 @@ all-to-alls for one reduce-scatter).
 """
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable
@@ -141,6 +142,9 @@ class CommStats:
     calls: dict = field(default_factory=lambda: defaultdict(int))        # phase -> collectives issued
     plain_intra_node_bytes: int = 0   # the same step without ZeRO++ (module docstring)
     plain_inter_node_bytes: int = 0
+    # phase -> seconds the calling thread was blocked: in a synchronous collective, or in
+    # Work.wait() for an asynchronous one (what is left of it on the critical path).
+    wait_seconds: dict = field(default_factory=lambda: defaultdict(float))
 
     @property
     def total_bytes(self) -> int:
@@ -168,22 +172,36 @@ class CommStats:
                 "by_op": split(self.by_op),
                 "calls": dict(self.calls),
                 "plain_intra_node_bytes": self.plain_intra_node_bytes,
-                "plain_inter_node_bytes": self.plain_inter_node_bytes}
+                "plain_inter_node_bytes": self.plain_inter_node_bytes,
+                "wait_seconds": dict(self.wait_seconds)}
 
 
 class Work:
     """The one handle for a collective, here and in zeropp/: `wait()` waits for
     the transport's handle (torch's async work, or another `Work`), then
     returns the result: `result`, or what `then()` makes of the received data
-    (run once). A collective that already ran has no handle."""
-    __slots__ = ("_handle", "_result", "_then")
+    (run once). A collective that already ran has no handle. `blocked(seconds)`,
+    if given, is told how long wait() blocked on the transport."""
+    __slots__ = ("_handle", "_result", "_then", "_blocked")
 
-    def __init__(self, handle=None, result=None, then=None):
-        self._handle, self._result, self._then = handle, result, then
+    def __init__(self, handle=None, result=None, then=None, blocked=None):
+        self._handle, self._result, self._then, self._blocked = handle, result, then, blocked
+
+    def is_completed(self) -> bool:
+        """The transport is done (then() may still have to run): wait() would not block on it."""
+        return self._handle is None or self._handle.is_completed()
+
+    def progress(self) -> bool:
+        """Advance without blocking (a collective of several steps starts its next one);
+        True when wait() would not block on the transport."""
+        return self.is_completed()
 
     def wait(self):
         if self._handle is not None:
+            t0 = time.perf_counter()
             self._handle.wait()
+            if self._blocked is not None:
+                self._blocked(time.perf_counter() - t0)
             self._handle = None
         if self._then is not None:
             self._result, self._then = self._then(), None
@@ -236,10 +254,20 @@ class Communicator:
         if self._size(group) > 1:
             self.stats.add_plain(*self._wire(op, group, nbytes))
 
-    def _issued(self, work, async_op: bool):
+    @property
+    def wait_seconds(self) -> dict:
+        """phase -> seconds blocked in collectives (CommStats.wait_seconds)."""
+        return self.stats.wait_seconds
+
+    def _issued(self, work, async_op: bool, phase: str, t0: float):
+        stats = self.stats
         if async_op and work is not None:
             self.async_handles += 1
-            return Work(work)
+
+            def blocked(seconds):
+                stats.wait_seconds[phase] += seconds
+            return Work(work, blocked=blocked)
+        stats.wait_seconds[phase] += time.perf_counter() - t0
         return Work()
 
     @staticmethod
@@ -255,7 +283,8 @@ class Communicator:
         if self._size(group) == 1:
             return Work()
         self._charge("all_reduce", phase, group, self._nbytes(tensor))
-        return self._issued(dist.all_reduce(tensor, op=op, group=group, async_op=async_op), async_op)
+        t0 = time.perf_counter()
+        return self._issued(dist.all_reduce(tensor, op=op, group=group, async_op=async_op), async_op, phase, t0)
 
     def all_gather(self, output, input, group=None, async_op=False, phase="other", plain=True):
         """Gather equal `input` tensors of every member into flat `output`."""
@@ -263,7 +292,8 @@ class Communicator:
             output.copy_(input.view_as(output))
             return Work()
         self._charge("all_gather", phase, group, self._nbytes(input), plain=plain)
-        return self._issued(all_gather_flat(output, input, group=group, async_op=async_op), async_op)
+        t0 = time.perf_counter()
+        return self._issued(all_gather_flat(output, input, group=group, async_op=async_op), async_op, phase, t0)
 
     def reduce_scatter(self, output, input, op=dist.ReduceOp.SUM, group=None, async_op=False,
                        phase="other"):
@@ -272,8 +302,9 @@ class Communicator:
             output.copy_(input.view_as(output))
             return Work()
         self._charge("reduce_scatter", phase, group, self._nbytes(output))
+        t0 = time.perf_counter()
         return self._issued(reduce_scatter_flat(output, input, op=op, group=group, async_op=async_op),
-                            async_op)
+                            async_op, phase, t0)
 
     def all_to_all(self, output, input, group=None, async_op=False, phase="other", plain=True):
         """Chunk j of flat `input` goes to member j; chunk j of `output` comes from it."""
@@ -281,8 +312,9 @@ class Communicator:
             output.copy_(input)
             return Work()
         self._charge("all_to_all", phase, group, self._nbytes(input), plain=plain)
+        t0 = time.perf_counter()
         return self._issued(dist.all_to_all_single(output, input, group=group, async_op=async_op),
-                            async_op)
+                            async_op, phase, t0)
 
     def broadcast(self, tensor, src: int, group=None, phase="other"):
         """`tensor` of global rank `src` to every member (synchronous)."""

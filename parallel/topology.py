@@ -25,6 +25,10 @@ class Topology:
     # Process groups, created by `build_groups` once torch.distributed is up.
     intra_node_group: object = field(default=None, repr=False)
     inter_node_group: object = field(default=None, repr=False)
+    # All ranks again, for gradient reductions: a group runs its collectives in issue
+    # order, so reductions on their own group never queue behind weight gathers (and
+    # ranks that interleave the two differently still agree on each group's order).
+    gradient_group: object = field(default=None, repr=False)
 
     def __post_init__(self):
         if self.ranks_per_node < 1 or self.world_size % self.ranks_per_node:
@@ -68,6 +72,8 @@ class Topology:
             g = dist.new_group(self.peer_ranks(local))
             if local == self.local_rank:
                 self.inter_node_group = g
+        if self.world_size > 1:
+            self.gradient_group = dist.new_group(list(range(self.world_size)))
         return self
 
     def subgroup_ranks(self, size: int) -> list[int]:
@@ -79,10 +85,9 @@ class Topology:
         return list(range(first, first + size))
 
     def build_subgroup(self, size: int):
-        """The process group of `subgroup_ranks(size)` (collective on all ranks:
-        each calls new_group for every subgroup, in the same order)."""
-        if size == self.ranks_per_node and self.intra_node_group is not None:
-            return self.intra_node_group
+        """A new process group of `subgroup_ranks(size)` (collective on all ranks:
+        each calls new_group for every subgroup, in the same order); never one of
+        the groups above, so its collectives do not queue behind theirs."""
         mine = None
         for first in range(0, self.world_size, size):
             g = dist.new_group(list(range(first, first + size)))

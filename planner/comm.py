@@ -100,7 +100,8 @@ def iteration_collectives(shards, trace, zero: ZeroConfig, world: int, ranks_per
         numels = [s.numel for s in shards]
         order = backward_order(trace.touch)
         step.held = reuse_set(trace.events, order, numels, zero.stage3_max_reuse_distance,
-                              zero.stage3_max_live_parameters)
+                              zero.stage3_max_live_parameters,
+                              first_backward_elems=zero.stage3_prefetch_bucket_size)
         step.forward_buckets = gather_buckets(trace.events, numels, zero.stage3_prefetch_bucket_size)
         step.backward_buckets = gather_buckets(without(order, step.held), numels,
                                                zero.stage3_prefetch_bucket_size)

@@ -187,6 +187,39 @@ def test_dequantize_reduce(dtype):
     assert torch.equal(got, (summed * torch.tensor(1 / k)).to(dtype))
 
 
+@pytest.mark.parametrize("bits, bs", [(8, 256), (4, 128), (4, 6)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_chunked_torch_path_equals_one_pass_and_writes_into_out(monkeypatch, bits, bs, dtype):
+    """The torch path works chunk by chunk (bounded temporaries); chunk boundaries, a
+    padded last block and `out=` give the same bits as one pass over the whole tensor."""
+    n, k = 3 * quant._CHUNK + bs // 2 + 1, 3
+    xs = [_rand(n, dtype, seed=s) for s in range(k)]
+
+    def everything():
+        parts = [quant.quantize(x, bits, bs, backend="torch") for x in xs]
+        st = Quantized.stack(parts)
+        outs = (torch.empty(k, n, dtype=dtype), torch.empty(n, dtype=dtype))
+        quant.dequantize(st, dtype, backend="torch", out=outs[0])
+        quant.dequantize_reduce(st, dtype, scale=1 / k, backend="torch", out=outs[1])
+        drr = quant.dequantize_reduce_requantize(st, bits, bs, backend="torch")
+        return [p.data for p in parts] + [p.scales for p in parts] + list(outs) + [drr.data, drr.scales,
+                quant.dequantize(st, dtype, backend="torch")]
+
+    chunked = everything()
+    monkeypatch.setattr(quant, "_CHUNK", 1 << 30)
+    whole = everything()
+    for a, b in zip(chunked, whole):
+        assert torch.equal(a, b)
+
+
+def test_dequantize_out_must_fit():
+    q = quant.quantize(torch.randn(100), 8, backend="torch")
+    with pytest.raises(ValueError, match="out must be contiguous"):
+        quant.dequantize(q, torch.float32, backend="torch", out=torch.empty(99))
+    with pytest.raises(ValueError, match="out must be contiguous"):
+        quant.dequantize_reduce([q, q], torch.bfloat16, backend="torch", out=torch.empty(100))
+
+
 # ---------------------------------------------------------------------------------------
 # wire format
 

@@ -309,8 +309,10 @@ def test_gradients_stream_gathers_bucket_and_needed_weight_goes_first():
         assert p["gradient_buckets_peak"] < 0.6 * full_grad_bytes, p
         assert peaks[0]["gradient_buckets_peak"] == p["gradient_buckets_peak"]
         assert calls[-1]["grad_reduce"] == buckets >= 8
-        # Gathered weights, activation-checkpoint recompute included, within the live bound.
+        # Gathered weights, activation-checkpoint recompute included, within the live bound;
+        # the gathers' own buffers (inputs, rows) within theirs.
         assert p["gathered_weights_peak"] <= p["gathered_weights_bound"], p
+        assert 0 < p["gather_buffers_peak"] <= p["gather_buffers_bound"], p
         # One collective per prefetch bucket, not per module (22 modules with weights).
         assert calls[-1]["forward_gather"] <= 8 and calls[-1]["backward_gather"] <= 8, calls[-1]
         # The weight a request needs is issued before any prefetch that follows it.
@@ -318,6 +320,47 @@ def test_gradients_stream_gathers_bucket_and_needed_weight_goes_first():
             if kind == "request" and needed:
                 nxt = next(entry for entry in log[i + 1:] if entry[0] == "issue")
                 assert set(needed) & set(nxt[1]), (needed, nxt)
+
+
+# -- the buffer pool and the weights held for backward: plain functions ----------------------
+def test_buffer_pool_reuses_exact_sizes_and_keeps_to_its_budget():
+    from zeropp.buffer_pool import BufferPool
+    pool = BufferPool(torch.device("cpu"), budget=1000)
+    a = pool.take(100, torch.float32)                      # 400 bytes
+    assert a.dtype == torch.float32 and a.numel() == 100
+    pool.give(a)
+    b = pool.take(100, torch.float32)
+    assert b.data_ptr() == a.data_ptr() and pool.bytes == 400   # the same size: reused
+    c = pool.take(50, torch.int64)                         # 400 bytes, new (exact sizes only)
+    pool.give(b)
+    pool.give(c)
+    assert pool.bytes == 800
+    d = pool.take(100, torch.bfloat16)                     # 200 bytes: 1000 fits the budget
+    assert pool.bytes == 1000
+    e = pool.take(75, torch.float32)                       # 300: a free 400 is dropped first
+    assert pool.bytes == 900 and pool.peak_bytes == 1000
+    f = pool.take(300, torch.float32)    # every free buffer dropped; beyond the budget only what is in use
+    assert pool.bytes == pool.in_use_bytes == 1700
+    for t in (d, e, f):
+        pool.give(t)
+    assert pool.in_use_bytes == 0
+
+
+def test_weights_backward_gathers_first_are_held_at_any_reuse_distance():
+    from zeropp.schedule import reuse_set
+    numels = [10, 10, 10, 10, 40]
+    forward = [[0], [1], [2], [3], [4]]
+    backward = [[4], [3], [2], [1], [0]]
+    # reuse 0: only what backward's first prefetch bucket (here 60 elements) holds
+    assert reuse_set(forward, backward, numels, 0, 10**9, first_backward_elems=60) == {4, 3, 2}
+    assert reuse_set(forward, backward, numels, 0, 10**9, first_backward_elems=39) == set()
+    # the live bound still applies
+    assert reuse_set(forward, backward, numels, 0, 45, first_backward_elems=60) == {4}
+    # a reuse distance holds by distance too
+    assert reuse_set(forward, backward, numels, 80, 10**9, first_backward_elems=0) == {4, 3}
+    assert reuse_set(forward, backward, numels, 79, 10**9, first_backward_elems=0) == {4}
+    # a weight backward never uses is never held
+    assert reuse_set(forward, [[4], [3]], numels, 10**9, 10**9, first_backward_elems=10**9) == {4, 3}
 
 
 # -- world size 1 ------------------------------------------------------------------------------

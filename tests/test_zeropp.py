@@ -153,6 +153,32 @@ def test_qgz_matches_reduce_scatter_within_int4_bound_on_8_ranks():
                               timeout=240))
 
 
+def qgz_progress(rank, world_size):
+    import time
+    topo = Topology(world_size, rank, 2).build_groups()
+    comm = Communicator(topo)
+    reduce = HierarchicalQuantizedReduce(comm)
+    part = Partition(None, world_size, rank)
+    rows = torch.randn(world_size, 1000, generator=torch.Generator().manual_seed(rank))
+    waited, polled = torch.empty(1000), torch.empty(1000)
+    reduce.start(rows.clone(), waited, part, "grad_reduce").wait()
+    comm.reset_stats()
+    work = reduce.start(rows.clone(), polled, part, "grad_reduce")
+    deadline = time.monotonic() + 60
+    while not work.progress() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    issued_before_wait = comm.stats.calls["grad_reduce"]
+    work.wait()
+    return issued_before_wait, torch.equal(waited, polled)
+
+
+def test_qgz_second_hop_starts_when_the_first_is_done_not_at_wait():
+    """progress() (called as gradients come in) issues the inter-node all-to-all as soon
+    as the intra-node one is done, so it runs while backward goes on; same result."""
+    for issued_before_wait, same in run_distributed(qgz_progress, 4):
+        assert issued_before_wait == 2 and same
+
+
 # --------------------------------------------------------------------------------------
 # hpZ: bit-identical, and backward stays inside the node
 # --------------------------------------------------------------------------------------
@@ -451,8 +477,9 @@ def bytes_run(rank, world_size):
 
 
 def test_cross_node_bytes_match_theory():
-    """bf16, W = 4 ranks as N = 2 nodes x L = 2, every weight released after
-    forward and gathered again in backward (reuse distance 0).
+    """bf16, W = 4 ranks as N = 2 nodes x L = 2, weights released after forward
+    and gathered again in backward (reuse distance 0), but for those backward
+    needs first.
 
     ZeRO-3, counted as NCCL rings (parallel/comm.py): the forward all-gather,
     the backward all-gather and the gradient reduce-scatter each put
@@ -464,16 +491,19 @@ def test_cross_node_bytes_match_theory():
       128 (0.266 of bf16): W (N-1) x 0.266 x 2T bytes for a bucket of T
       elements per row, against N (W-1) x 2T: 0.266 x 4 x 1 / (2 x 3) = 0.177.
     - All three: (0.508 + 0 + 0.177) / 3 = 0.228 of ZeRO-3's cross-node bytes
-      (the paper's 3M -> 0.75M, i.e. 0.25, counts qgZ against an all-to-all
-      based reduce-scatter; on rings qgZ saves more).
+      when ZeRO-3 gathers every weight again in backward (the paper's 3M -> 0.75M,
+      i.e. 0.25, counts qgZ against an all-to-all based reduce-scatter; on rings
+      qgZ saves more); a little more here, as ZeRO-3 holds the weights backward
+      needs first.
     Padding to blocks and scales make the counts slightly larger: 3% allowed.
     """
     r = run_distributed(bytes_run, 4)[0]
     z3 = r["zero3"]
     fwd, bwd, grad = z3["forward_gather"], z3["backward_gather"], z3["grad_reduce"]
     # one step's forward gather and reduction move the same M; backward gathers only the
-    # weights it needs (not biases nor the position embedding)
-    assert fwd == grad > bwd > 0.9 * fwd
+    # weights it needs (not biases nor the position embedding), less those it needs first
+    # (held from forward, within one prefetch bucket of 200k of the model's ~0.5M)
+    assert fwd == grad > bwd > 0.5 * fwd
     qw8, qg4 = wire_nbytes(2560, 8) / (2 * 2560), wire_nbytes(2560, 4) / (2 * 2560)   # 0.508, 0.266
     W, N = 4, 2
     qgz_ratio = qg4 * W * (N - 1) / (N * (W - 1))
@@ -491,8 +521,9 @@ def test_cross_node_bytes_match_theory():
         assert r[name]["plain"] == z3["total"], name
         # bf16 weights and gradients through the quantizers: the second step's loss agrees
         assert abs(r[name]["loss"] - z3["loss"]) < 0.01 * z3["loss"], (name, r[name]["loss"], z3["loss"])
+    # against ZeRO-3's own backward gather (less what it holds): (0.508 + 0.177 g) / (1 + b + g)
     ratio = r["all3"]["total"] / z3["total"]
-    assert ratio < 0.25, ratio
+    assert ratio <= (qw8 * fwd + qgz_ratio * grad) / (fwd + bwd + grad) * 1.03, ratio
 
 
 # --------------------------------------------------------------------------------------

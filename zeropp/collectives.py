@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from parallel.comm import Work
+from zeropp.buffer_pool import BufferPool
 from zeropp.partition import Partition, ShardedParam, fill_rows
 from zeropp.schedule import bucketize, gradient_buckets
 
@@ -31,10 +32,11 @@ class ShardGather:
         self.comm = comm
 
     def start(self, inp: torch.Tensor, partition: Partition, phase: str, async_op: bool = True,
-              out: torch.Tensor | None = None, plain: bool = True):
+              out: torch.Tensor | None = None, plain: bool = True, pool: BufferPool | None = None):
         """`out`: where the [N, total] result goes (default: a new tensor).
         `plain=False`: this gather stands in for another, which the caller
-        charges as the plain equivalent (parallel/comm.py)."""
+        charges as the plain equivalent (parallel/comm.py). `pool`: where a
+        gather takes its transient buffers (none here; qwZ's wire buffers)."""
         if out is None:
             out = torch.empty(partition.size, inp.numel(), dtype=inp.dtype, device=inp.device)
         if partition.size == 1:
@@ -52,8 +54,18 @@ class ShardReduce:
     def __init__(self, comm):
         self.comm = comm
 
+    def inflight_bytes(self, bucket_elems: int) -> int:
+        """Pooled bytes of a bucket's reduction while in flight, besides the bucket's
+        own rows and result (none here)."""
+        return 0
+
+    def staging_bytes(self, bucket_elems: int, elem_bytes: int) -> int:
+        """Pooled bytes one start() uses only while it runs (none here)."""
+        return 0
+
     def start(self, rows: torch.Tensor, out: torch.Tensor, partition: Partition, phase: str,
-              async_op: bool = True):
+              async_op: bool = True, pool: BufferPool | None = None):
+        """`pool`: where a reduction takes its transient buffers (none here)."""
         if partition.size == 1:
             out.copy_(rows[0])
             return Work(result=out)
@@ -107,7 +119,10 @@ class GradientReducer:
     correctness. A bucket is launched once all its gradients are in and every
     earlier bucket has been launched; `finish()` launches the rest (zeros for
     gradients that never came) and accumulates the results. With `overlap`,
-    at most `max_inflight` buckets are in flight while backward goes on.
+    at most `max_inflight` buckets are in flight while backward goes on, and
+    each gradient that comes in lets the in-flight reductions progress (qgZ
+    starts its second hop as soon as the first is done, in bucket order).
+    Bucket buffers, and the reduction's own (qgZ's), come from `pool`.
 
     Scaling (DeepSpeed's semantics): gradients are multiplied by `pre` before
     the sum and the reduced shard by `post` (pre * post = 1 / N).
@@ -128,21 +143,14 @@ class GradientReducer:
         self.bucket_of = {s.index: b for b in self.buckets for s in b.shards}
         self.next_launch = 0
         self.inflight: list[_Bucket] = []
-        self._pool: dict[int, list[torch.Tensor]] = {}  # free bucket buffers by size
-        self.buffer_bytes = 0       # bytes of bucket buffers allocated now
-        self.peak_buffer_bytes = 0
+        self.pool = BufferPool(device)
 
     # -- buffers ------------------------------------------------------------------
     def _take(self, numel: int) -> torch.Tensor:
-        free = self._pool.get(numel)
-        if free:
-            return free.pop()
-        self.buffer_bytes += numel * torch.finfo(self.comm_dtype).bits // 8
-        self.peak_buffer_bytes = max(self.peak_buffer_bytes, self.buffer_bytes)
-        return torch.empty(numel, dtype=self.comm_dtype, device=self.device)
+        return self.pool.take(numel, self.comm_dtype)
 
     def _give(self, buf: torch.Tensor):
-        self._pool.setdefault(buf.numel(), []).append(buf)
+        self.pool.give(buf)
 
     # -- the backward side ------------------------------------------------------
     def add(self, s: ShardedParam, grad: torch.Tensor):
@@ -160,6 +168,7 @@ class GradientReducer:
                 b.rows.mul_(self.pre)
             b.filled.add(s.index)
             self._launch_ready()
+            self._progress()
             return
         if b.rows is None:
             b.rows = self._take(n * b.total).view(n, b.total)
@@ -170,6 +179,13 @@ class GradientReducer:
             cols.mul_(self.pre)
         b.filled.add(s.index)
         self._launch_ready()
+        self._progress()
+
+    def _progress(self):
+        """Let the reductions in flight advance, oldest first, without waiting."""
+        for b in self.inflight:
+            if not b.work.progress():
+                return
 
     def _launch_ready(self):
         while self.next_launch < len(self.buckets):
@@ -188,7 +204,8 @@ class GradientReducer:
                     off = b.offset[s.index]
                     b.rows[:, off:off + s.chunk].zero_()
         b.out = self._take(b.total)
-        b.work = self.reduce.start(b.rows, b.out, self.partition, "grad_reduce", async_op=self.overlap)
+        b.work = self.reduce.start(b.rows, b.out, self.partition, "grad_reduce", async_op=self.overlap,
+                                   pool=self.pool)
         self.next_launch += 1
         self.inflight.append(b)
         while len(self.inflight) > (self.max_inflight if self.overlap else 0):

@@ -90,7 +90,7 @@ class SecondaryPartition:
     def slice(self, s) -> torch.Tensor:
         return self._slices[s.index]
 
-    def start(self, weights: list, inp: torch.Tensor, phase: str, out: torch.Tensor | None) -> Work:
+    def start(self, weights: list, inp: torch.Tensor, phase: str, out: torch.Tensor, pool) -> Work:
         # In place of the world gather of the same weights, which is what ZeRO-3 would send.
         self.comm.charge_plain("all_gather", None, sum(s.chunk for s in weights) * inp.element_size())
         return self.gather.start(inp, self.partition, phase, out=out, plain=False)

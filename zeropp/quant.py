@@ -69,9 +69,6 @@ __all__ = [
     "triton_available",
 ]
 
-# 1.5 * 2**23: adding then subtracting it rounds an fp32 |y| < 2**22 to the nearest
-# integer, ties to even (same as torch.round).  The Triton kernels use the same trick.
-_RINT_MAGIC = 12582912.0
 
 
 _TRITON = None
@@ -106,60 +103,92 @@ def _pick_backend(backend: str, device: torch.device, block_size: int) -> str:
 
 
 # ---------------------------------------------------------------------------------------
-# torch reference implementation (works on padded [.., num_blocks, block_size] views)
+# torch reference implementation: whole blocks at a time, in chunks of about _CHUNK
+# elements, so temporaries stay small (a few hundred KB, in cache) whatever the tensor
 
-def _quantize_blocks(xb: torch.Tensor, bits: int):
-    """xb: fp32 [..., nb, bs] -> (q int8 [..., nb, bs] unpacked, scales fp32 [..., nb])."""
+_CHUNK = 1 << 16
+
+
+def _chunks(num_blocks_: int, block_size: int):
+    """(first block, last block + 1) of each chunk."""
+    step = max(1, _CHUNK // block_size)
+    for b0 in range(0, num_blocks_, step):
+        yield b0, min(num_blocks_, b0 + step)
+
+
+def _quantize_blocks(xb: torch.Tensor, bits: int, data_out: torch.Tensor, scales_out: torch.Tensor):
+    """xb: fp32 [nb, bs] -> the quantized blocks into `data_out` (int8 [nb * bs], or packed
+    uint8 [nb * bs / 2] for INT4) and `scales_out` (fp32 [nb])."""
     qmax = QMAX[bits]
-    amax = xb.abs().amax(dim=-1)  # propagates NaN
-    scales = amax / qmax
+    # max|x| without an |x| temporary (amax and amin propagate NaN; aminmax is slower on CPU)
+    scales = torch.maximum(xb.amax(dim=-1), xb.amin(dim=-1).neg_(), out=scales_out)
+    scales.div_(qmax)
     finite = torch.isfinite(scales)
     safe = torch.where((scales == 0) | ~finite, torch.ones_like(scales), scales)
-    y = (xb / safe.unsqueeze(-1)).clamp_(-qmax, qmax)
-    y.add_(_RINT_MAGIC).sub_(_RINT_MAGIC)  # == torch.round (ties to even) for |y| <= 127
+    y = torch.div(xb, safe.unsqueeze(-1))
+    # clamp guards subnormal scales; round is ties-to-even, as the Triton kernels' rint trick
+    y.clamp_(-qmax, qmax).round_()
     if not bool(finite.all()):  # non-finite block: data 0, the scale carries inf/nan
         y.masked_fill_(~finite.unsqueeze(-1), 0.0)
-    return y.to(torch.int8), scales
-
-
-def _pack4(q: torch.Tensor) -> torch.Tensor:
-    """int8 [..., 2m] in [-8, 7] -> uint8 [..., m], low nibble = even element."""
-    u = q.view(torch.uint8) & 0xF
-    return u[..., 0::2] | (u[..., 1::2] << 4)
+    if bits == 8:
+        data_out.copy_(y.view(-1))
+    else:  # two values per byte, low nibble = even element
+        q = y.view(-1).to(torch.int8)
+        torch.bitwise_or(q[0::2] & 0xF, q[1::2] << 4, out=data_out.view(torch.int8))
 
 
 def _unpack4(b: torch.Tensor) -> torch.Tensor:
-    """uint8 [..., m] -> int8 [..., 2m] (inverse of _pack4)."""
-    lo = (b & 0xF).to(torch.int8)
-    hi = (b >> 4).to(torch.int8)
-    q = torch.stack([lo, hi], dim=-1).flatten(-2)
-    return (q ^ 8) - 8  # 4-bit two's complement -> int8
+    """uint8 [..., m] -> int8 [..., 2m]: arithmetic shifts of the int8 view sign-extend
+    each nibble (4-bit two's complement)."""
+    out = torch.empty(*b.shape[:-1], b.shape[-1], 2, dtype=torch.int8, device=b.device)
+    torch.bitwise_right_shift((b << 4).view(torch.int8), 4, out=out[..., 0])
+    torch.bitwise_right_shift(b.view(torch.int8), 4, out=out[..., 1])
+    return out.flatten(-2)
 
 
-def _dequant_blocks(q: Quantized) -> torch.Tensor:
-    """-> fp32 [..., nb, bs] (padded)."""
-    nb, bs = q.num_blocks, q.block_size
+def _values(q: Quantized, b0: int, b1: int) -> torch.Tensor:
+    """int8 [..., b1 - b0, bs]: the quantized values of blocks [b0, b1), unpacked."""
+    bs = q.block_size
+    if q.bits == 8:
+        vals = q.data[..., b0 * bs:b1 * bs]
+    else:
+        vals = _unpack4(q.data[..., b0 * bs // 2:b1 * bs // 2])
+    return vals.reshape(*q.data.shape[:-1], b1 - b0, bs)
+
+
+def _write(out: torch.Tensor, lo: int, hi: int, blocks: torch.Tensor):
+    """Elements [lo, hi) of `out` ([..., numel]) from the fp32 `blocks` [..., nb, bs]."""
+    out[..., lo:hi].copy_(blocks.reshape(*blocks.shape[:-2], -1)[..., :hi - lo])
+
+
+def _dequant_into(q: Quantized, out: torch.Tensor):
+    """q * scale computed in fp32 and rounded once into `out` ([..., numel], any float
+    dtype): one multiply straight into `out` for whole blocks."""
+    bs, n = q.block_size, q.numel
     lead = q.data.shape[:-1]
-    vals = q.data if q.bits == 8 else _unpack4(q.data)
-    return vals.reshape(*lead, nb, bs).to(torch.float32) * q.scales.reshape(*lead, nb, 1)
-
-
-def _from_blocks_fp32(xb: torch.Tensor, numel: int, bits: int, block_size: int) -> Quantized:
-    qv, scales = _quantize_blocks(xb, bits)
-    data = qv.flatten()
-    if bits == 4:
-        data = _pack4(data)
-    return Quantized(data, scales, numel, bits, block_size)
+    for b0, b1 in _chunks(q.num_blocks, bs):
+        lo, hi = b0 * bs, min(b1 * bs, n)
+        vals, scales = _values(q, b0, b1), q.scales[..., b0:b1].unsqueeze(-1)
+        if hi - lo == (b1 - b0) * bs:
+            torch.mul(vals, scales, out=out[..., lo:hi].view(*lead, b1 - b0, bs))
+        else:   # the last, padded block
+            _write(out, lo, hi, torch.mul(vals, scales))
 
 
 def _torch_quantize(x: torch.Tensor, bits: int, block_size: int) -> Quantized:
-    n = x.numel()
-    nb = num_blocks(n, block_size)
-    xf = x.reshape(-1).to(torch.float32)
-    pad = nb * block_size - n
-    if pad:
-        xf = torch.nn.functional.pad(xf, (0, pad))
-    return _from_blocks_fp32(xf.view(nb, block_size), n, bits, block_size)
+    n, bs = x.numel(), block_size
+    nb = num_blocks(n, bs)
+    x = x.reshape(-1)
+    data = torch.empty(nb * bs * bits // 8, dtype=torch.int8 if bits == 8 else torch.uint8, device=x.device)
+    scales = torch.empty(nb, dtype=torch.float32, device=x.device)
+    per_byte = 8 // bits
+    for b0, b1 in _chunks(nb, bs):
+        lo, hi = b0 * bs, min(b1 * bs, n)
+        xf = x[lo:hi].to(torch.float32)
+        if hi - lo < (b1 - b0) * bs:
+            xf = torch.nn.functional.pad(xf, (0, (b1 - b0) * bs - (hi - lo)))
+        _quantize_blocks(xf.view(b1 - b0, bs), bits, data[lo // per_byte:b1 * bs // per_byte], scales[b0:b1])
+    return Quantized(data, scales, n, bits, bs)
 
 
 def _as_stacked(parts: Union[Quantized, Sequence[Quantized]]) -> Quantized:
@@ -170,14 +199,17 @@ def _as_stacked(parts: Union[Quantized, Sequence[Quantized]]) -> Quantized:
     return Quantized.stack(list(parts))
 
 
-def _torch_sum_parts(st: Quantized) -> torch.Tensor:
-    """fp32 [nb, bs] sum over the k parts, accumulated sequentially (part 0, then +1, ...),
-    the same order as the Triton kernel so that both give identical bits."""
-    deq = _dequant_blocks(st)
-    acc = deq[0].clone()
-    for i in range(1, deq.shape[0]):
-        acc.add_(deq[i])
-    return acc
+def _summed_chunks(st: Quantized):
+    """(b0, b1, fp32 [b1 - b0, bs]): the sum over the k parts of blocks [b0, b1),
+    accumulated sequentially (part 0, then +1, ...), each product rounded before the sum
+    (no fused multiply-add): the Triton kernel's order, so both give identical bits."""
+    for b0, b1 in _chunks(st.num_blocks, st.block_size):
+        vals, scales = _values(st, b0, b1), st.scales[:, b0:b1].unsqueeze(-1)
+        acc = torch.mul(vals[0], scales[0])
+        term = torch.empty_like(acc)
+        for i in range(1, len(st)):
+            acc.add_(torch.mul(vals[i], scales[i], out=term))
+        yield b0, b1, acc
 
 
 # ---------------------------------------------------------------------------------------
@@ -196,15 +228,21 @@ def quantize(x: torch.Tensor, bits: int = 8, block_size: Optional[int] = None,
     return _torch_quantize(x, bits, block_size)
 
 
-def dequantize(q: Quantized, dtype: torch.dtype = torch.float32, backend: str = "auto") -> torch.Tensor:
+def dequantize(q: Quantized, dtype: torch.dtype = torch.float32, backend: str = "auto",
+               out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Back to a flat ``dtype`` tensor of exactly ``q.numel`` elements (``[k, numel]`` if
-    ``q`` is stacked).  Computed in fp32 (``q * scale``), then cast."""
+    ``q`` is stacked).  Computed in fp32 (``q * scale``), then cast.  ``out``: a contiguous
+    tensor of that shape and ``dtype`` to write into (no new tensor)."""
+    if out is None:
+        out = torch.empty(*q.data.shape[:-1], q.numel, dtype=dtype, device=q.data.device)
+    elif out.dtype != dtype or out.shape != (*q.data.shape[:-1], q.numel) or not out.is_contiguous():
+        raise ValueError(f"dequantize: out must be contiguous {dtype} of shape "
+                         f"{(*q.data.shape[:-1], q.numel)}, got {out.dtype} {tuple(out.shape)}")
     if _pick_backend(backend, q.data.device, q.block_size) == "triton":
         from zeropp import quant_triton
-        return quant_triton.dequantize(q, dtype)
-    out = _dequant_blocks(q)
-    out = out.reshape(*q.data.shape[:-1], -1)[..., : q.numel]
-    return out.to(dtype)
+        return quant_triton.dequantize(q, dtype, out=out)
+    _dequant_into(q, out)
+    return out
 
 
 def dequantize_reduce_requantize(parts: Union[Quantized, Sequence[Quantized]], bits_out: int = 4,
@@ -221,21 +259,39 @@ def dequantize_reduce_requantize(parts: Union[Quantized, Sequence[Quantized]], b
     if _pick_backend(backend, st.data.device, st.block_size) == "triton" and block_size_out == st.block_size:
         from zeropp import quant_triton
         return quant_triton.dequantize_reduce_requantize(st, bits_out)
-    acc = _torch_sum_parts(st)
-    if block_size_out == st.block_size:
-        return _from_blocks_fp32(acc, st.numel, bits_out, block_size_out)
-    return _torch_quantize(acc.flatten()[: st.numel], bits_out, block_size_out)
+    bs = st.block_size
+    if block_size_out != bs:   # requantize the whole sum in the other block size
+        total = torch.empty(st.num_blocks * bs, dtype=torch.float32, device=st.data.device)
+        for b0, b1, acc in _summed_chunks(st):
+            total[b0 * bs:b1 * bs].copy_(acc.view(-1))
+        return _torch_quantize(total[:st.numel], bits_out, block_size_out)
+    data = torch.empty(st.num_blocks * bs * bits_out // 8, dtype=torch.int8 if bits_out == 8 else torch.uint8,
+                       device=st.data.device)
+    scales = torch.empty(st.num_blocks, dtype=torch.float32, device=st.data.device)
+    per_byte = 8 // bits_out
+    for b0, b1, acc in _summed_chunks(st):
+        _quantize_blocks(acc, bits_out, data[b0 * bs // per_byte:b1 * bs // per_byte], scales[b0:b1])
+    return Quantized(data, scales, st.numel, bits_out, bs)
 
 
 def dequantize_reduce(parts: Union[Quantized, Sequence[Quantized]], dtype: torch.dtype = torch.float32,
-                      scale: float = 1.0, backend: str = "auto") -> torch.Tensor:
+                      scale: float = 1.0, backend: str = "auto", out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """qgZ's last hop: dequantize k parts, sum in fp32 (part 0 first), multiply by ``scale``
-    (e.g. 1/world_size for averaging) in fp32, cast to ``dtype``.  Returns ``[numel]``."""
+    (e.g. 1/world_size for averaging) in fp32, cast to ``dtype``.  Returns ``[numel]``, in
+    ``out`` (contiguous, ``dtype``) when given."""
     st = _as_stacked(parts)
+    if out is None:
+        out = torch.empty(st.numel, dtype=dtype, device=st.data.device)
+    elif out.dtype != dtype or out.shape != (st.numel,) or not out.is_contiguous():
+        raise ValueError(f"dequantize_reduce: out must be contiguous {dtype} of shape ({st.numel},), "
+                         f"got {out.dtype} {tuple(out.shape)}")
     if _pick_backend(backend, st.data.device, st.block_size) == "triton":
         from zeropp import quant_triton
-        return quant_triton.dequantize_reduce(st, dtype, scale)
-    acc = _torch_sum_parts(st).flatten()[: st.numel]
-    if scale != 1.0:
-        acc = acc * torch.tensor(scale, dtype=torch.float32)
-    return acc.to(dtype)
+        return quant_triton.dequantize_reduce(st, dtype, scale, out=out)
+    factor = torch.tensor(scale, dtype=torch.float32)
+    bs = st.block_size
+    for b0, b1, acc in _summed_chunks(st):
+        if scale != 1.0:
+            acc.mul_(factor)
+        _write(out, b0 * bs, min(b1 * bs, st.numel), acc)
+    return out

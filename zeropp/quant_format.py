@@ -67,13 +67,16 @@ class Quantized:
         """Bytes of one (unstacked) tensor on the wire: scales then data."""
         return wire_nbytes(self.numel, self.bits, self.block_size)
 
-    def to_bytes(self) -> torch.Tensor:
+    def to_bytes(self, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """One uint8 buffer ``[nbytes]`` (``[k, nbytes]`` if stacked): fp32 scales first, then
-        data, so a single collective carries both.  Scales first keeps them 4-byte aligned."""
+        data, so a single collective carries both.  Scales first keeps them 4-byte aligned.
+        ``out``: a uint8 tensor of that shape to write into."""
         lead = self.data.shape[:-1]
         s = self.scales.contiguous().view(torch.uint8).reshape(*lead, -1)
         d = self.data.contiguous().view(torch.uint8).reshape(*lead, -1)
-        return torch.cat([s, d], dim=-1)
+        if out is None:
+            return torch.cat([s, d], dim=-1)
+        return torch.cat([s, d], dim=-1, out=out)
 
     @staticmethod
     def from_bytes(buf: torch.Tensor, numel: int, bits: int, block_size: Optional[int] = None) -> "Quantized":

@@ -173,9 +173,10 @@ def _stacked_args(st: Quantized):
     return data, scales
 
 
-def _reduce_out(st: Quantized, dtype: torch.dtype, factor: float) -> torch.Tensor:
+def _reduce_out(st: Quantized, dtype: torch.dtype, factor: float, out: torch.Tensor | None = None) -> torch.Tensor:
     data, scales = _stacked_args(st)
-    out = torch.empty(st.numel, dtype=dtype, device=data.device)
+    if out is None:
+        out = torch.empty(st.numel, dtype=dtype, device=data.device)
     nb, rows = st.num_blocks, _rows(st.block_size)
     _reduce_kernel[(triton.cdiv(nb, rows),)](data, scales, data.shape[0], data.stride(0), scales.stride(0),
                                              st.numel, nb, float(factor), out, scales,
@@ -184,14 +185,19 @@ def _reduce_out(st: Quantized, dtype: torch.dtype, factor: float) -> torch.Tenso
     return out
 
 
-def dequantize(q: Quantized, dtype: torch.dtype) -> torch.Tensor:
+def dequantize(q: Quantized, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`out`: contiguous, `dtype`, [numel] (or [k, numel] stacked); default a new tensor."""
     if q.stacked:
-        return torch.stack([_reduce_out(q[i], dtype, 1.0) for i in range(len(q))])
-    return _reduce_out(q, dtype, 1.0)
+        if out is None:
+            out = torch.empty(len(q), q.numel, dtype=dtype, device=q.data.device)
+        for i in range(len(q)):
+            _reduce_out(q[i], dtype, 1.0, out[i])
+        return out
+    return _reduce_out(q, dtype, 1.0, out)
 
 
-def dequantize_reduce(st: Quantized, dtype: torch.dtype, scale: float) -> torch.Tensor:
-    return _reduce_out(st, dtype, scale)
+def dequantize_reduce(st: Quantized, dtype: torch.dtype, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    return _reduce_out(st, dtype, scale, out)
 
 
 def dequantize_reduce_requantize(st: Quantized, bits_out: int) -> Quantized:

@@ -15,16 +15,30 @@
 Each charges the communicator's plain equivalent with the collective it
 replaces (parallel/comm.py), so a run reports what ZeRO-3 would have sent.
 Quantization runs in zeropp/quant.py: Triton kernels on CUDA, torch elsewhere.
+Wire buffers come from the caller's `BufferPool` (counted, reused) and go back
+to it once the collective is done; dequantization writes straight into the
+result.
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
 from parallel.comm import Work
+from zeropp.buffer_pool import BufferPool
 from zeropp.collectives import ShardGather, ShardReduce
 from zeropp.partition import Partition
 from zeropp.quant import (DEFAULT_BLOCK_SIZE, Quantized, dequantize, dequantize_reduce,
-                          dequantize_reduce_requantize, quantize)
+                          dequantize_reduce_requantize, quantize, wire_nbytes)
+
+
+def _wire(q: Quantized, pool: BufferPool) -> torch.Tensor:
+    """`q` as its wire bytes ([k, nbytes] if stacked), in a buffer taken from `pool`."""
+    lead = q.data.shape[:-1]
+    nbytes = wire_nbytes(q.numel, q.bits, q.block_size)
+    k = lead[0] if lead else 1
+    return q.to_bytes(out=pool.take(k * nbytes, torch.uint8).view(*lead, nbytes))
 
 
 class QuantizedShardGather(ShardGather):
@@ -35,25 +49,56 @@ class QuantizedShardGather(ShardGather):
         self.block_size = block_size
 
     def start(self, inp: torch.Tensor, partition: Partition, phase: str, async_op: bool = True,
-              out: torch.Tensor | None = None, plain: bool = True):
+              out: torch.Tensor | None = None, plain: bool = True, pool: BufferPool | None = None):
         n, total = partition.size, inp.numel()
         if out is None:
             out = torch.empty(n, total, dtype=inp.dtype, device=inp.device)
         if n == 1:
             out[0].copy_(inp)
             return Work(result=out)
-        send = quantize(inp, 8, self.block_size).to_bytes()
-        recv = torch.empty(n, send.numel(), dtype=torch.uint8, device=inp.device)
+        pool = pool or BufferPool(inp.device)
+        send = _wire(quantize(inp, 8, self.block_size), pool)
+        recv = pool.take(n * send.numel(), torch.uint8).view(n, send.numel())
         work = self.comm.all_gather(recv.view(-1), send, group=partition.group, async_op=async_op,
                                     phase=phase, plain=False)
         if plain:
             self.comm.charge_plain("all_gather", partition.group, total * inp.element_size())
 
         def finish():
-            rows = Quantized.from_bytes(recv, total, 8, self.block_size)
-            out.copy_(dequantize(rows, out.dtype).view(n, total))
+            dequantize(Quantized.from_bytes(recv, total, 8, self.block_size), out.dtype, out=out)
+            pool.give(send)
+            pool.give(recv)
             return out
         return Work(work, then=finish)
+
+
+class _TwoHops(Work):
+    """Two collectives in a row: `second()`, called once the first is done (by
+    progress() or wait()), starts the second, whose result is the result."""
+
+    def __init__(self, first: Work, second: Callable[[], Work]):
+        super().__init__()
+        self._first, self._start_second = first, second
+        self._second: Work | None = None
+
+    def _begin_second(self):
+        self._first.wait()
+        self._second = self._start_second()
+
+    def progress(self) -> bool:
+        if self._second is None:
+            if not self._first.is_completed():
+                return False
+            self._begin_second()
+        return self._second.is_completed()
+
+    def is_completed(self) -> bool:
+        return self._second is not None and self._second.is_completed()
+
+    def wait(self):
+        if self._second is None:
+            self._begin_second()
+        return self._second.wait()
 
 
 class HierarchicalQuantizedReduce(ShardReduce):
@@ -72,6 +117,8 @@ class HierarchicalQuantizedReduce(ShardReduce):
        the rank on node a.
     5. Dequantize and sum the N contributions in fp32: this rank's row.
     One node: step 2 then 5. One rank per node: step 1, 4 and 5.
+    Asynchronously, steps 3-4 run as soon as step 2 is done (`progress()`,
+    which the gradient reducer calls as gradients come in), step 5 in wait().
     """
 
     def __init__(self, comm, block_size: int = DEFAULT_BLOCK_SIZE[4]):
@@ -81,44 +128,69 @@ class HierarchicalQuantizedReduce(ShardReduce):
         self.nodes, self.local = topo.num_nodes, topo.ranks_per_node
         self.intra_group, self.inter_group = topo.intra_node_group, topo.inter_node_group
 
+    def _padded(self, bucket_elems: int) -> int:
+        return bucket_elems + self.block_size * self.nodes * self.local   # each row to whole blocks
+
+    def inflight_bytes(self, bucket_elems: int) -> int:
+        # the INT4 wire of the first hop, sent and received (the second hop's is 1/L of it)
+        return 2 * wire_nbytes(self._padded(bucket_elems), 4, self.block_size)
+
+    def staging_bytes(self, bucket_elems: int, elem_bytes: int) -> int:
+        return self._padded(bucket_elems) * elem_bytes   # the reordered slots
+
     def start(self, rows: torch.Tensor, out: torch.Tensor, partition: Partition, phase: str,
-              async_op: bool = True):
+              async_op: bool = True, pool: BufferPool | None = None):
         nodes, local, bs = self.nodes, self.local, self.block_size
         world, total = rows.shape
-        if partition.group is not None or world != nodes * local:
+        if world != nodes * local:
             raise ValueError("qgZ reduces over the whole world, laid out as nodes x ranks per node")
+        pool = pool or BufferPool(rows.device)
         padded = -(-total // bs) * bs
         self.comm.charge_plain("reduce_scatter", None, total * rows.element_size())
         # 1. slot b*N + a <- row a*L + b, padded to whole blocks
-        slots = rows.new_zeros(local, nodes, padded)
+        slots = pool.take(local * nodes * padded, rows.dtype).view(local, nodes, padded)
         slots[:, :, :total].copy_(rows.view(nodes, local, total).transpose(0, 1))
+        slots[:, :, total:].zero_()
         q = quantize(slots.view(-1), 4, bs)
+        pool.give(slots)
         per_dest = Quantized(q.data.view(local, -1), q.scales.view(local, -1), nodes * padded, 4, bs)
         if local == 1:
-            return self._inter_hop(per_dest[0], out, total, padded, phase)
-        send = per_dest.to_bytes()
-        recv = torch.empty_like(send)
+            return self._inter_hop(per_dest[0], out, total, padded, phase, async_op, pool)
+        send = _wire(per_dest, pool)
+        recv = pool.take(send.numel(), torch.uint8).view_as(send)
         # 2. inside the node
-        work = self.comm.all_to_all(recv.view(-1), send.view(-1), group=self.intra_group,
-                                    async_op=async_op, phase=phase, plain=False)
+        first = self.comm.all_to_all(recv.view(-1), send.view(-1), group=self.intra_group,
+                                     async_op=async_op, phase=phase, plain=False)
 
-        def finish():
-            parts = Quantized.from_bytes(recv, nodes * padded, 4, bs)
-            if nodes == 1:  # 5. the node's sum is the result
-                out.copy_(dequantize_reduce(parts, out.dtype)[:total])
+        if nodes == 1:  # 5. the node's sum is the result (padding blocks: same wire size)
+            def finish():
+                dequantize_reduce(Quantized.from_bytes(recv, total, 4, bs), out.dtype, out=out)
+                pool.give(send)
+                pool.give(recv)
                 return out
-            # 3. the node's partial sums for the N owners of my local index
-            return self._inter_hop(dequantize_reduce_requantize(parts, 4, bs), out, total, padded,
-                                   phase).wait()
-        return Work(work, then=finish)
+            return Work(first, then=finish)
 
-    def _inter_hop(self, partial: Quantized, out: torch.Tensor, total: int, padded: int, phase: str):
+        def second() -> Work:  # 3-4, once the first hop is done
+            partial = dequantize_reduce_requantize(Quantized.from_bytes(recv, nodes * padded, 4, bs), 4, bs)
+            pool.give(send)
+            pool.give(recv)
+            return self._inter_hop(partial, out, total, padded, phase, async_op, pool)
+
+        return _TwoHops(first, second)
+
+    def _inter_hop(self, partial: Quantized, out: torch.Tensor, total: int, padded: int, phase: str,
+                   async_op: bool, pool: BufferPool) -> Work:
         """4-5: `partial` holds N rows of `padded` elements, row a for node a."""
         nodes, bs = self.nodes, self.block_size
         rows = Quantized(partial.data.view(nodes, -1), partial.scales.view(nodes, -1), padded, 4, bs)
-        send = rows.to_bytes()
-        recv = torch.empty_like(send)
-        self.comm.all_to_all(recv.view(-1), send.view(-1), group=self.inter_group, phase=phase,
-                             plain=False)
-        out.copy_(dequantize_reduce(Quantized.from_bytes(recv, padded, 4, bs), out.dtype)[:total])
-        return Work(result=out)
+        send = _wire(rows, pool)
+        recv = pool.take(send.numel(), torch.uint8).view_as(send)
+        work = self.comm.all_to_all(recv.view(-1), send.view(-1), group=self.inter_group, phase=phase,
+                                    async_op=async_op, plain=False)
+
+        def finish():  # rows of `total` have the wire size of `padded`: the padding is whole blocks
+            dequantize_reduce(Quantized.from_bytes(recv, total, 4, bs), out.dtype, out=out)
+            pool.give(send)
+            pool.give(recv)
+            return out
+        return Work(work, then=finish)

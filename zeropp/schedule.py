@@ -124,13 +124,17 @@ def without(order: list[list[int]], held: set[int]) -> list[list[int]]:
 
 
 def reuse_set(forward_events: list[list[int]] | None, backward_events: list[list[int]] | None,
-              numels: Sequence[int], max_reuse_distance: int, max_live: int) -> set[int]:
+              numels: Sequence[int], max_reuse_distance: int, max_live: int,
+              first_backward_elems: int = 0) -> set[int]:
     """Weights to hold from forward to backward: in last step's order, the
     elements of weights used between a weight's forward use and its backward
     use are at most `max_reuse_distance` (nearest first, within `max_live`
-    elements). Backward's order comes from the forward, so it is the same on
-    every rank."""
-    if not forward_events or not backward_events or max_reuse_distance == 0:
+    elements; 0 holds nothing). Also, whatever the distance, the weights backward gathers first,
+    within `first_backward_elems` (its first prefetch bucket): backward would
+    gather them again the moment forward ends, as DeepSpeed's prefetcher, whose
+    trace runs on from forward into backward, keeps them. Backward's order comes
+    from the forward, so it is the same on every rank."""
+    if not forward_events or not backward_events:
         return set()
 
     def size(event):
@@ -144,8 +148,12 @@ def reuse_set(forward_events: list[list[int]] | None, backward_events: list[list
     hold, held_elems, used_after_in_forward = set(), 0, 0
     for event in reversed(forward_events):
         for i in event:
-            distance = used_after_in_forward + used_before_in_backward.get(i, max_reuse_distance + 1)
-            if distance <= max_reuse_distance and held_elems + numels[i] <= max_live:
+            before = used_before_in_backward.get(i)
+            if before is None:
+                continue
+            near = max_reuse_distance > 0 and used_after_in_forward + before <= max_reuse_distance
+            first = before + numels[i] <= first_backward_elems
+            if (near or first) and held_elems + numels[i] <= max_live:
                 hold.add(i)
                 held_elems += numels[i]
         used_after_in_forward += size(event)

@@ -57,9 +57,12 @@ class ShardedEngineBase(Engine):
                                               [s.master for s in owned if not s.decay])
 
         pre, post = config.gradient_scale_factors(self.world)
+        # The same layout over a group of its own (parallel/topology.py: gradient_group).
+        reduce_partition = Partition(group=topo.gradient_group, size=self.world, rank=self.rank)
         self.reducer = GradientReducer(
-            self.reduce, self.shards, self.partition, self.zero.reduce_bucket_size,
+            self.reduce, self.shards, reduce_partition, self.zero.reduce_bucket_size,
             communication_dtype(config), device, self.zero.overlap, pre=pre, post=post)
+        self.reducer.pool.budget = self._gradient_buffers_bound()
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._grad_hook)
 
@@ -210,9 +213,15 @@ class ShardedEngineBase(Engine):
 
     def peak_buffers(self) -> dict:
         """Measured peaks during steps, next to the configured bounds (bytes)."""
+        return {"gradient_buckets_peak": self.reducer.pool.peak_bytes,
+                "gradient_buckets_bound": self._gradient_buffers_bound()}
+
+    def _gradient_buffers_bound(self) -> int:
         r = self.reducer
         b = torch.finfo(r.comm_dtype).bits // 8
         largest = max([s.chunk * self.world for s in self.shards], default=0)
-        # the bucket being filled plus those in flight, each [N, c] rows and a [c] result
-        bound = (r.max_inflight + 1) * max(self.zero.reduce_bucket_size, largest) * (1 + 1 / self.world) * b
-        return {"gradient_buckets_peak": r.peak_buffer_bytes, "gradient_buckets_bound": int(bound)}
+        bucket = max(self.zero.reduce_bucket_size, largest)
+        # the bucket being filled plus those in flight, each [N, c] rows, a [c] result and
+        # the reduction's own buffers (qgZ's wire), plus its staging of one bucket at a time
+        per_bucket = bucket * (1 + 1 / self.world) * b + self.reduce.inflight_bytes(bucket)
+        return int((r.max_inflight + 1) * per_bucket + self.reduce.staging_bytes(bucket, b))

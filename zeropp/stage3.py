@@ -49,6 +49,7 @@ import contextlib
 
 import torch
 
+from zeropp.buffer_pool import BufferPool
 from zeropp.collectives import ShardReduce
 from zeropp.hpz import SecondaryPartition
 from zeropp.partition import Partition
@@ -68,6 +69,7 @@ class Stage3Engine(ShardedEngineBase):
         zero = config.zero_optimization
         self._persist_threshold = zero.stage3_param_persistence_threshold
         self.gathered = GatheredWeights()
+        self.gather_pool = BufferPool(device)   # gather inputs, rows and qwZ's wire buffers
         self._phase: str | None = None
         self._key: tuple | None = None
         self._recorder = TraceRecorder()              # this phase's record
@@ -89,6 +91,7 @@ class Stage3Engine(ShardedEngineBase):
         self.secondary_partition: SecondaryPartition | None = None
         super().__init__(module, config, comm, device, optim, gradient_accumulation_steps, param_init)
         self._install_hooks(module)
+        self.gather_pool.budget = self._gather_buffers_bound()
 
     def _gradient_reduce(self) -> ShardReduce:
         if self.zero.zero_quantized_gradients:
@@ -152,15 +155,15 @@ class Stage3Engine(ShardedEngineBase):
             return
         phase = "backward_gather" if self._phase == "backward" else "forward_gather"
         if self._exact_primary is not None and not self.module.training:
-            BucketGather(todo, self._exact_primary, phase)
+            BucketGather(todo, self._exact_primary, phase, self.gather_pool)
             return
         sec = self.secondary_partition
         primary = [s for s in todo if sec is None or not sec.holds(s)]
         secondary = [s for s in todo if sec is not None and sec.holds(s)]
         if primary:
-            BucketGather(primary, self.primary, phase)
+            BucketGather(primary, self.primary, phase, self.gather_pool)
         if secondary:
-            BucketGather(secondary, sec, phase)
+            BucketGather(secondary, sec, phase, self.gather_pool)
 
     def _issue_next(self, sched: GatherSchedule):
         self._issue([self.shards[i] for i in sched.buckets[sched.issued]])
@@ -238,7 +241,8 @@ class Stage3Engine(ShardedEngineBase):
 
     def _reuse_set(self) -> set[int]:
         return reuse_set(self._traces.get(("forward", True, True)), self._last_backward_events, self._numels(),
-                         self.zero.stage3_max_reuse_distance, self.zero.stage3_max_live_parameters)
+                         self.zero.stage3_max_reuse_distance, self.zero.stage3_max_live_parameters,
+                         first_backward_elems=self.zero.stage3_prefetch_bucket_size)
 
     # -- module hooks ---------------------------------------------------------------
     def _pre_forward(self, module, args):
@@ -328,7 +332,25 @@ class Stage3Engine(ShardedEngineBase):
     def peak_buffers(self) -> dict:
         b = self._placeholder.element_size()
         return {**super().peak_buffers(), "gathered_weights_peak": self.gathered.peak_bytes,
-                "gathered_weights_bound": self.zero.stage3_max_live_parameters * b}
+                "gathered_weights_bound": self.zero.stage3_max_live_parameters * b,
+                "gather_buffers_peak": self.gather_pool.peak_bytes,
+                "gather_buffers_bound": self._gather_buffers_bound()}
+
+    def _gather_buffers_bound(self) -> int:
+        """Gathers in flight at once: the bucket requested, those prefetched (at most
+        the prefetch bucket) and a weight read outside its module, each bucket at most
+        max(prefetch bucket, the largest module's weights). Per gathered element: the
+        [N, total] rows and the input when not adjacent (compute dtype); with qwZ the
+        INT8 wire, received (1 + 4/block bytes) and sent (1/N of that)."""
+        zero, n, b = self.zero, self.world, self._placeholder.element_size()
+        largest_module = max((sum(s.chunk for s in ws) * n for ws in self._mod_weights.values()), default=0)
+        largest_weight = max((s.chunk * n for s in self.shards if not s.persistent), default=0)
+        bucket = max(zero.stage3_prefetch_bucket_size, largest_module)
+        elems = zero.stage3_prefetch_bucket_size + bucket + largest_weight
+        per_elem = b * (1 + 1 / n)
+        if self._weight_gather is not None:
+            per_elem += (1 + 4 / zero.zero_quantized_weights_block_size) * (1 + 1 / n)
+        return int(elems * per_elem) + 4096
 
 
 class _SavedWeightView:

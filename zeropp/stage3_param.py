@@ -28,6 +28,7 @@ import enum
 import torch
 
 from parallel.comm import Work
+from zeropp.buffer_pool import BufferPool
 from zeropp.collectives import ShardGather
 from zeropp.hpz import SecondaryPartition, SecondarySlice, secondary_slice
 from zeropp.init import replace_data
@@ -163,8 +164,8 @@ class PrimaryWeights:
     def slice(self, s: Stage3Param) -> torch.Tensor:
         return s.shard
 
-    def start(self, weights, inp: torch.Tensor, phase: str, out: torch.Tensor | None) -> Work:
-        return self.gather.start(inp, self.partition, phase, out=out)
+    def start(self, weights, inp: torch.Tensor, phase: str, out: torch.Tensor, pool: BufferPool) -> Work:
+        return self.gather.start(inp, self.partition, phase, out=out, pool=pool)
 
     def arrived(self, s: Stage3Param, full: torch.Tensor):
         if self.secondary is not None:
@@ -173,25 +174,34 @@ class PrimaryWeights:
 
 class BucketGather:
     """One all-gather bringing RELEASED weights from `source` (PrimaryWeights
-    or SecondaryPartition); they are GATHERING until `wait()`."""
+    or SecondaryPartition); they are GATHERING until `wait()`. Its input (when
+    the slices are not adjacent) and its [N, total] rows come from `pool` and
+    go back once the weights are out of them."""
 
-    def __init__(self, weights: list[Stage3Param], source, phase: str):
-        self.weights, self.source = weights, source
+    def __init__(self, weights: list[Stage3Param], source, phase: str, pool: BufferPool):
+        self.weights, self.source, self.pool = weights, source, pool
         n = source.partition.size
         for s in weights:
             s._start_gather(self)
         chunks = [source.chunk(s) for s in weights]
         slices = [source.slice(s) for s in weights]
         flat = source.flat
+        total = sum(chunks)
+        self._taken = []
         if all(b.data_ptr() == a.data_ptr() + c * flat.element_size()
                for a, b, c in zip(slices, slices[1:], chunks)):   # adjacent in the flat buffer
-            inp = flat.as_strided((sum(chunks),), (1,), slices[0].storage_offset())
+            inp = flat.as_strided((total,), (1,), slices[0].storage_offset())
         else:
-            inp = torch.cat(slices)
+            inp = torch.cat(slices, out=pool.take(total, flat.dtype))
+            self._taken.append(inp)
         # One unpadded weight is gathered straight into its own storage.
         first = weights[0]
-        out = first.full.view(n, chunks[0]) if len(weights) == 1 and first.numel == chunks[0] * n else None
-        self._work = source.start(weights, inp, phase, out)
+        if len(weights) == 1 and first.numel == chunks[0] * n:
+            out = first.full.view(n, chunks[0])
+        else:
+            out = pool.take(n * total, flat.dtype).view(n, total)
+            self._taken.append(out)
+        self._work = source.start(weights, inp, phase, out, pool)
         self._done = False
 
     def wait(self):
@@ -205,3 +215,5 @@ class BucketGather:
             s._arrive(rows[:, off:off + c].reshape(-1)[:s.numel])
             self.source.arrived(s, s.full)
             off += c
+        for t in self._taken:
+            self.pool.give(t)
