@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """ZeRO-3 vs ZeRO++ (and FSDP2, DeepSpeed) over an emulated slow inter-node link.
 
-    sudo .venv/bin/python -m bench.slow_link                    # full sweep, bf16 (~25 min on 2 cores)
+    sudo .venv/bin/python -m bench.slow_link                    # full sweep, bf16 (~15-20 min on 2 quiet cores)
     sudo .venv/bin/python -m bench.slow_link --dtype fp32 --out bench/results/slow_link_fp32.json
     sudo .venv/bin/python -m bench.slow_link --quick            # smoke test: 2 rates, 2 systems
     sudo .venv/bin/python -m bench.slow_link --rates 200,0 --systems zero3-reuse0,zeropp,auto --steps 8 --profile

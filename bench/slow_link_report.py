@@ -81,6 +81,7 @@ def plot(rows, systems, rates, path, cfg):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import LogLocator, ScalarFormatter
 
     from bench.zero_systems import LABELS
     derive(rows)
@@ -106,6 +107,8 @@ def plot(rows, systems, rates, path, cfg):
     ax.set_xticklabels([rate_name(t) if t != unlimited_x or 0 not in rates else "unlimited\n(veth)"
                         for t in ticks])
     ax.minorticks_off()
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(ScalarFormatter())
     ax.set_xlabel("inter-node link rate (tc tbf, each direction)")
     ax.set_ylabel("median step time, ms (log)")
     ax.set_title(f"GPT {cfg['num_layers']} layers, hidden {cfg['hidden']}, seq {cfg['seq']} "
