@@ -65,7 +65,11 @@ def test_link_time_bound_and_goals():
     rows = [row("zero3-reuse0", 0, 200, 15), row("zero3-reuse0", 200, 650, 15),
             row("zeropp", 0, 210, 3), row("zeropp", 200, 300, 3),
             row("auto", 0, 205, 15), row("auto", 200, 310, 3)]
+    rows[-1]["auto"] = [{"switches": {"zero_quantized_weights": True, "zero_hpz_partition_size": 2,
+                                      "zero_quantized_gradients": True}}]
     by = derive(rows)
+    assert by[("auto", 200)]["compute_from"] == "zeropp" and by[("auto", 200)]["compute_ms"] == 210
+    assert by[("auto", 0)]["compute_ms"] == 205  # unthrottled: its own step
     z = by[("zero3-reuse0", 200)]
     assert z["link_time_ms"] == pytest.approx((15e6 + 500 - 500) * 8 / 200e6 * 1000)  # overhead/2 out
     assert z["bound_ms"] == pytest.approx(600) and z["step_over_bound"] == pytest.approx(650 / 600)
