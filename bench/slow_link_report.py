@@ -138,6 +138,9 @@ def markdown(report, rows, systems, rates, ref="zero3-reuse0"):
             cells.append("-" if x is None else f"{x['samples_per_s']:.2f}"
                          + (f" ({x['samples_per_s'] / b['samples_per_s']:.2f}x)" if b else ""))
         xs = [by[(s, r)] for r in rates if (s, r) in by]
+        if s == "auto":  # its switches, hence its bytes, change with the rate
+            lines.append("| " + " | ".join(cells + ["per rate, below"] * 2) + " |")
+            continue
         cells.append(f"{statistics.mean(x['link_bytes_per_step'] for x in xs) / 1e6:.2f}" if xs else "-")
         cells.append(f"{statistics.mean(x['counted_inter_bytes_per_step'] for x in xs) / 1e6:.2f}"
                      + ("" if not xs or xs[0]["counted_source"] == "Communicator" else " (intercepted)")
@@ -197,12 +200,13 @@ def explain(report, rows, rates, ours="zeropp", ref="zero3-reuse0"):
     cfg = report["config"]
     if cfg.get("dtype") == "bf16":
         out.append(f"- Every system trains in bf16 (ours: `bf16.enabled`; FSDP2: MixedPrecisionPolicy(param_dtype="
-                   f"bf16, reduce_dtype=bf16); DeepSpeed: `bf16.enabled`), as in the paper's 16-bit regime. The "
-                   f"machine measured has no native bf16 matmul (torch.ops.mkldnn._is_mkldnn_bf16_supported() is "
-                   f"False; a bf16 forward+backward is ~5x an fp32 one), hence the short sequence ({cfg['seq']} "
-                   f"tokens, micro-batch {cfg['micro_batch']}) that keeps the step communication-heavy.")
+                   f"bf16, reduce_dtype=bf16); DeepSpeed: `bf16.enabled`), as in the paper's 16-bit regime, on "
+                   f"{report['versions'].get('cpu_model') or 'an unrecorded CPU'} (torch CPU capability "
+                   f"{report['versions'].get('cpu_capability') or 'unrecorded'}; without AMX a bf16 forward+backward "
+                   f"is ~5x an fp32 one), with a short sequence ({cfg['seq']} tokens, micro-batch "
+                   f"{cfg['micro_batch']}) that keeps the step communication-heavy.")
     qg = [r["veth_over_counted"] for r in ok if r["system"] in ("zeropp", "zeropp-qgz") and r.get("veth_over_counted")]
-    rs = [r["veth_over_counted"] for r in ok if r["system"] not in ("zeropp", "zeropp-qgz")
+    rs = [r["veth_over_counted"] for r in ok if r["system"] not in ("zeropp", "zeropp-qgz", "auto")
           and r.get("veth_over_counted")]
     tv = [r["tbf_bytes_over_veth"] for r in ok if r.get("tbf_bytes_over_veth")]
     if qg and rs:
