@@ -2,13 +2,16 @@
 "auto", resolved on every rank by planner.auto.resolve (it times a few collectives
 over the link, then lets the planner pick), at the link rate the row is timed at.
 
-Agreed signature (planner/auto.py, issue 17):
     resolve(ds_config: dict, cfg: model.GPTConfig, comm: parallel.comm.Communicator, device,
-            micro_batch: int, seq_length: int, accumulation: int = 1) -> tuple[dict, list[str]]
-returning the resolved ds_config dict and its log lines. If planner.auto does not
-import, the row is an error row that says so (no silent fallback to fixed switches).
+            micro_batch: int, seq_length: int, accumulation: int = 1)
+
+returns the resolved config and its log lines: as a tuple (dict, lines), or as planner.auto's
+Resolution (.config a zeropp.DeepSpeedConfig, .lines, .predicted); both are taken. If
+planner.auto does not import, the row is an error row that says so (no silent fallback).
 """
 from __future__ import annotations
+
+import dataclasses
 
 SWITCHES = ("zero_quantized_weights", "zero_hpz_partition_size", "zero_quantized_gradients")
 
@@ -27,15 +30,14 @@ def make_prepare(a: dict, cfg, info: dict):
         except Exception as e:  # noqa: BLE001 (any failure to import is the row's error)
             raise AutoUnavailable(f"auto: planner.auto does not import ({type(e).__name__}: {e})") from e
         res = resolve(raw, cfg, comm, torch.device("cpu"), a["micro_batch"], a["seq"], 1)
-        resolved, lines = res if isinstance(res, tuple) else (res.config, list(getattr(res, "log", [])))
-        if not isinstance(resolved, dict):  # a DeepSpeedConfig-like object: back to its dict
-            resolved = resolved.to_dict() if hasattr(resolved, "to_dict") else vars(resolved)
-        zero = resolved.get("zero_optimization", {})
+        resolved, lines = res if isinstance(res, tuple) else (res.config, res.lines)
+        zero = (resolved["zero_optimization"] if isinstance(resolved, dict)
+                else dataclasses.asdict(resolved.zero_optimization))
         left = [k for k in SWITCHES if zero.get(k) == "auto"]
         if left:
             raise AutoUnavailable(f"auto: planner.auto.resolve left {', '.join(left)} = auto")
         info.update(log=[str(x) for x in lines], switches={k: zero.get(k) for k in SWITCHES},
-                    zero_optimization=zero)
+                    zero_optimization=zero, predicted_s=getattr(res, "predicted", None))
         return resolved
     return prepare
 

@@ -168,9 +168,9 @@ def setup_ours(a, system, world, prepare=None):
     if bf16(a):
         raw["bf16"] = {"enabled": True}
     comm = Communicator(topology_from_env())
-    if prepare is not None:  # e.g. resolve "auto" switches (bench/slow_link_auto.py)
+    if prepare is not None:  # e.g. resolve "auto" switches (bench/slow_link_auto.py): dict or config
         raw = prepare(raw, comm)
-    ds = zeropp.DeepSpeedConfig.from_dict(raw)
+    ds = raw if isinstance(raw, zeropp.DeepSpeedConfig) else zeropp.DeepSpeedConfig.from_dict(raw)
     model = make_model(a, meta=True)  # no memory until the engine materializes its shards
     engine = zeropp.initialize(model, ds, comm, torch.device("cpu"),
                                zeropp.OptimizerSettings(type="adamw", lr=OPTIM["lr"], betas=OPTIM["betas"],

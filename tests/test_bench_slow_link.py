@@ -48,6 +48,25 @@ def test_auto_resolves_through_planner_auto(monkeypatch):
     assert chosen({"zero_quantized_weights": False, "zero_hpz_partition_size": 1}) == "none (ZeRO-3)"
 
 
+def test_auto_takes_a_resolution_object(monkeypatch):
+    """planner.auto's Resolution: .config a DeepSpeedConfig, .lines, .predicted."""
+    import zeropp
+
+    def resolve(ds_config, cfg, comm, device, micro_batch, seq_length, accumulation=1):
+        zero = {**ds_config["zero_optimization"], "zero_quantized_weights": False,
+                "zero_hpz_partition_size": 2, "zero_quantized_gradients": True}
+        ds = zeropp.DeepSpeedConfig.from_dict({**ds_config, "zero_optimization": zero})
+        return types.SimpleNamespace(config=ds, lines=["chose hpZ+qgZ"], predicted={"hpZ+qgZ": 0.3})
+
+    monkeypatch.setitem(sys.modules, "planner.auto", types.SimpleNamespace(resolve=resolve))
+    info = {}
+    raw = {"zero_optimization": zero_section("auto", {**A, "bucket_fraction": 8})}
+    out = make_prepare(A, "CFG", info)(raw, "COMM")
+    assert isinstance(out, zeropp.DeepSpeedConfig)
+    assert chosen(info["switches"]) == "hpZ+qgZ" and info["predicted_s"] == {"hpZ+qgZ": 0.3}
+    assert info["zero_optimization"]["reduce_bucket_size"] == num_params(A) // 8
+
+
 def test_auto_without_planner_auto_is_an_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "planner.auto", None)  # import fails
     with pytest.raises(AutoUnavailable, match="planner.auto does not import"):
