@@ -162,6 +162,11 @@ def goals(rows, rates, labels, rate_name):
                    + ", ".join(f"{b['value']:.2f}x at {rate_name(r)} (best {labels.get(b['best_fixed'], b['best_fixed'])})"
                                for r, b in best.items())
                    + f" (goal >= {AUTO_OVER_BEST_MIN} at every rate): {verdict(ok)}")
+    for r in rates:  # what auto chose, its last log line (the choice, predicted), next to the measured step
+        x = by.get((AUTO, r))
+        for seg in (x or {}).get("auto") or []:
+            last = (seg.get("log") or ["(no log)"])[-1].lstrip("> ")
+            out.append(f"auto at {rate_name(r)}: {last}; measured {x['step_ms_median']:.0f} ms (median of the row)")
     return out, res
 
 

@@ -266,7 +266,8 @@ def render(report, out: Path, png: Path | None = None):
     title2 = ("Bytes over the link per step (both directions): veth counters (timed steps, barriers and idle "
               "traffic taken out) vs the counted inter-node bytes (ring model, summed over ranks)")
     title0 = ("Per system and rate: link = veth bytes of the busier direction per step / rate; compute = the "
-              "system's unthrottled step; bound = max(compute, link); exposed = step - compute")
+              "system's unthrottled step (auto: the fixed row it chose); bound = max(compute, link); exposed = step - "
+              "compute")
     text = "\n".join([head, "", title0, t0, ""] + goal_lines + ["", title1, t1, "", title2, t2]
                      + (["", "Blocked in Work.wait() per step, ms, by phase (--profile; mean/max over ranks)",
                          fmt_table(*waits)] if waits else [])
