@@ -1,9 +1,18 @@
 #!/usr/bin/env python
 """ZeRO-3 vs ZeRO++ (and FSDP2, DeepSpeed) over an emulated slow inter-node link.
 
-    sudo .venv/bin/python -m bench.slow_link                    # full sweep (~12-15 min on 2 cores)
-    sudo .venv/bin/python -m bench.slow_link --quick            # smoke test: 1 rate, 2 systems
-    sudo .venv/bin/python -m bench.slow_link --rates 200 --systems zero3-reuse0,zeropp --steps 8
+    sudo .venv/bin/python -m bench.slow_link                    # full sweep, bf16 (~15-20 min on 2 quiet cores)
+    sudo .venv/bin/python -m bench.slow_link --dtype fp32 --out bench/results/slow_link_fp32.json
+    sudo .venv/bin/python -m bench.slow_link --quick            # smoke test: 2 rates, 2 systems
+    sudo .venv/bin/python -m bench.slow_link --rates 200,0 --systems zero3-reuse0,zeropp,auto --steps 8 --profile
+
+Buckets: our rows and DeepSpeed's get stage3_prefetch_bucket_size = reduce_bucket_size =
+parameters // --bucket-fraction (default 8) and stage3_max_reuse_distance 0; FSDP2's unit
+is one transformer block (fully_shard per block, then the root). Per (system, rate) the
+table gives the link time (veth bytes of the busier direction / rate), the bound
+max(unthrottled step, link time), step / bound and the exposed communication, and under
+it issue 17's goals with PASS/FAIL (bench/slow_link_goals.py). "auto" is resolved by
+planner.auto.resolve at every rate (bench/slow_link_auto.py).
 
 Two network namespaces, nodeA and nodeB (two "nodes"), joined by a veth pair
 vA <-> vB (192.0.2.1 / 192.0.2.2, a documentation range that exists only inside the
@@ -34,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import importlib.util
 import json
 import os
 import platform
@@ -48,21 +58,32 @@ from pathlib import Path
 
 from bench import RESULTS, ROOT
 from bench.netns import RANKS_PER_NODE, TBF_LATENCY, netns_down, netns_up, tbf_burst
+from bench.slow_link_auto import chosen
 from bench.slow_link_report import mb, rate_name, render
 from bench.slow_link_sweep import run_system, segment, summarize
 
 DEFAULT_RATES = [100, 200, 1000, 0]  # Mbit/s; 0 = no qdisc (the veth's own speed)
-DEFAULT_SYSTEMS = ["zero3-reuse0", "zeropp-qwz", "zeropp-hpz", "zeropp-qgz", "zeropp", "fsdp2",
+DEFAULT_SYSTEMS = ["zero3-reuse0", "zeropp-qwz", "zeropp-hpz", "zeropp-qgz", "zeropp", "auto", "fsdp2",
                    "fsdp2-hpz", "deepspeed-z3-reuse0", "deepspeed-z3-hpz"]
 QUICK_SYSTEMS = ["zero3-reuse0", "zeropp"]
 
 
+def cpu_model() -> str | None:
+    """lscpu's "Model name"."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except Exception:
+        return None
+    return next((l.split(":", 1)[1].strip() for l in out.splitlines() if l.startswith("Model name")), None)
+
+
 def versions():
     v = {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
-         "kernel": platform.release()}
+         "kernel": platform.release(), "cpu_model": cpu_model()}
     try:
         import torch
         v["torch"] = torch.__version__
+        v["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
     except Exception:
         pass
     try:
@@ -104,10 +125,16 @@ def main(argv=None):
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--bucket-fraction", type=int, default=8,
+                   help="prefetch and reduce buckets = parameters // this (ours, DeepSpeed); FSDP2: one block")
+    p.add_argument("--profile", action="store_true",
+                   help="ours: per phase, ms per step each rank was blocked in Work.wait() "
+                        "(Communicator.wait_seconds, where the engine has it)")
     p.add_argument("--timeout", type=float, default=240, help="seconds per (system, rate) before it is an error")
     p.add_argument("--setup-timeout", type=float, default=240,
                    help="seconds for a system's ranks to start and build it")
-    p.add_argument("--quick", action="store_true", help="smoke test: one rate (200), two systems, 4 steps")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke test: rates 200,0, ZeRO-3 and ZeRO++, 1 warm-up + 3 steps, 1 pass")
     p.add_argument("--out", default=None, help=f"results JSON (also .md, .png beside it); default "
                    f"{RESULTS / 'slow_link.json'}, with --quick a temporary file")
     p.add_argument("--plot", default=None, help="default: --out with .png")
@@ -133,14 +160,16 @@ def main(argv=None):
         LABELS,
         SLOW_LINK_SYSTEMS,
         ZEROPP,
+        make_model,
         num_params,
         zero_section,
     )
+    block_params = lambda a: sum(p.numel() for p in make_model(a, meta=True).blocks[0].parameters())
     rates = [int(r) for r in args.rates.split(",") if r.strip()]
     systems = [s for s in args.systems.split(",") if s]
     if args.quick:
-        rates, systems = [200], QUICK_SYSTEMS
-        args.steps, args.warmup, args.repeats = 4, 2, 1
+        rates, systems = [200, 0], QUICK_SYSTEMS
+        args.steps, args.warmup, args.repeats = 3, 1, 1
     for s in systems:
         if s not in SLOW_LINK_SYSTEMS:
             p.error(f"unknown system {s!r}; choose from {', '.join(SLOW_LINK_SYSTEMS)}")
@@ -150,6 +179,8 @@ def main(argv=None):
         systems = [s for s in systems if s not in DEEPSPEED]
     if any(s in DEEPSPEED for s in systems):
         notes.append("DeepSpeed's qwZ and qgZ need CUDA (its quantizer kernels); only its hpZ runs on CPU")
+    if "auto" in systems and importlib.util.find_spec("planner.auto") is None:
+        notes.append("auto: planner.auto is not in this tree; its rows are errors")
     if not zeropp_in_build():
         dropped = [s for s in systems if s in ZEROPP and not s.startswith("deepspeed")]
         if dropped:
@@ -158,16 +189,22 @@ def main(argv=None):
 
     a = {"num_layers": args.num_layers, "hidden": args.hidden, "heads": args.heads, "vocab": args.vocab,
          "seq": args.seq, "micro_batch": args.micro_batch, "warmup": args.warmup, "steps": args.steps,
-         "seed": args.seed, "dtype": args.dtype, "ranks_per_node": RANKS_PER_NODE, "repeats": args.repeats}
+         "seed": args.seed, "dtype": args.dtype, "ranks_per_node": RANKS_PER_NODE, "repeats": args.repeats,
+         "bucket_fraction": args.bucket_fraction, "profile": args.profile}
     psi = num_params(a)
     elt = 2 if args.dtype == "bf16" else 4
+    block = block_params(a)
+    ver = versions()
     head = (f"GPT {a['num_layers']} layers, hidden {a['hidden']}, {a['heads']} heads, vocab {a['vocab']}, seq "
             f"{a['seq']}: {psi:,} parameters ({psi * elt / 1e6:.2f} MB in {args.dtype}); micro-batch "
             f"{a['micro_batch']} per rank, 2 nodes x {RANKS_PER_NODE} ranks (global batch "
             f"{2 * RANKS_PER_NODE * a['micro_batch']}); {a['repeats']} pass(es) over the systems (then in reverse "
             f"order), each (system, rate) {a['warmup']} warm-up + {a['steps']} timed steps per pass, median over "
             f"the pooled timed steps; "
-            f"{args.dtype}, AdamW; gloo on CPU, 1 thread per rank, {os.cpu_count()} cores")
+            f"{args.dtype}, AdamW; gloo on CPU, 1 thread per rank, {os.cpu_count()} cores ({ver.get('cpu_model')}, "
+            f"torch CPU capability {ver.get('cpu_capability')}). Buckets: ours and DeepSpeed prefetch = reduce = "
+            f"{psi // args.bucket_fraction:,} elements (1/{args.bucket_fraction} of the model), reuse distance 0; "
+            f"FSDP2: one transformer block ({block:,} parameters, 1/{psi / block:.1f} of the model)")
     print(head, flush=True)
     for n in notes:
         print("NOTE: " + n, flush=True)
@@ -200,9 +237,10 @@ def main(argv=None):
                           f"{run['error'].strip().splitlines()[-1][:200]}", flush=True)
                 else:
                     sg = segment(run, a)
+                    auto = f", auto -> {chosen(sg['auto'].get('switches'))}" if sg["auto"] else ""
                     print(f"  [{rate_name(rate)}] {1000 * statistics.median(sg['times']):.0f} ms/step; link "
                           f"{mb((sg['tx_a'] + sg['tx_b'] - sg['overhead']) / sg['n'])} MB/step "
-                          f"({run['wall_s']:.0f} s, load {sg['loadavg']:.1f})", flush=True)
+                          f"({run['wall_s']:.0f} s, load {sg['loadavg']:.1f}{auto})", flush=True)
 
             t_sys = time.monotonic()
             run_system(s, order, a, port, args.setup_timeout, args.timeout, logdir, on_rate=on_rate)
@@ -221,10 +259,12 @@ def main(argv=None):
                          "schedule": [[i, sname, order] for i, sname, order in schedule],
                          "head": head,
                          "tbf": {"latency": TBF_LATENCY, "burst_bytes": {r: tbf_burst(r) for r in rates if r}},
+                         "buckets": {"ours_and_deepspeed_elements": psi // args.bucket_fraction,
+                                     "fsdp2": f"one transformer block ({block} parameters), then the root"},
                          "zero_optimization": {s: zero_section(s, a) for s in systems
                                                if not s.startswith("fsdp")},
                          "labels": {s: LABELS.get(s, s) for s in systems}},
-              "versions": versions(), "notes": notes,
+              "versions": ver, "notes": notes,
               "command": " ".join([sys.executable, "-m", "bench.slow_link"] + (argv or sys.argv[1:])),
               "loadavg_1min_before_after": [load_before[0], load_after[0]],
               "results": rows, "logs": str(logdir), "wall_s": time.monotonic() - t_start}

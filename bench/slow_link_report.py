@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from bench.netns import IF, RANKS_PER_NODE
+from bench.slow_link_goals import derive, goals, row_table, wait_table
 from bench.slow_link_sweep import analyse
 
 
@@ -24,6 +25,11 @@ def fmt_table(hdr, lines):
     out = [" | ".join(h.ljust(wd) for h, wd in zip(hdr, widths)), "-+-".join("-" * wd for wd in widths)]
     out += [" | ".join(c.ljust(wd) for c, wd in zip(l, widths)) for l in lines]
     return "\n".join(out)
+
+
+def md_table(hdr, lines):
+    return "\n".join(["| " + " | ".join(hdr) + " |", "|" + "---|" * len(hdr)]
+                     + ["| " + " | ".join(c.replace("|", "/") for c in l) + " |" for l in lines])
 
 
 def tables(rows, systems, rates, ref="zero3-reuse0"):
@@ -70,36 +76,48 @@ def tables(rows, systems, rates, ref="zero3-reuse0"):
 
 
 def plot(rows, systems, rates, path, cfg):
+    """Median step time against the link rate per system; its bound max(compute, link
+    time) as a dashed line of the same colour."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import LogLocator, ScalarFormatter
 
     from bench.zero_systems import LABELS
+    derive(rows)
     finite = [r for r in rates if r]
     unlimited_x = (max(finite) * 4) if finite else 1000
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(9, 5.5))
     for s in systems:
-        pts = sorted((r or unlimited_x, x["samples_per_s"]) for x in rows
-                     if x["system"] == s and not x.get("error") for r in [x["rate_mbit"]] if r in rates)
-        if not pts:
+        mine = sorted(((x["rate_mbit"] or unlimited_x), x) for x in rows
+                      if x["system"] == s and not x.get("error") and x["rate_mbit"] in rates)
+        if not mine:
             continue
-        style = "-" if s.startswith("zero") else ("--" if s.startswith("fsdp") else ":")
-        lw = 2.8 if s in ("zeropp", "zero3-reuse0") else 1.4
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", lw=lw, label=LABELS.get(s, s))
+        marker = "o" if s.startswith("zero") or s == "auto" else ("s" if s.startswith("fsdp") else "^")
+        lw = 2.6 if s in ("zeropp", "zero3-reuse0", "auto") else 1.3
+        (line,) = ax.plot([p for p, _ in mine], [x["step_ms_median"] for _, x in mine], "-", marker=marker, lw=lw,
+                          label=LABELS.get(s, s))
+        bound = [(p, x["bound_ms"]) for p, x in mine if x.get("bound_ms")]
+        if bound:
+            ax.plot([p for p, _ in bound], [b for _, b in bound], "--", lw=1, color=line.get_color(), alpha=0.7)
     ax.set_xscale("log")
+    ax.set_yscale("log")
     ticks = sorted(set(finite)) + ([unlimited_x] if 0 in rates else [])
     ax.set_xticks(ticks)
     ax.set_xticklabels([rate_name(t) if t != unlimited_x or 0 not in rates else "unlimited\n(veth)"
                         for t in ticks])
     ax.minorticks_off()
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(ScalarFormatter())
     ax.set_xlabel("inter-node link rate (tc tbf, each direction)")
-    ax.set_ylabel("throughput (samples/s, 4 ranks)")
+    ax.set_ylabel("median step time, ms (log)")
     ax.set_title(f"GPT {cfg['num_layers']} layers, hidden {cfg['hidden']}, seq {cfg['seq']} "
-                 f"({cfg['params'] / 1e6:.2f} M parameters), {cfg['dtype']}, micro-batch {cfg['micro_batch']}/rank\n"
-                 f"2 nodes x {cfg['ranks_per_node']} ranks (netns + veth, tc tbf), gloo on CPU; median step time",
-                 fontsize=9)
+                 f"({cfg['params'] / 1e6:.2f} M parameters), {cfg['dtype']}, micro-batch {cfg['micro_batch']}/rank, "
+                 f"buckets 1/{cfg.get('bucket_fraction', '?')} of the model\n"
+                 f"2 nodes x {cfg['ranks_per_node']} ranks (netns + veth, tc tbf), gloo on CPU; dashed: the "
+                 f"system's bound max(unthrottled step, link time)", fontsize=9)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -120,6 +138,9 @@ def markdown(report, rows, systems, rates, ref="zero3-reuse0"):
             cells.append("-" if x is None else f"{x['samples_per_s']:.2f}"
                          + (f" ({x['samples_per_s'] / b['samples_per_s']:.2f}x)" if b else ""))
         xs = [by[(s, r)] for r in rates if (s, r) in by]
+        if s == "auto":  # its switches, hence its bytes, change with the rate
+            lines.append("| " + " | ".join(cells + ["per rate, below"] * 2) + " |")
+            continue
         cells.append(f"{statistics.mean(x['link_bytes_per_step'] for x in xs) / 1e6:.2f}" if xs else "-")
         cells.append(f"{statistics.mean(x['counted_inter_bytes_per_step'] for x in xs) / 1e6:.2f}"
                      + ("" if not xs or xs[0]["counted_source"] == "Communicator" else " (intercepted)")
@@ -132,7 +153,10 @@ def markdown(report, rows, systems, rates, ref="zero3-reuse0"):
             f"passes over the systems, the second in reverse order, each {a['warmup']} warm-up + {a['steps']} "
             f"timed steps per rate). "
             f"`{report['command'].replace(sys.executable, '.venv/bin/python')}`")
-    return head + "\n\n" + "\n".join(lines) + "\n\n" + "\n".join(explain(report, rows, rates)) + "\n"
+    rt = md_table(*row_table(rows, systems, rates, LABELS, rate_name))
+    gl = goals(rows, rates, LABELS, rate_name)[0]
+    return (head + "\n\n" + "\n".join(lines) + "\n\n" + rt + "\n\n" + "\n".join("- " + g for g in gl)
+            + "\n\n" + "\n".join(explain(report, rows, rates)) + "\n")
 
 
 def explain(report, rows, rates, ours="zeropp", ref="zero3-reuse0"):
@@ -176,12 +200,13 @@ def explain(report, rows, rates, ours="zeropp", ref="zero3-reuse0"):
     cfg = report["config"]
     if cfg.get("dtype") == "bf16":
         out.append(f"- Every system trains in bf16 (ours: `bf16.enabled`; FSDP2: MixedPrecisionPolicy(param_dtype="
-                   f"bf16, reduce_dtype=bf16); DeepSpeed: `bf16.enabled`), as in the paper's 16-bit regime. The "
-                   f"machine measured has no native bf16 matmul (torch.ops.mkldnn._is_mkldnn_bf16_supported() is "
-                   f"False; a bf16 forward+backward is ~5x an fp32 one), hence the short sequence ({cfg['seq']} "
-                   f"tokens, micro-batch {cfg['micro_batch']}) that keeps the step communication-heavy.")
+                   f"bf16, reduce_dtype=bf16); DeepSpeed: `bf16.enabled`), as in the paper's 16-bit regime, on "
+                   f"{report['versions'].get('cpu_model') or 'an unrecorded CPU'} (torch CPU capability "
+                   f"{report['versions'].get('cpu_capability') or 'unrecorded'}; without AMX a bf16 forward+backward "
+                   f"is ~5x an fp32 one), with a short sequence ({cfg['seq']} tokens, micro-batch "
+                   f"{cfg['micro_batch']}) that keeps the step communication-heavy.")
     qg = [r["veth_over_counted"] for r in ok if r["system"] in ("zeropp", "zeropp-qgz") and r.get("veth_over_counted")]
-    rs = [r["veth_over_counted"] for r in ok if r["system"] not in ("zeropp", "zeropp-qgz")
+    rs = [r["veth_over_counted"] for r in ok if r["system"] not in ("zeropp", "zeropp-qgz", "auto")
           and r.get("veth_over_counted")]
     tv = [r["tbf_bytes_over_veth"] for r in ok if r.get("tbf_bytes_over_veth")]
     if qg and rs:
@@ -232,11 +257,21 @@ def render(report, out: Path, png: Path | None = None):
         if not r.get("error") and r.get("rate_mbit") and r.get("qdisc"):
             q = r["qdisc"]
             r["tbf_bytes_over_veth"] = (sum(q[i]["bytes"] for i in IF) / r["whole_rate_link_bytes"][-1])
+    from bench.zero_systems import LABELS
     t1, t2, errors = tables(rows, systems, rates)
+    t0 = fmt_table(*row_table(rows, systems, rates, LABELS, rate_name))
+    goal_lines, goal_res = goals(rows, rates, LABELS, rate_name)
+    waits = wait_table(rows, LABELS, rate_name)
     title1 = "Throughput, samples/s (median step ms, x ours ZeRO-3 reuse-0 at the same rate)"
     title2 = ("Bytes over the link per step (both directions): veth counters (timed steps, barriers and idle "
               "traffic taken out) vs the counted inter-node bytes (ring model, summed over ranks)")
-    text = "\n".join([head, "", title1, t1, "", title2, t2] + (["", "Errors:"] + errors if errors else [])
+    title0 = ("Per system and rate: link = veth bytes of the busier direction per step / rate; compute = the "
+              "system's unthrottled step (auto: the fixed row it chose); bound = max(compute, link); exposed = step - "
+              "compute")
+    text = "\n".join([head, "", title0, t0, ""] + goal_lines + ["", title1, t1, "", title2, t2]
+                     + (["", "Blocked in Work.wait() per step, ms, by phase (--profile; mean/max over ranks)",
+                         fmt_table(*waits)] if waits else [])
+                     + (["", "Errors:"] + errors if errors else [])
                      + ([""] + ["NOTE: " + n for n in notes] if notes else []))
     ratio = {}
     by = {(r["system"], r["rate_mbit"]): r for r in rows if not r.get("error")}
@@ -267,7 +302,7 @@ def render(report, out: Path, png: Path | None = None):
         text += (f"\nLoad average (1 min) before/after: {lb[0]:.1f} / {lb[1]:.1f} on {report['versions'].get('cpus')} "
                  f"cores; total {report.get('wall_s', 0):.0f} s")
     print("\n" + text, flush=True)
-    report.update(zeropp_over_zero3=ratio, analysis=ana, table=text)
+    report.update(zeropp_over_zero3=ratio, analysis=ana, goals=goal_res, table=text)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1, default=str))
     md = out.with_suffix(".md")

@@ -142,6 +142,7 @@ def segment(run, a):
             "counted_calls_rank0": pr[0]["counted"]["calls"] if pr[0].get("counted") else None,
             "peak_rss_mb": max(x["peak_rss_mb"] for x in pr), "build_s": max(x["build_s"] for x in pr),
             "loadavg": pr[0]["loadavg"], "whole_rate_link_bytes": run["whole_rate_link_bytes"],
+            "auto": pr[0].get("auto"), "waits": [x.get("wait_seconds") for x in pr],
             "qdisc": run["qdisc"], "wall_s": run["wall_s"]}
 
 
@@ -172,6 +173,8 @@ def summarize(system, rate, runs, a):
                peak_rss_mb=max(sg["peak_rss_mb"] for sg in segs),
                link_bytes_per_step_raw=raw / n, link_bytes_per_step=(raw - tot("overhead")) / n,
                link_tx_per_step={"A->B": tot("tx_a") / n, "B->A": tot("tx_b") / n},
+               # the busier direction, barriers and idle traffic taken out (half of them each way)
+               link_busier_bytes_per_step=(max(tot("tx_a"), tot("tx_b")) - tot("overhead") / 2) / n,
                link_crosscheck_rx={"A->B seen at vB": tot("rx_b") / n, "B->A seen at vA": tot("rx_a") / n},
                barrier_link_bytes=statistics.mean(sg["barrier"] for sg in segs),
                idle_link_bytes_per_s=statistics.mean(sg["idle"] for sg in segs),
@@ -192,6 +195,16 @@ def summarize(system, rate, runs, a):
     else:
         row["counted_inter_bytes_per_step"] = row["intercepted_inter_bytes_per_step"]
         row["counted_source"] = "torch.distributed wrappers"
+    if any(sg["auto"] for sg in segs):  # what planner.auto chose in each segment, and why
+        row["auto"] = [sg["auto"] for sg in segs]
+    waits = [(sg["waits"], sg["n"]) for sg in segs if all(w is not None for w in sg["waits"])]
+    if waits:  # --profile: ms per step blocked in Work.wait(), by phase, mean and max over ranks
+        phases = sorted({k for ws, _ in waits for w in ws for k in w})
+        steps = sum(m for _, m in waits)
+        per_rank = [[sum(ws[r].get(k, 0.0) for ws, _ in waits) * 1000 / steps for r in range(len(waits[0][0]))]
+                    for k in phases]
+        row["wait_ms_per_step_by_phase"] = {k: {"mean": sum(v) / len(v), "max": max(v)}
+                                            for k, v in zip(phases, per_rank)}
     c = row["counted_inter_bytes_per_step"]
     row["veth_over_counted"] = row["link_bytes_per_step"] / c if c else None
     if row["counted_source"] == "Communicator":  # no collective bypassed or was miscounted

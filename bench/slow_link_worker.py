@@ -11,10 +11,16 @@ veth's byte counters (/proc/net/dev, which is per network namespace) when the ti
 start and end, each time between two barriers, so that no rank is sending while the
 counters are read. After each rate it measures what one barrier and an idle half second
 put on the link, so the driver can take them out.
+
+"auto" (bench/slow_link_auto.py) is built again at every rate, after the rate is set:
+its probe must see the link it is timed on. With a["profile"], our rows record per
+phase the seconds each rank's main thread spent blocked in Work.wait() over the timed
+steps (Communicator.wait_seconds, where the engine has it; None where not).
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -57,7 +63,8 @@ def main():
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)
-    from bench.zero_systems import COUNTER, DEEPSPEED, build_system, timed_loop
+    from bench.slow_link_auto import make_prepare
+    from bench.zero_systems import COUNTER, DEEPSPEED, build_system, model_config, timed_loop
     idx = -1
     try:
         COUNTER.install()  # before DeepSpeed binds torch.distributed functions
@@ -66,9 +73,16 @@ def main():
             os.environ["DS_ACCELERATOR"] = "cpu"
         else:  # DeepSpeed joins through deepspeed.init_distributed
             dist.init_process_group("gloo")
-        t_build = time.monotonic()
-        sysd = build_system(rank, world, args.system, a)
-        t_build = time.monotonic() - t_build
+        per_rate = args.system == "auto"
+        auto_info, sysd = {}, None
+
+        def build():
+            t = time.monotonic()
+            prepare = make_prepare(a, model_config(a), auto_info) if per_rate else None
+            return build_system(rank, world, args.system, a, prepare=prepare), time.monotonic() - t
+
+        if not per_rate:
+            sysd, t_build = build()
         for idx, rate in enumerate(rates):
             dist.barrier()
             if rank == 0:  # the driver sets the link's rate while every rank waits here
@@ -80,12 +94,19 @@ def main():
                                            f"{args.handshake_timeout:.0f} s")
                     time.sleep(0.05)
             dist.barrier()
-            link = {}
+            if per_rate:
+                sysd = None
+                gc.collect()
+                sysd, t_build = build()
+            link, waits = {}, {}
+            comm = sysd.get("comm")
 
-            def hook(event, link=link):
+            def hook(event, link=link, waits=waits, comm=comm):
                 dist.barrier()
                 if local_rank == 0:
                     link[event] = read_dev(args.ifname)
+                if a.get("profile") and comm is not None:
+                    waits[event] = dict(getattr(comm, "wait_seconds", None) or {})
                 dist.barrier()
 
             res = timed_loop(rank, world, sysd, a, hook=hook)
@@ -103,8 +124,11 @@ def main():
                 calib = {"barrier_bytes": (c1["tx_bytes"] + c1["rx_bytes"] - c0["tx_bytes"] - c0["rx_bytes"]) / nb,
                          "idle_bytes_per_s": (c2["tx_bytes"] + c2["rx_bytes"] - c1["tx_bytes"] - c1["rx_bytes"])
                          / (c2["t"] - c1["t"])}
+            if a.get("profile") and comm is not None and hasattr(comm, "wait_seconds"):
+                res["wait_seconds"] = {k: v - waits["start"].get(k, 0.0) for k, v in waits["end"].items()}
             res.update(ok=True, rank=rank, local_rank=local_rank, ifname=args.ifname, rate_mbit=rate,
-                       link=link, calib=calib, build_s=t_build, loadavg=os.getloadavg()[0])
+                       link=link, calib=calib, build_s=t_build, loadavg=os.getloadavg()[0],
+                       auto=dict(auto_info) if per_rate else None)
             (out_dir / f"rate{idx}_rank{rank}.json").write_text(json.dumps(res, default=str))
         dist.barrier()
         ok = True

@@ -18,17 +18,18 @@ from bench.dist_counter import COUNTER
 
 # ZeRO++ rows (bench/slow_link.py): our reuse-0 ZeRO-3 plus one or all of qwZ, hpZ, qgZ.
 # hpZ's partition size is the number of ranks per node (a["ranks_per_node"]).
+# "auto": all three "auto", resolved by build_system(prepare=...) (bench/slow_link_auto.py).
 ZEROPP = {"zeropp-qwz": ("qwz",), "zeropp-hpz": ("hpz",), "zeropp-qgz": ("qgz",),
-          "zeropp": ("qwz", "hpz", "qgz"), "deepspeed-z3-hpz": ("hpz",)}
+          "zeropp": ("qwz", "hpz", "qgz"), "deepspeed-z3-hpz": ("hpz",), "auto": ("auto",)}
 OURS = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "zero3-reuse0": 3,
-        "zeropp-qwz": 3, "zeropp-hpz": 3, "zeropp-qgz": 3, "zeropp": 3}
+        "zeropp-qwz": 3, "zeropp-hpz": 3, "zeropp-qgz": 3, "zeropp": 3, "auto": 3}
 DEEPSPEED = {"deepspeed-z1": 1, "deepspeed-z2": 2, "deepspeed-z3": 3, "deepspeed-z3-reuse0": 3,
              "deepspeed-z3-hpz": 3}
 FSDP2 = ("fsdp2", "fsdp2-hpz")
 # bench/zero_bench.py's systems (one node); the ZeRO++ rows need several nodes: SLOW_LINK_SYSTEMS.
 ALL_SYSTEMS = ["ddp", "zero1", "zero2", "zero3", "zero3-reuse0", "fsdp2", "deepspeed-z1", "deepspeed-z2",
                "deepspeed-z3", "deepspeed-z3-reuse0"]
-SLOW_LINK_SYSTEMS = ["zero3-reuse0", "zeropp-qwz", "zeropp-hpz", "zeropp-qgz", "zeropp", "fsdp2",
+SLOW_LINK_SYSTEMS = ["zero3-reuse0", "zeropp-qwz", "zeropp-hpz", "zeropp-qgz", "zeropp", "auto", "fsdp2",
                      "fsdp2-hpz", "deepspeed-z3-reuse0", "deepspeed-z3-hpz"]
 DEFAULT_SYSTEMS = ["ddp", "zero1", "zero2", "zero3", "zero3-reuse0", "fsdp2", "deepspeed-z3"]
 WORLD1_SYSTEMS = ["plain", "ddp", "zero3"]
@@ -39,14 +40,14 @@ LABELS = {"ddp": "ours stage 0 (DDPEngine)", "zero1": "ours ZeRO-1", "zero2": "o
           "deepspeed-z3-reuse0": "DeepSpeed ZeRO-3 (reuse 0)", "plain": "plain PyTorch loop",
           "zeropp-qwz": "ours ZeRO-3 + qwZ", "zeropp-hpz": "ours ZeRO-3 + hpZ",
           "zeropp-qgz": "ours ZeRO-3 + qgZ", "zeropp": "ours ZeRO++ (qwZ+hpZ+qgZ)",
-          "fsdp2-hpz": "PyTorch FSDP2 (reshard to node)",
+          "auto": "ours ZeRO++ auto (planner.auto)", "fsdp2-hpz": "PyTorch FSDP2 (reshard to node)",
           "deepspeed-z3-hpz": "DeepSpeed ZeRO-3 + hpZ (reuse 0)"}
 PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's default stage3_param_persistence_threshold (1e5)
-# The "reuse 0" rows: weights are released after their forward use and gathered again in
-# backward (stage3_max_reuse_distance 0), with a prefetch bucket of this fraction of the
-# model's elements, as a model larger than its prefetch bucket behaves.
+# The "reuse 0" rows: weights released after their forward use, gathered again in backward
+# (stage3_max_reuse_distance 0), prefetch bucket 1/REUSE0_PREFETCH_FRACTION of the model's
+# elements; a["bucket_fraction"] (bench/slow_link.py): prefetch and reduce buckets 1/that.
 REUSE0 = ("zero3-reuse0", "deepspeed-z3-reuse0", "zeropp-qwz", "zeropp-hpz", "zeropp-qgz", "zeropp",
-          "deepspeed-z3-hpz")
+          "deepspeed-z3-hpz", "auto")
 REUSE0_PREFETCH_FRACTION = 4
 OPTIM = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
 
@@ -73,8 +74,13 @@ def zero_section(system: str, a) -> dict:
         zero["stage3_param_persistence_threshold"] = PERSISTENCE_THRESHOLD
     if system in REUSE0:
         zero["stage3_max_reuse_distance"] = 0
-        zero["stage3_prefetch_bucket_size"] = num_params(a) // REUSE0_PREFETCH_FRACTION
+        fraction = a.get("bucket_fraction")
+        zero["stage3_prefetch_bucket_size"] = num_params(a) // (fraction or REUSE0_PREFETCH_FRACTION)
+        if fraction:
+            zero["reduce_bucket_size"] = num_params(a) // fraction
     switches = ZEROPP.get(system, ())
+    if "auto" in switches:
+        zero.update(zero_quantized_weights="auto", zero_hpz_partition_size="auto", zero_quantized_gradients="auto")
     if "qwz" in switches:
         zero["zero_quantized_weights"] = True
     if "hpz" in switches:
@@ -153,15 +159,17 @@ def local_bytes(tensors):
 # --------------------------------------------------------------------------------------
 # Systems: each returns (fwd_bwd(x, y) -> loss, opt_step(), mem() -> dict|None, stats())
 # --------------------------------------------------------------------------------------
-def setup_ours(a, system, world):
+def setup_ours(a, system, world, prepare=None):
     import zeropp
     from parallel.comm import Communicator
     from parallel.topology import topology_from_env
     raw = {"zero_optimization": zero_section(system, a)}
     if bf16(a):
         raw["bf16"] = {"enabled": True}
-    ds = zeropp.DeepSpeedConfig.from_dict(raw)
     comm = Communicator(topology_from_env())
+    if prepare is not None:  # e.g. resolve "auto" switches (bench/slow_link_auto.py): dict or config
+        raw = prepare(raw, comm)
+    ds = raw if isinstance(raw, zeropp.DeepSpeedConfig) else zeropp.DeepSpeedConfig.from_dict(raw)
     model = make_model(a, meta=True)  # no memory until the engine materializes its shards
     engine = zeropp.initialize(model, ds, comm, torch.device("cpu"),
                                zeropp.OptimizerSettings(type="adamw", lr=OPTIM["lr"], betas=OPTIM["betas"],
@@ -194,7 +202,7 @@ def setup_ours(a, system, world):
                 "calls_by_phase": dict(s.calls)}
 
     return dict(fwd_bwd=fwd_bwd, opt_step=engine.step, mem=mem, reset=reset, counted=counted,
-                counted_source="Communicator")
+                counted_source="Communicator", comm=comm)
 
 
 def torch_loop(model):
@@ -225,14 +233,11 @@ def setup_plain(a, world):
 
 
 def setup_fsdp2(a, world, system="fsdp2"):
-    """Each transformer block, then the root, resharded after forward (all-gathered
-    again in backward). `reshard_after_forward=True` is FSDP2's default for non-root
-    modules; we pass it to the root too (its default there keeps wte/wpe/ln_f gathered
-    from forward to backward), so that every weight is re-gathered, as in our reuse-0 row.
-    "fsdp2-hpz": reshard_after_forward = ranks per node (an int): after forward each rank
-    keeps a 1/L shard of the gathered weights, and backward gathers inside the node only
-    (FSDP2's counterpart of hpZ). a["dtype"] == "bf16": MixedPrecisionPolicy(param_dtype=bf16,
-    reduce_dtype=bf16) over fp32 master weights."""
+    """fully_shard on each transformer block (FSDP2's unit: its "bucket"), then the root,
+    all with reshard_after_forward=True (the root's default would keep wte/wpe/ln_f from
+    forward to backward): every weight is re-gathered, as in our reuse-0 row. "fsdp2-hpz":
+    reshard_after_forward = ranks per node, backward gathers inside the node (its hpZ).
+    bf16: MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16) over fp32 masters."""
     from torch.distributed.fsdp import fully_shard
     kw = {}
     if bf16(a):
@@ -300,8 +305,9 @@ def setup_deepspeed(a, system, world):
 # --------------------------------------------------------------------------------------
 # One rank of one system.
 # --------------------------------------------------------------------------------------
-def build_system(rank, world, system, a):
-    """Set up `system` on this rank: its step functions (see the section above)."""
+def build_system(rank, world, system, a, prepare=None):
+    """Set up `system` on this rank: its step functions (see the section above).
+    `prepare(raw_config, comm) -> raw_config`, for ours: applied before the engine is built."""
     torch.set_num_threads(1)
     if system in DEEPSPEED:
         import deepspeed  # noqa: F401  (its import is not the system's memory)
@@ -309,7 +315,7 @@ def build_system(rank, world, system, a):
     if system in DEEPSPEED:
         sysd = setup_deepspeed(a, system, world)
     elif system in OURS:
-        sysd = setup_ours(a, system, world)
+        sysd = setup_ours(a, system, world, prepare)
     elif system in FSDP2:
         sysd = setup_fsdp2(a, world, system)
     elif system == "plain":
