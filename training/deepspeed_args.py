@@ -14,7 +14,7 @@ import os
 import warnings
 
 from common import ConfigError
-from zeropp.config import DeepSpeedConfig, OptimizerSettings, load_json
+from zeropp.config import AUTO, AUTO_KEYS, DeepSpeedConfig, OptimizerSettings, load_json
 
 
 _GIVEN = object()  # merge(): "take the flag's value if it was given"
@@ -41,6 +41,9 @@ def merge_deepspeed_config(args, explicit: set[str]) -> DeepSpeedConfig:
         setattr(obj, attr, value)
 
     merge("zero_stage", "zero_optimization.stage", zero, "stage")
+    if getattr(args, "zeropp", None) == AUTO:  # all three to "auto"; a per-technique flag below wins
+        for key in AUTO_KEYS:
+            merge("zeropp", f"zero_optimization.{key}", zero, key, value=AUTO)
     merge("zero_hpz_size", "zero_optimization.zero_hpz_partition_size", zero, "zero_hpz_partition_size")
     merge("zero_quantized_weights", "zero_optimization.zero_quantized_weights", zero, "zero_quantized_weights")
     merge("zero_quantized_gradients", "zero_optimization.zero_quantized_gradients", zero,
