@@ -43,6 +43,10 @@ def test_auto_keys_and_flag_parse(tmp_path):
     (tmp_path / "run.yaml").write_text("zeropp: auto\nzero-stage: 3\n")
     zero = parse_args(["--config", str(tmp_path / "run.yaml"), *BASE_ARGS]).ds_config.zero_optimization
     assert len(zero.auto_switches()) == 3
+    # the command line's --zeropp auto wins over the YAML's per-technique keys (the demo config's)
+    (tmp_path / "demo.yaml").write_text("zero-stage: 3\nzero-quantized-weights: true\nzero-hpz-size: 2\n")
+    zero = parse_args(["--config", str(tmp_path / "demo.yaml"), "--zeropp", "auto", *BASE_ARGS]).ds_config
+    assert len(zero.zero_optimization.auto_switches()) == 3
     # auto below stage 3 is not refused at parsing: resolve turns it off, saying so
     assert parse_args(["--zeropp", "auto", "--zero-stage", "2", *BASE_ARGS]).ds_config.zero_optimization.stage == 2
 
