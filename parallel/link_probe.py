@@ -75,6 +75,13 @@ def max_over_ranks(values: list[float], device: torch.device, timeout_s: float =
     return t.tolist()
 
 
+def start_together(device: torch.device, timeout_s: float = 30.0):
+    """Return on every rank at about the same moment (a one-float all-reduce), so that what each
+    rank times next runs while the others run it too, sharing the machine as training does."""
+    _run(lambda: dist.all_reduce(torch.zeros(1, device=device), async_op=True), timeout_s,
+         "start-up all-reduce")
+
+
 def probe_links(topology: Topology, device: torch.device = torch.device("cpu"),
                 timeout_s: float = 30.0) -> LinkMeasurement:
     """Measure the links (module docstring); a collective on every rank of the job."""
@@ -120,10 +127,9 @@ def _run(issue, timeout_s: float, what: str):
 class _Probe:
     def __init__(self, topology: Topology, device: torch.device, timeout_s: float):
         self.topology, self.device, self.timeout_s = topology, device, timeout_s
-        self.one = torch.zeros(1, device=device)
 
     def sync(self):
-        _run(lambda: dist.all_reduce(self.one, async_op=True), self.timeout_s, "start-up all-reduce")
+        start_together(self.device, self.timeout_s)
 
     def _timed_gather(self, group, members: int, nbytes: int, what: str) -> float:
         """One all-gather of `nbytes` per rank over `group`, timed from a common start; this rank's time."""
@@ -170,4 +176,4 @@ class _Probe:
         return charged(nbytes) / max(t - hop, t / 10), nbytes
 
 
-__all__ = ["LinkMeasurement", "LinkProbeError", "max_over_ranks", "probe_links"]
+__all__ = ["LinkMeasurement", "LinkProbeError", "max_over_ranks", "probe_links", "start_together"]

@@ -86,8 +86,8 @@ def resolve(ds_config: DeepSpeedConfig | dict, model_cfg: GPTConfig, comm, devic
               accumulation=accumulation)
     chosen, predicted, lines = choose(job, cluster)
     ds.zero_optimization = chosen
-    head = [f"> ZeRO++ auto: measured in {m.seconds:.2f} s on every rank (MAX over ranks): "
-            f"{m.links.summary()}", f"> ZeRO++ auto: {m.summary()}"]
+    head = [f"> ZeRO++ auto: measured on every rank in {m.seconds:.2f} s ({m.timing()}), the slowest rank's "
+            f"figures: {m.links.summary()}", f"> ZeRO++ auto: {m.summary()}"]
     return Resolution(ds, head + lines, predicted, m)
 
 
