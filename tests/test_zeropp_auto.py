@@ -3,6 +3,7 @@ planner's choice on synthetic measurements, and train.py --zeropp auto end to en
 import contextlib
 import io
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from tests.test_train import corpus, flags  # noqa: F401 - the tiny-corpus fixtu
 from training.args import parse_args
 from parallel.spawn import spawn_ranks
 
+ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(vocab_size=96, num_layers=2, hidden_size=32, num_attention_heads=4, max_position_embeddings=16,
             hidden_dropout=0.0, attention_dropout=0.0)
 # The bench's model size (bench/slow_link.py), where the choice is not a toss-up.
@@ -197,3 +199,27 @@ def test_train_zeropp_auto_end_to_end(corpus, tmp_path):  # noqa: F811 - the fix
     job = next(line for line in out.splitlines() if line.startswith("> 4 ranks on 2 node(s) x 2, "))
     assert {t for t in ("qwZ", "hpZ", "qgZ") if t in job} == chosen, (job, auto[-1])
     assert out.count("lm loss:") >= 1
+
+
+CLUSTERS = ROOT / "configs" / "clusters"
+DRY = ["--num-layers", "4", "--hidden-size", "192", "--num-attention-heads", "4", "--seq-length", "16",
+       "--micro-batch-size", "1", "--zero-stage", "3", "--bf16", "--zeropp", "auto", "--tokenizer-type",
+       "GPT2BPETokenizer", "--dry-run", *BASE_ARGS]
+
+
+def test_dry_run_with_auto_plans_every_candidate_on_the_cluster(capsys):
+    train.main([*DRY, "--cluster", str(CLUSTERS / "emulated_slow_link.yaml")])
+    out = capsys.readouterr().out.splitlines()
+    assert sum(line.startswith(">   ") for line in out) == 8
+    chose = next(line for line in out if line.startswith("> ZeRO++ auto: chose "))
+    picked = chose.split("chose ")[1].split(", ")[0] if "(" not in chose else chose.split("(")[1].split(")")[0]
+    legend = [line.strip() for line in out if line.strip().startswith("ZeRO++ = ZeRO-3 + ")]
+    assert legend == [f"ZeRO++ = ZeRO-3 + {picked}"], (chose, legend)   # the plan is of the chosen config
+
+
+def test_dry_run_with_auto_on_one_node_says_one_line(capsys):
+    train.main([*DRY, "--cluster", str(CLUSTERS / "v100_1x8.yaml")])
+    out = capsys.readouterr().out.splitlines()
+    assert [line for line in out if "ZeRO++ auto" in line] == [
+        "> ZeRO++ auto: qwZ, hpZ, qgZ off (one node: no slow inter-node link for quantization to save, and "
+        "hpZ's copy inside the node would be the primary partition itself); now ZeRO-3"]
