@@ -25,7 +25,9 @@ from data.stats import unigram_entropy
 from model import GPT, flops_per_iteration, num_parameters
 from parallel.comm import Communicator
 from parallel.launch import init_distributed, print_rank0, report_error_to_torchrun
+from parallel.link_probe import LinkProbeError
 from parallel.topology import topology_from_env
+from planner.auto import resolve as resolve_auto
 from training.args import parse_args, resolve_batch
 from training.checkpoint import (Checkpointer, Progress, check_save_dir, checkpoint_bytes, load_checkpoint,
                                  optimizer_moments)
@@ -41,8 +43,8 @@ from training.trainer import CrossNodeTraffic, Trainer, TrainingDiverged
 def main(argv=None):
     args = parse_args(argv)
     if args.dry_run:  # the planner: no process group, no memory, no data
-        from planner import print_plan
-        print_plan(args)
+        from planner.auto import print_dry_run
+        print_dry_run(args)   # with "auto" switches: the choice on --cluster, then the plan
         return
     tokenizer = check_inputs(args)  # data, split and tokenizer files, before any expensive work
     device = init_distributed(args.distributed_backend)
@@ -52,6 +54,12 @@ def main(argv=None):
     torch.manual_seed(args.seed)
 
     cfg = model_config(args, tokenizer.vocab_size, args.seed)
+    if args.ds_config.zero_optimization.auto_switches():  # measure the links, let the planner pick
+        choice = resolve_auto(args.ds_config, cfg, comm, device, args.micro_batch_size, args.seq_length,
+                              args.gradient_accumulation_steps, args.optimizer_settings)
+        for line in choice.lines:
+            print_rank0(line)
+        args.ds_config = choice.config
     if args.save:  # before hours of training, not after
         preflight_save_dir(args, cfg)
     train_ds, valid_ds, test_ds = build_datasets(args)
@@ -160,8 +168,8 @@ def run(argv=None) -> int:
     exception is a bug and keeps its traceback."""
     try:
         main(argv)
-    except (zeropp.ConfigError, CheckpointError, TrainingDiverged) as e:
-        # Checkpoint and divergence errors reach every rank alike too: a clear line, exit 1.
+    except (zeropp.ConfigError, CheckpointError, TrainingDiverged, LinkProbeError) as e:
+        # Checkpoint, divergence and link-probe errors: a clear line, exit 1.
         rank = int(os.environ.get("RANK", "0"))
         line = f"error: {' '.join(str(e).splitlines())}"
         if rank == 0 or not isinstance(e, zeropp.ConfigError):  # a checkpoint error may be one rank's own

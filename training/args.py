@@ -116,7 +116,8 @@ def _yaml_value(action: argparse.Action, key: str, value, path: str):
     text = str(value)
     if action.type is not None:
         if isinstance(value, bool):  # str(True) would read as a number-parse error; say it plainly
-            raise ConfigError(f"{where} must be a number, got {str(value).lower()}")
+            expected = getattr(action.type, "expected", "a number")
+            raise ConfigError(f"{where} must be {expected}, got {str(value).lower()}")
         try:
             value = action.type(text)
         except argparse.ArgumentTypeError as e:

@@ -14,7 +14,7 @@ import os
 import warnings
 
 from common import ConfigError
-from zeropp.config import DeepSpeedConfig, OptimizerSettings, load_json
+from zeropp.config import AUTO, DeepSpeedConfig, OptimizerSettings, load_json
 
 
 _GIVEN = object()  # merge(): "take the flag's value if it was given"
@@ -41,10 +41,11 @@ def merge_deepspeed_config(args, explicit: set[str]) -> DeepSpeedConfig:
         setattr(obj, attr, value)
 
     merge("zero_stage", "zero_optimization.stage", zero, "stage")
-    merge("zero_hpz_size", "zero_optimization.zero_hpz_partition_size", zero, "zero_hpz_partition_size")
-    merge("zero_quantized_weights", "zero_optimization.zero_quantized_weights", zero, "zero_quantized_weights")
-    merge("zero_quantized_gradients", "zero_optimization.zero_quantized_gradients", zero,
-          "zero_quantized_gradients")
+    for dest, key in _ZEROPP_FLAGS.items():
+        if _auto_wins(args, dest, explicit):
+            merge("zeropp", f"zero_optimization.{key}", zero, key, value=AUTO)
+        else:
+            merge(dest, f"zero_optimization.{key}", zero, key)
     merge("zero_reduce_bucket_size", "zero_optimization.reduce_bucket_size", zero, "reduce_bucket_size")
     merge("fp16", "fp16.enabled", ds.fp16, "enabled")
     merge("bf16", "bf16.enabled", ds.bf16, "enabled")
@@ -75,6 +76,21 @@ def merge_deepspeed_config(args, explicit: set[str]) -> DeepSpeedConfig:
     ds.validate("flags and --deepspeed_config")
     _check_loss_scaling(ds, path or "flags")
     return ds
+
+
+# The per-technique flags and their JSON keys, which --zeropp auto sets to "auto".
+_ZEROPP_FLAGS = {"zero_quantized_weights": "zero_quantized_weights", "zero_hpz_size": "zero_hpz_partition_size",
+                 "zero_quantized_gradients": "zero_quantized_gradients"}
+
+
+def _auto_wins(args, dest: str, explicit: set[str]) -> bool:
+    """--zeropp auto sets a technique to "auto" unless its own flag was given at the same or a
+    higher level (command line over YAML): `--zeropp auto --zero-hpz-size 1` pins hpZ off."""
+    if getattr(args, "zeropp", None) != AUTO:
+        return False
+    from_yaml = getattr(args, "from_yaml", set())
+    pinned = dest in explicit and (dest not in from_yaml or "zeropp" in from_yaml)
+    return not pinned
 
 
 def _conflict(dest: str, value, json_key: str, json_value, path: str):

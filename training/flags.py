@@ -63,6 +63,16 @@ _non_negative = _ranged(_real, ">= 0", lambda v: v >= 0)
 _below_one = _ranged(_real, "in [0, 1)", lambda v: 0 <= v < 1)       # dropout, betas, momentum
 _fraction = _ranged(_real, "in [0, 1]", lambda v: 0 <= v <= 1)
 _power_of_two = _ranged(_real, "a power of two (e.g. 65536)", lambda v: v > 0 and math.log2(v).is_integer())
+def _zeropp_mode(text) -> str:
+    if text != "auto":
+        raise argparse.ArgumentTypeError(
+            f"must be auto (measure the links at start-up and let the planner pick the ZeRO++ techniques), "
+            f"got {text!r}; to choose yourself use --zero-quantized-weights, --zero-hpz-size N, "
+            f"--zero-quantized-gradients")
+    return text
+
+
+_zeropp_mode.expected = "auto"   # what a YAML value must be (training/args.py says so)
 _seed = _ranged(_whole, "in [0, 2**32)", lambda v: 0 <= v < 2**32)   # numpy's RandomState range
 
 
@@ -169,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--zero-quantized-weights", action="store_true", default=None)
     g.add_argument("--zero-quantized-gradients", action="store_true", default=None)
     g.add_argument("--zero-reduce-bucket-size", type=_int, default=None)
+    g.add_argument("--zeropp", type=_zeropp_mode, default=None, metavar="auto",
+                   help="auto: set qwZ, hpZ and qgZ to \"auto\" (measure the links at start-up, let the "
+                        "planner pick; planner/auto.py); an explicit per-technique flag keeps its value")
 
     g = p.add_argument_group("batch and schedule")
     g.add_argument("--micro-batch-size", "--batch-size", dest="micro_batch_size", type=_int, default=None,

@@ -10,11 +10,17 @@ def initialize(module, config: DeepSpeedConfig, comm, device, optim: OptimizerSe
     """Wrap `module` in the engine for `config.zero_optimization.stage`.
 
     `module` may be built on the meta device; `param_init(name, tensor)` then
-    fills each parameter (see zeropp/init.py). At world size 1 every stage
+    fills each parameter (see zeropp/init.py). A ZeRO++ switch set to "auto" must
+    be resolved first (planner.auto.resolve). At world size 1 every stage
     takes the short path (DDPEngine without DDP): the shard is the weight,
     and ZeRO++ has nothing to send.
     """
     zero = config.zero_optimization
+    if zero.auto_switches():
+        raise ConfigError(f"zero_optimization {', '.join(k + ' = auto' for k in zero.auto_switches())} is "
+                          f"not resolved: \"auto\" needs the links measured first; call "
+                          f"planner.auto.resolve(config, model_config, comm, device, micro_batch, seq_length) "
+                          f"and pass its .config here (train.py does this)")
     if comm.topology.world_size > 1:
         zero.validate_topology(comm.topology.ranks_per_node, comm.topology.world_size)
     if zero.stage == 0 or comm.topology.world_size == 1:

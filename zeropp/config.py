@@ -26,7 +26,7 @@ from common import ConfigError, parse_int, parse_number, refuse_value
 from zeropp.config_keys import UNSUPPORTED
 from zeropp.config_optim import OptimizerConfig, OptimizerSettings, SchedulerConfig
 
-__all__ = ["ConfigError", "DeepSpeedConfig", "ZeroConfig", "OptimizerSettings", "load_json"]
+__all__ = ["AUTO", "AUTO_KEYS", "ConfigError", "DeepSpeedConfig", "ZeroConfig", "OptimizerSettings", "load_json"]
 
 
 @dataclass
@@ -42,9 +42,11 @@ class ZeroConfig:
     stage3_param_persistence_threshold: int = 100_000
     stage3_max_live_parameters: int = 1_000_000_000
     stage3_max_reuse_distance: int = 1_000_000_000
-    zero_hpz_partition_size: int = 1
-    zero_quantized_weights: bool = False
-    zero_quantized_gradients: bool = False
+    # Each ZeRO++ switch may also be "auto": planner.auto.resolve (called by train.py) measures
+    # the links and picks; zeropp.initialize refuses an unresolved "auto".
+    zero_hpz_partition_size: int | str = 1
+    zero_quantized_weights: bool | str = False
+    zero_quantized_gradients: bool | str = False
     # This product's keys (DeepSpeed fixes these): elements per fp32 scale (zeropp/quant.py).
     zero_quantized_weights_block_size: int = 256      # qwZ, INT8
     zero_quantized_gradients_block_size: int = 128    # qgZ, INT4
@@ -58,6 +60,10 @@ class ZeroConfig:
     @property
     def overlap(self) -> bool:
         return self.stage == 3 if self.overlap_comm is None else self.overlap_comm
+
+    def auto_switches(self) -> list[str]:
+        """The ZeRO++ keys set to "auto" (still to be resolved)."""
+        return [k for k in AUTO_KEYS if getattr(self, k) == AUTO]
 
     def validate(self, where: str = "zero_optimization"):
         if self.stage not in (0, 1, 2, 3):
@@ -73,7 +79,7 @@ class ZeroConfig:
         for name in ("stage3_param_persistence_threshold", "stage3_max_reuse_distance"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{where}.{name} must be >= 0, got {getattr(self, name)}")
-        if self.zero_hpz_partition_size < 1:
+        if self.zero_hpz_partition_size != AUTO and self.zero_hpz_partition_size < 1:
             raise ConfigError(f"{where}.zero_hpz_partition_size must be >= 1 "
                               f"(1 turns hpZ off), got {self.zero_hpz_partition_size}")
         for name in ("zero_quantized_weights_block_size", "zero_quantized_gradients_block_size"):
@@ -81,8 +87,9 @@ class ZeroConfig:
             if b < 2 or b & (b - 1):
                 raise ConfigError(f"{where}.{name} must be a power of two >= 2 (elements per scale), "
                                   f"got {b}; the default is {getattr(ZeroConfig, name)}")
-        zpp = [k for k in ("zero_quantized_weights", "zero_quantized_gradients") if getattr(self, k)]
-        if self.zero_hpz_partition_size > 1:
+        # "auto" is resolved later (below stage 3: off), so only explicit switches are checked here.
+        zpp = [k for k in ("zero_quantized_weights", "zero_quantized_gradients") if getattr(self, k) is True]
+        if self.zero_hpz_partition_size != AUTO and self.zero_hpz_partition_size > 1:
             zpp.append("zero_hpz_partition_size")
         if zpp and self.stage != 3:
             raise ConfigError(f"{where}: {', '.join(zpp)} (ZeRO++) need stage 3, "
@@ -91,11 +98,15 @@ class ZeroConfig:
     def validate_topology(self, ranks_per_node: int, world_size: int):
         """Checks that need the job's shape (called when the engine starts)."""
         h = self.zero_hpz_partition_size
-        if h > 1 and (ranks_per_node % h or h > world_size):
+        if h != AUTO and h > 1 and (ranks_per_node % h or h > world_size):
             raise ConfigError(
                 f"zero_hpz_partition_size (--zero-hpz-size) {h} must divide the ranks per node "
                 f"({ranks_per_node}): the secondary partition lives inside one node. "
                 f"Use a divisor of {ranks_per_node}, ideally {ranks_per_node} itself")
+
+
+AUTO = "auto"
+AUTO_KEYS = ("zero_quantized_weights", "zero_hpz_partition_size", "zero_quantized_gradients")
 
 
 # zero_optimization keys whose other values ask for a DeepSpeed implementation detail we lack.
@@ -291,6 +302,12 @@ def _coerce(f: dataclasses.Field, value: Any, where: str):
     typ = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
     if value is None and "None" in typ:
         return None
+    if f.name in AUTO_KEYS and isinstance(value, str):
+        if value != AUTO:
+            kind = "a whole number of ranks (1 = off)" if typ.startswith("int") else "true or false"
+            raise ConfigError(f'{where} must be {kind} or "auto" (measure the links and let the '
+                              f'planner choose), got {value!r}')
+        return value
     for nested in _SECTIONS:
         if typ.startswith(nested.__name__):
             return _build(nested, value, where)

@@ -1,0 +1,187 @@
+"""ZeRO++ switches set to "auto": measure this job's links and let the planner pick.
+
+    from planner.auto import resolve
+    res = resolve(ds_config, model_cfg, comm, device, micro_batch, seq_length, accumulation=1,
+                  optimizer=None)
+    engine = zeropp.initialize(model, res.config, comm, device, ...)
+    for line in res.lines: print(line)
+
+`ds_config` is a zeropp.DeepSpeedConfig or its JSON dict (not modified); `model_cfg` a
+model.GPTConfig; `comm` the job's parallel.comm.Communicator (its topology says nodes and
+ranks per node); `device` this rank's torch.device. Every rank calls it (it runs collectives)
+after the process group is up and before zeropp.initialize. It returns a Resolution:
+`config` (a copy with every "auto" replaced), `lines` (what it measured, the predicted step
+time of each candidate, the choice and why), `predicted` ({label: seconds}) and `measured`
+(planner.probe.Measurements, None when nothing was measured).
+
+Rules
+- Only switches set to "auto" are chosen; the others stay as set. qwZ and qgZ auto: off or
+  on; hpZ auto: 1 (off) or the ranks per node.
+- Below stage 3, at world size 1 or on one node, the auto switches are set off without a
+  probe, in one line saying why (ZeRO++ needs stage 3; with one node there is no slow link for
+  quantization to save and hpZ's copy inside the node would be the primary partition itself).
+- Otherwise planner.probe.measure times the links, one transformer block of the model, the
+  quantization kernels and the optimizer (about 1 s; every figure is the MAX over ranks, so
+  every rank decides the same), builds a planner Cluster from the figures, and predicts the
+  iteration time of every candidate with the planner's own model (planner.plan.plan_config:
+  the real model's trace, the engine's buckets and collectives, planner/timing.py). The
+  fastest wins, except that a candidate with fewer techniques within PREFER_FEWER (2%) of the
+  fastest is preferred: quantization costs accuracy and hpZ memory.
+- Overlap of communication with compute is assumed on CUDA only: on CPU ranks gloo's threads
+  share the cores with compute (bench/planner_calibration.py measured no overlap there).
+- A probe that cannot run raises parallel.link_probe.LinkProbeError; nothing is guessed.
+
+`train.py --dry-run --cluster FILE` with auto switches plans every candidate on the
+described cluster instead of measuring (print_dry_run).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from model import GPTConfig
+from planner.cluster import Cluster, load_cluster
+from planner.plan import Job, job_from_args, label, plan_config, print_plan
+from planner.probe import Measurements, measure
+from planner.trace import trace_model
+from zeropp.config import AUTO, DeepSpeedConfig, OptimizerSettings, ZeroConfig
+from zeropp.engine import compute_dtype
+
+PREFER_FEWER = 0.02   # a candidate with fewer techniques within 2% of the fastest wins
+
+
+@dataclass
+class Resolution:
+    config: DeepSpeedConfig
+    lines: list[str]
+    predicted: dict[str, float]          # candidate label -> predicted seconds per iteration
+    measured: Measurements | None = None
+
+
+def resolve(ds_config: DeepSpeedConfig | dict, model_cfg: GPTConfig, comm, device: torch.device,
+            micro_batch: int, seq_length: int, accumulation: int = 1,
+            optimizer: OptimizerSettings | None = None) -> Resolution:
+    """Replace every "auto" ZeRO++ switch of `ds_config` (module docstring); collective on every rank."""
+    ds = copy.deepcopy(ds_config) if isinstance(ds_config, DeepSpeedConfig) else DeepSpeedConfig.from_dict(ds_config)
+    zero = ds.zero_optimization
+    topo = comm.topology
+    if not zero.auto_switches():
+        return Resolution(ds, [], {})
+    reason = trivial_reason(zero, topo.world_size, topo.num_nodes)
+    if reason:
+        return Resolution(ds, [switch_off(zero, reason)], {})
+    dtype = compute_dtype(ds)
+    m = measure(model_cfg, dtype, device, micro_batch, seq_length, topo,
+                zero.zero_quantized_weights_block_size, zero.zero_quantized_gradients_block_size)
+    backend = dist.get_backend() if dist.is_initialized() else "gloo"
+    cluster = measured_cluster(m, topo.num_nodes, topo.ranks_per_node, overlap=device.type == "cuda",
+                               gloo=backend == "gloo")
+    job = Job(cfg=model_cfg, ds=ds, optimizer=optimizer or OptimizerSettings(), world=topo.world_size,
+              ranks_per_node=topo.ranks_per_node, micro_batch=micro_batch, seq_length=seq_length,
+              accumulation=accumulation)
+    chosen, predicted, lines = choose(job, cluster)
+    ds.zero_optimization = chosen
+    head = [f"> ZeRO++ auto: measured on every rank in {m.seconds:.2f} s ({m.timing()}), the slowest rank's "
+            f"figures: {m.links.summary()}", f"> ZeRO++ auto: {m.summary()}"]
+    return Resolution(ds, head + lines, predicted, m)
+
+
+def trivial_reason(zero: ZeroConfig, world: int, nodes: int) -> str | None:
+    """Why the auto switches are simply off here, or None when the links decide."""
+    if zero.stage != 3:
+        return f"ZeRO stage {zero.stage}: qwZ, hpZ and qgZ act on stage 3 only"
+    if world == 1:
+        return "world size 1: nothing is sent"
+    if nodes == 1:
+        return ("one node: no slow inter-node link for quantization to save, and hpZ's copy inside the node "
+                "would be the primary partition itself")
+    return None
+
+
+def switch_off(zero: ZeroConfig, reason: str) -> str:
+    """Set the auto switches off; the one line that says so."""
+    names = {"zero_quantized_weights": "qwZ", "zero_hpz_partition_size": "hpZ", "zero_quantized_gradients": "qgZ"}
+    auto = zero.auto_switches()
+    for key in auto:
+        setattr(zero, key, 1 if key == "zero_hpz_partition_size" else False)
+    return f"> ZeRO++ auto: {', '.join(names[k] for k in auto)} off ({reason}); now {label(zero)}"
+
+
+def candidates(zero: ZeroConfig, ranks_per_node: int) -> list[ZeroConfig]:
+    """Every resolution of the auto switches (the others as set), fewest techniques first."""
+    options = {
+        "zero_quantized_weights": [False, True],
+        "zero_hpz_partition_size": [1, ranks_per_node] if ranks_per_node > 1 else [1],
+        "zero_quantized_gradients": [False, True],
+    }
+    auto = zero.auto_switches()
+    out = []
+    for values in itertools.product(*(options[k] for k in auto)):
+        out.append(dataclasses.replace(zero, **dict(zip(auto, values))))
+    return sorted(out, key=techniques)
+
+
+def techniques(zero: ZeroConfig) -> int:
+    return (int(zero.zero_quantized_weights is True) + int(zero.zero_quantized_gradients is True)
+            + int(zero.zero_hpz_partition_size not in (1, AUTO)))
+
+
+def choose(job: Job, cluster: Cluster) -> tuple[ZeroConfig, dict[str, float], list[str]]:
+    """The candidate to run on `cluster` (module docstring's rule), every candidate's predicted
+    iteration time, and the log lines saying so."""
+    zero = job.ds.zero_optimization
+    trace = trace_model(job.cfg, compute_dtype(job.ds), job.micro_batch, job.seq_length,
+                        zero.stage3_param_persistence_threshold)
+    timed = [(c, plan_config(job, c, trace, cluster, ranks=[0]).timing.iteration)
+             for c in candidates(zero, job.ranks_per_node)]
+    fastest = min(t for _, t in timed)
+    chosen, t_chosen = min(((c, t) for c, t in timed if t <= fastest * (1 + PREFER_FEWER)),
+                           key=lambda ct: (techniques(ct[0]), ct[1]))
+    predicted = {label(c): t for c, t in timed}
+    lines = [f"> ZeRO++ auto: predicted iteration time on {cluster.name} (planner/timing.py):"]
+    lines += [f">   {label(c):<28}{t * 1e3:10.1f} ms" for c, t in timed]
+    why = "the fastest" if t_chosen == fastest else (
+        f"within {PREFER_FEWER:.0%} of the fastest ({fastest * 1e3:.1f} ms) with fewer techniques")
+    lines.append(f"> ZeRO++ auto: chose {label(chosen)}, {t_chosen * 1e3:.1f} ms predicted, {why}")
+    return chosen, predicted, lines
+
+
+def measured_cluster(m: Measurements, nodes: int, ranks_per_node: int, overlap: bool, gloo: bool) -> Cluster:
+    """A planner Cluster from the probe's figures (rates as measured: efficiencies 1)."""
+    gbps = 8 / 1e9
+    return Cluster(nodes=nodes, gpus_per_node=ranks_per_node, gpu_memory_gb=0.0,
+                   peak_flops=m.flops_per_s, peak_flops_fp32=m.flops_per_s, compute_efficiency=1.0,
+                   intra_node_gbps=max(m.links.intra_node_bytes_per_s, 1.0) * gbps,
+                   intra_node_latency_us=m.links.intra_node_latency_s * 1e6,
+                   inter_node_gbps=m.links.inter_node_bytes_per_s * gbps,
+                   inter_node_latency_us=m.links.inter_node_latency_s * 1e6, link_efficiency=1.0,
+                   memory_gbps=m.optimizer_bytes_per_s * gbps, int8_quantize_gelems=m.int8_elements_per_s / 1e9,
+                   int4_quantize_gelems=m.int4_elements_per_s / 1e9, overlap=overlap,
+                   # gloo runs a reduce-scatter as an all-reduce: twice the ring's bytes
+                   reduce_scatter_factor=2.0 if gloo else 1.0, name="the measured links")
+
+
+def print_dry_run(args) -> None:
+    """`train.py --dry-run`: with auto switches, plan every candidate on --cluster, say which
+    auto would pick there, then print the plan of that choice."""
+    zero = args.ds_config.zero_optimization
+    if zero.auto_switches():
+        cluster = load_cluster(args.cluster)
+        reason = trivial_reason(zero, cluster.world_size, cluster.nodes)
+        if reason:
+            print(switch_off(zero, reason), flush=True)
+        else:
+            job = job_from_args(args, cluster)
+            chosen, _, lines = choose(job, cluster)
+            args.ds_config.zero_optimization = chosen
+            print("\n".join(lines) + "\n", flush=True)
+    print_plan(args)
+
+
+__all__ = ["PREFER_FEWER", "Resolution", "candidates", "choose", "measured_cluster", "print_dry_run", "resolve",
+           "switch_off", "trivial_reason"]
