@@ -228,7 +228,7 @@ def run(a) -> dict:
                           env={"OMP_NUM_THREADS": "1"})[0]
     print(f"activations: {act['activation_bytes'] / MB:.0f} MB measured (world size 1, {act['method']}); "
           f"planner's saved activations {act['planner_saved_activation_bytes'] / MB:.0f} MB")
-    out = {"command": " ".join(sys.argv), **info, "args": vars(a), "num_parameters": psi,
+    out = {"command": "python -m bench.large_model " + " ".join(sys.argv[1:]), **info, "args": vars(a), "num_parameters": psi,
            "limits": {"rss_over_budget": RSS_LIMIT, "zeropp_slack_of_zero3_rise": ZEROPP_SLACK},
            "activation_probe": act, "systems": {}}
     for name in systems:
@@ -242,6 +242,9 @@ def run(a) -> dict:
                                                             for r in ranks)}
     if "zero3" in out["systems"] and "zeropp" in out["systems"]:
         out["zeropp_over_zero3"] = compare(out["systems"]["zero3"]["ranks"], out["systems"]["zeropp"]["ranks"])
+    out["pass"] = (all(s["pass"] for s in out["systems"].values())
+                   and all(r["pass"] for r in out.get("zeropp_over_zero3", [])))
+    print(f"bounded memory (issue 17 goal 4): {'PASS' if out['pass'] else 'FAIL'}")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=2))
     print(f"wrote {a.out}")
