@@ -45,7 +45,6 @@ import gc
 import json
 import subprocess
 import sys
-import threading
 import time
 import zlib
 from pathlib import Path
@@ -53,57 +52,12 @@ from pathlib import Path
 import torch
 
 import zeropp
-from bench import RESULTS
-from model import GPT, GPTConfig, num_parameters
+from bench import RESULTS, memory_bound
+from bench.memory_bound import PeakRSS, ds_config, model_config, rss_mb, rss_split
+from model import GPT, num_parameters
 from parallel.comm import Communicator
 from parallel.topology import topology_from_env
 from parallel.spawn import run_distributed
-
-
-def rss_mb(field: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def rss_split() -> list[float]:
-    """[RssAnon, RssFile, RssShmem] in MB: anonymous memory vs mapped files (libraries' code pages)."""
-    return [rss_mb("RssAnon"), rss_mb("RssFile"), rss_mb("RssShmem")]
-
-
-class PeakRSS:
-    """Peak VmRSS (MB) between start() and stop(): VmHWM after resetting it
-    (write "5" to /proc/self/clear_refs), or, where the reset does not work,
-    VmRSS sampled every 10 ms in a thread."""
-
-    def start(self):
-        self.base = rss_mb("VmRSS")
-        self.sampled = None
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            ok = rss_mb("VmHWM") <= rss_mb("VmRSS") + 1
-        except OSError:
-            ok = False
-        if not ok:
-            self.sampled, self.done = self.base, threading.Event()
-            self.thread = threading.Thread(target=self._sample, daemon=True)
-            self.thread.start()
-        self.method = "VmHWM reset" if ok else "VmRSS sampled every 10 ms"
-        return self
-
-    def _sample(self):
-        while not self.done.wait(0.01):
-            self.sampled = max(self.sampled, rss_mb("VmRSS"))
-
-    def stop(self) -> float:
-        if self.sampled is None:
-            return rss_mb("VmHWM")
-        self.done.set()
-        self.thread.join()
-        return max(self.sampled, rss_mb("VmRSS"))
 
 
 def state_crcs(engine) -> dict:
@@ -163,27 +117,6 @@ def checkpoint_phase(a, cfg, ds, comm, optim, trained: dict, param_shapes, steps
             "peak_method": probe.method, "rss_anon_file_shmem_mb": split, "tensors": len(saved),
             "fresh_differs_before_load": sum(fresh.get(k) != v for k, v in saved.items()),
             "round_trip_exact": same_keys and all(saved[k] == loaded[k] for k in saved)}
-
-
-def model_config(a) -> GPTConfig:
-    return GPTConfig(vocab_size=a.vocab, num_layers=a.num_layers, hidden_size=a.hidden,
-                     num_attention_heads=a.heads, max_position_embeddings=a.seq,
-                     hidden_dropout=0.0, attention_dropout=0.0,
-                     checkpoint_activations=a.checkpoint_activations)
-
-
-def ds_config(a, zeropp_on: bool) -> zeropp.DeepSpeedConfig:
-    """Stage 3 with --bucket, --max-live, reuse distance 0; ZeRO++ adds all three techniques."""
-    raw = {"zero_optimization": {"stage": 3, "reduce_bucket_size": a.bucket,
-                                 "stage3_prefetch_bucket_size": a.bucket,
-                                 "stage3_max_live_parameters": a.max_live,
-                                 "stage3_max_reuse_distance": 0, "overlap_comm": a.overlap}}
-    if zeropp_on:  # qwZ, hpZ over each emulated node, qgZ
-        raw["zero_optimization"].update(zero_quantized_weights=True, zero_quantized_gradients=True,
-                                        zero_hpz_partition_size=a.ranks_per_node)
-    if a.dtype != "fp32":
-        raw[a.dtype] = {"enabled": True}
-    return zeropp.DeepSpeedConfig.from_dict(raw)
 
 
 def rank_main(rank, world, a):
@@ -304,7 +237,6 @@ def main():
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--out")
     a = p.parse_args()
-    from bench import memory_bound
     for k, v in (memory_bound.DEFAULTS if a.systems else LARGE_DEFAULTS).items():
         if getattr(a, k) is None:
             setattr(a, k, v)

@@ -41,18 +41,20 @@ elements, live to the end of forward), a block and a prefetch bucket.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import gc
 import json
 import platform
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import torch
 
 import zeropp
-from model import GPT, num_parameters
+from model import GPT, GPTConfig, num_parameters
 from parallel.comm import Communicator
 from parallel.spawn import run_distributed
 from parallel.topology import topology_from_env
@@ -66,9 +68,71 @@ MB = 2**20
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def _large_model():
-    import bench.large_model as lm   # lazy: bench.large_model imports this module
-    return lm
+def rss_mb(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def rss_split() -> list[float]:
+    """[RssAnon, RssFile, RssShmem] in MB: anonymous memory vs mapped files (libraries' code pages)."""
+    return [rss_mb("RssAnon"), rss_mb("RssFile"), rss_mb("RssShmem")]
+
+
+class PeakRSS:
+    """Peak VmRSS (MB) between start() and stop(): VmHWM after resetting it
+    (write "5" to /proc/self/clear_refs), or, where the reset does not work,
+    VmRSS sampled every 10 ms in a thread."""
+
+    def start(self):
+        self.base = rss_mb("VmRSS")
+        self.sampled = None
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            ok = rss_mb("VmHWM") <= rss_mb("VmRSS") + 1
+        except OSError:
+            ok = False
+        if not ok:
+            self.sampled, self.done = self.base, threading.Event()
+            self.thread = threading.Thread(target=self._sample, daemon=True)
+            self.thread.start()
+        self.method = "VmHWM reset" if ok else "VmRSS sampled every 10 ms"
+        return self
+
+    def _sample(self):
+        while not self.done.wait(0.01):
+            self.sampled = max(self.sampled, rss_mb("VmRSS"))
+
+    def stop(self) -> float:
+        if self.sampled is None:
+            return rss_mb("VmHWM")
+        self.done.set()
+        self.thread.join()
+        return max(self.sampled, rss_mb("VmRSS"))
+
+
+def model_config(a) -> GPTConfig:
+    return GPTConfig(vocab_size=a.vocab, num_layers=a.num_layers, hidden_size=a.hidden,
+                     num_attention_heads=a.heads, max_position_embeddings=a.seq,
+                     hidden_dropout=0.0, attention_dropout=0.0,
+                     checkpoint_activations=a.checkpoint_activations)
+
+
+def ds_config(a, zeropp_on: bool) -> zeropp.DeepSpeedConfig:
+    """Stage 3 with --bucket, --max-live, reuse distance 0; ZeRO++ adds all three techniques."""
+    raw = {"zero_optimization": {"stage": 3, "reduce_bucket_size": a.bucket,
+                                 "stage3_prefetch_bucket_size": a.bucket,
+                                 "stage3_max_live_parameters": a.max_live,
+                                 "stage3_max_reuse_distance": 0, "overlap_comm": a.overlap}}
+    if zeropp_on:  # qwZ, hpZ over each emulated node, qgZ
+        raw["zero_optimization"].update(zero_quantized_weights=True, zero_quantized_gradients=True,
+                                        zero_hpz_partition_size=a.ranks_per_node)
+    if a.dtype != "fp32":
+        raw[a.dtype] = {"enabled": True}
+    return zeropp.DeepSpeedConfig.from_dict(raw)
 
 
 def _tokens(a, rank: int, step: int) -> torch.Tensor:
@@ -79,9 +143,8 @@ def _tokens(a, rank: int, step: int) -> torch.Tensor:
 def activation_probe(rank, world, a) -> dict:
     """Peak RSS rise of one forward+backward at world size 1, weights resident,
     each gradient dropped as it is accumulated (see the module docstring)."""
-    lm = _large_model()
-    lm.ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # freed blocks go back to the kernel
-    cfg = lm.model_config(a)
+    ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # freed blocks go back to the kernel
+    cfg = model_config(a)
     model = GPT(cfg).to(DTYPES[a.dtype]).train()
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
@@ -89,8 +152,8 @@ def activation_probe(rank, world, a) -> dict:
     for i in range(3):   # the first one warms up (kernels, allocator)
         x = _tokens(a, 0, i)
         gc.collect()
-        before = lm.rss_mb("VmRSS")
-        probe = lm.PeakRSS().start()
+        before = rss_mb("VmRSS")
+        probe = PeakRSS().start()
         model(x[:, :-1], x[:, 1:]).backward()
         rises.append(probe.stop() - before)
     from planner.trace import trace_model
@@ -100,24 +163,23 @@ def activation_probe(rank, world, a) -> dict:
 
 
 def bound_rank(rank, world, a, system: str) -> dict:
-    lm = _large_model()
-    lm.ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)
-    cfg, ds = lm.model_config(a), lm.ds_config(a, system == "zeropp")
+    ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)
+    cfg, ds = model_config(a), ds_config(a, system == "zeropp")
     comm = Communicator(topology_from_env(a.ranks_per_node))
     gc.collect()
-    base, base_split = lm.rss_mb("VmRSS"), lm.rss_split()
+    base, base_split = rss_mb("VmRSS"), rss_split()
     with torch.device("meta"):
         model = GPT(cfg)
     optim = zeropp.OptimizerSettings(type=a.optimizer, lr=1e-4, momentum=0.0)
     engine = zeropp.initialize(model, ds, comm, torch.device("cpu"), optim, param_init=model.init_parameter)
     gc.collect()
-    before_steps = lm.rss_mb("VmRSS")
+    before_steps = rss_mb("VmRSS")
     step_peaks, step_s, losses, report, traced = [], [], [], None, None
     for i in range(a.steps):
         x = _tokens(a, rank, i)
         last = i == a.steps - 1
         trace = AllocationTrace() if last and a.trace_allocations else contextlib.nullcontext()
-        probe = lm.PeakRSS().start()
+        probe = PeakRSS().start()
         t = time.time()
         with trace:
             loss = engine(x[:, :-1], x[:, 1:])
@@ -137,7 +199,7 @@ def bound_rank(rank, world, a, system: str) -> dict:
     bounds = report["buffer_bounds_bytes"]
     return {"rank": rank, "base_rss_mb": base, "base_rss_anon_file_shmem_mb": base_split,
             "rss_before_steps_mb": before_steps, "step_peak_rss_mb": step_peaks, "peak_rss_mb": peak,
-            "end_rss_anon_file_shmem_mb": lm.rss_split(), "rise_bytes": int((peak - base) * MB),
+            "end_rss_anon_file_shmem_mb": rss_split(), "rise_bytes": int((peak - base) * MB),
             "rise_over_before_steps_bytes": int((peak - before_steps) * MB), "model_states_bytes": states,
             "bounds_bytes": bounds, "hpz_secondary_bytes": report["hpz_secondary_bytes"],
             "losses": losses, "step_s": step_s, "peak_method": probe.method, "memory_report": report,
@@ -219,7 +281,7 @@ def run(a) -> dict:
     if unknown:
         raise SystemExit(f"--systems: unknown {sorted(unknown)} (zero3, zeropp)")
     info = cpu_info()
-    psi = num_parameters(_large_model().model_config(a))
+    psi = num_parameters(model_config(a))
     print(f"{info['cpu_model']}, torch {info['torch']} ({info['cpu_capability']}); GPT {a.num_layers} x "
           f"{a.hidden}, vocab {a.vocab}, seq {a.seq}, micro-batch {a.micro_batch}: {psi / 1e6:.0f} M parameters, "
           f"{a.dtype}, {a.optimizer}; {a.world} ranks ({a.ranks_per_node} per node), buckets {a.bucket:.3g} "
