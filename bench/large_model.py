@@ -3,6 +3,7 @@
 
     .venv/bin/python -m bench.large_model                       # the 18B run's widths, 2 layers (~1.2 B)
     .venv/bin/python -m bench.large_model --num-layers 1 --hidden 2048 --vocab 8192 --steps 1
+    .venv/bin/python -m bench.large_model --systems zero3,zeropp   # bounded memory, bench/memory_bound.py
 
 Each of --world gloo ranks builds the GPT on the meta device, lets ZeRO-3
 create it one weight at a time (zeropp/init.py), then trains --steps steps on
@@ -44,7 +45,6 @@ import gc
 import json
 import subprocess
 import sys
-import threading
 import time
 import zlib
 from pathlib import Path
@@ -52,57 +52,12 @@ from pathlib import Path
 import torch
 
 import zeropp
-from bench import RESULTS
-from model import GPT, GPTConfig, num_parameters
+from bench import RESULTS, memory_bound
+from bench.memory_bound import PeakRSS, ds_config, model_config, rss_mb, rss_split
+from model import GPT, num_parameters
 from parallel.comm import Communicator
 from parallel.topology import topology_from_env
 from parallel.spawn import run_distributed
-
-
-def rss_mb(field: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def rss_split() -> list[float]:
-    """[RssAnon, RssFile, RssShmem] in MB: anonymous memory vs mapped files (libraries' code pages)."""
-    return [rss_mb("RssAnon"), rss_mb("RssFile"), rss_mb("RssShmem")]
-
-
-class PeakRSS:
-    """Peak VmRSS (MB) between start() and stop(): VmHWM after resetting it
-    (write "5" to /proc/self/clear_refs), or, where the reset does not work,
-    VmRSS sampled every 10 ms in a thread."""
-
-    def start(self):
-        self.base = rss_mb("VmRSS")
-        self.sampled = None
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            ok = rss_mb("VmHWM") <= rss_mb("VmRSS") + 1
-        except OSError:
-            ok = False
-        if not ok:
-            self.sampled, self.done = self.base, threading.Event()
-            self.thread = threading.Thread(target=self._sample, daemon=True)
-            self.thread.start()
-        self.method = "VmHWM reset" if ok else "VmRSS sampled every 10 ms"
-        return self
-
-    def _sample(self):
-        while not self.done.wait(0.01):
-            self.sampled = max(self.sampled, rss_mb("VmRSS"))
-
-    def stop(self) -> float:
-        if self.sampled is None:
-            return rss_mb("VmHWM")
-        self.done.set()
-        self.thread.join()
-        return max(self.sampled, rss_mb("VmRSS"))
 
 
 def state_crcs(engine) -> dict:
@@ -166,20 +121,8 @@ def checkpoint_phase(a, cfg, ds, comm, optim, trained: dict, param_shapes, steps
 
 def rank_main(rank, world, a):
     ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # return freed blocks to the kernel (see tests)
-    cfg = GPTConfig(vocab_size=a.vocab, num_layers=a.num_layers, hidden_size=a.hidden,
-                    num_attention_heads=a.heads, max_position_embeddings=a.seq,
-                    hidden_dropout=0.0, attention_dropout=0.0,
-                    checkpoint_activations=a.checkpoint_activations)
-    raw = {"zero_optimization": {"stage": 3, "reduce_bucket_size": a.bucket,
-                                 "stage3_prefetch_bucket_size": a.bucket,
-                                 "stage3_max_live_parameters": a.max_live,
-                                 "stage3_max_reuse_distance": 0, "overlap_comm": a.overlap}}
-    if a.zeropp:  # qwZ, hpZ over each emulated node, qgZ
-        raw["zero_optimization"].update(zero_quantized_weights=True, zero_quantized_gradients=True,
-                                        zero_hpz_partition_size=a.ranks_per_node)
-    if a.dtype != "fp32":
-        raw[a.dtype] = {"enabled": True}
-    ds = zeropp.DeepSpeedConfig.from_dict(raw)
+    cfg = model_config(a)
+    ds = ds_config(a, a.zeropp)
     comm = Communicator(topology_from_env(a.ranks_per_node))
     start_rss = rss_mb("VmRSS")
     t0 = time.time()
@@ -258,32 +201,51 @@ def report_checkpoint(a, results, psi) -> dict:
             "round_trip_exact_all_ranks": all(c["round_trip_exact"] for c in cks), "ranks": cks}
 
 
+LARGE_DEFAULTS = dict(num_layers=2, hidden=6144, heads=32, vocab=50257, seq=16, micro_batch=1, world=4,
+                      ranks_per_node=None, steps=2, dtype="bf16", optimizer="sgd", bucket=5e7, max_live=3e8)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--num-layers", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=6144)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--vocab", type=int, default=50257)
-    p.add_argument("--seq", type=int, default=16)
-    p.add_argument("--micro-batch", type=int, default=1)
-    p.add_argument("--world", type=int, default=4)
-    p.add_argument("--steps", type=int, default=2)
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
-    p.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
-    p.add_argument("--bucket", type=float, default=5e7, help="reduce and prefetch bucket (elements)")
-    p.add_argument("--max-live", type=float, default=3e8, help="stage3_max_live_parameters")
+    # None: this mode's default (LARGE_DEFAULTS, or bench.memory_bound.DEFAULTS with --systems)
+    p.add_argument("--num-layers", type=int)
+    p.add_argument("--hidden", type=int)
+    p.add_argument("--heads", type=int)
+    p.add_argument("--vocab", type=int)
+    p.add_argument("--seq", type=int)
+    p.add_argument("--micro-batch", type=int)
+    p.add_argument("--world", type=int)
+    p.add_argument("--steps", type=int)
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--optimizer", choices=["sgd", "adamw"])
+    p.add_argument("--bucket", type=float, help="reduce and prefetch bucket (elements)")
+    p.add_argument("--max-live", type=float, help="stage3_max_live_parameters")
     p.add_argument("--checkpoint-activations", action="store_true",
                    help="recompute blocks in backward (gathers a whole block at once)")
     p.add_argument("--overlap", action="store_true",
                    help="overlap_comm: keeps up to 3 gradient buckets alive")
-    p.add_argument("--ranks-per-node", type=int, default=None, help="emulated node size (default: --world)")
+    p.add_argument("--ranks-per-node", type=int, help="emulated node size (default: --world; 4 with --systems)")
     p.add_argument("--zeropp", action="store_true", help="ZeRO++: qwZ, hpZ (over --ranks-per-node), qgZ")
     p.add_argument("--checkpoint", metavar="DIR", default=None,
                    help="after training, save a sharded checkpoint to DIR and load it into a fresh engine")
+    p.add_argument("--systems", metavar="LIST",
+                   help="zero3,zeropp: the bounded-memory check (bench/memory_bound.py), each system in "
+                        "fresh ranks; JSON to bench/results/large_model_bound.json")
+    p.add_argument("--trace-allocations", action="store_true",
+                   help="with --systems: profile the last step's tensor allocations (zeropp.memory."
+                        "AllocationTrace) and print what is alive at the peak, by site")
     p.add_argument("--timeout", type=float, default=3600)
-    p.add_argument("--out", default=str(RESULTS / "large_model.json"))
+    p.add_argument("--out")
     a = p.parse_args()
+    for k, v in (memory_bound.DEFAULTS if a.systems else LARGE_DEFAULTS).items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
     a.bucket, a.max_live = int(a.bucket), int(a.max_live)
+    if a.systems:
+        a.out = a.out or str(RESULTS / "large_model_bound.json")
+        memory_bound.run(a)
+        return
+    a.out = a.out or str(RESULTS / "large_model.json")
 
     results = run_distributed(rank_main, world_size=a.world, args=(a,), timeout=a.timeout,
                               env={"OMP_NUM_THREADS": "1"})

@@ -33,9 +33,15 @@ Padding to a multiple of N, stage 3's persistent (unpartitioned) small
 parameters and Adam's scalar step counters make the measurement slightly
 larger than the formula; `ratio` = measured / predicted shows by how much.
 
-Besides model states, `peaks` gives what the engine measured during steps:
-the most bytes of gradient bucket buffers and (stage 3) of gathered weights
-alive at once, next to the bounds the configuration sets.
+Besides model states, `peaks` gives what the engine measured during steps
+(`engine.peak_buffers()`): for each pool of buffers it keeps, `<name>_peak`
+(the most bytes allocated at once) and `<name>_bound` (what the configuration
+allows). `buffers` pairs them generically, whatever pools an engine exposes
+(gradient buckets, gathered weights, quantization buffers, ...):
+{name: {"peak", "bound", "within"}}; a peak without a bound (or the reverse)
+is listed with None on the missing side and within False, so a pool nobody
+bounded shows up rather than passing. `buffer_bounds_bytes` is the sum of the
+bounds: what the configuration lets buffers hold on top of model states.
 """
 from __future__ import annotations
 
@@ -85,6 +91,17 @@ def measure(tensors_by_kind: dict[str, list[torch.Tensor]]) -> dict[str, int]:
     return out
 
 
+def buffer_bounds(peaks: dict) -> dict[str, dict]:
+    """{name: {"peak", "bound", "within"}} for every `<name>_peak` / `<name>_bound` in `peaks`."""
+    names = sorted({k[:-len(suffix)] for k in peaks for suffix in ("_peak", "_bound") if k.endswith(suffix)})
+    out = {}
+    for name in names:
+        peak, bound = peaks.get(name + "_peak"), peaks.get(name + "_bound")
+        within = peak is not None and bound is not None and peak <= bound
+        out[name] = {"peak": peak, "bound": bound, "within": within}
+    return out
+
+
 def memory_report(engine) -> dict:
     """This rank's model-state bytes, measured and predicted, by category."""
     stage = engine.config.zero_optimization.stage
@@ -100,6 +117,8 @@ def memory_report(engine) -> dict:
     measured = measure(engine.model_state_tensors())
     predicted = {k: v * psi for k, v in per.items()}
     total_m, total_p = sum(measured.values()), sum(predicted.values())
+    peaks = engine.peak_buffers()
+    buffers = buffer_bounds(peaks)
     return {
         "stage": stage, "world_size": world, "dtype": str(engine.dtype).replace("torch.", ""),
         "num_parameters": psi,
@@ -108,7 +127,9 @@ def memory_report(engine) -> dict:
         "predicted_bytes_per_param": {**per, "total": sum(per.values())},
         "ratio": {**{k: (measured[k] / predicted[k] if predicted[k] else float("nan")) for k in measured},
                   "total": total_m / total_p},
-        "peaks": engine.peak_buffers(),
+        "peaks": peaks,
+        "buffers": buffers,
+        "buffer_bounds_bytes": sum(b["bound"] or 0 for b in buffers.values()),
         "hpz_secondary_bytes": 0 if secondary is None else secondary.untyped_storage().nbytes(),
     }
 
@@ -118,3 +139,79 @@ def _num_params(engine) -> int:
     if shards is not None:  # stage 3 weights are placeholders: use the recorded sizes
         return sum(s.numel for s in shards)
     return sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
+
+
+class AllocationTrace:
+    """Tensor allocations on `device` while the block runs (torch.profiler with
+    profile_memory and Python stacks): `peak_bytes`, the most bytes allocated
+    above the level at entry (frees of older tensors count down), and
+    `at_peak`, what was alive at that moment by allocation site, largest first:
+    [(site, bytes, count)]. A site is the innermost functions of this
+    repository's packages (file:line of their def, as the profiler names them)
+    and the operator that allocated: the outermost aten op under them, or the
+    autograd node in backward ("zeropp/quant.py:155 _torch_quantize <
+    zeropp/quant.py:186 quantize [aten::to]").
+
+        with AllocationTrace() as trace:
+            step()
+        trace.peak_bytes, trace.at_peak[:5]
+    """
+    PACKAGES = ("zeropp/", "model/", "parallel/", "training/", "planner/", "bench/", "tests/")
+
+    def __init__(self, device: str = "cpu", frames: int = 2):
+        self.device, self.frames = device, frames
+        self.peak_bytes, self.at_peak = 0, []
+
+    def __enter__(self):
+        from torch.profiler import ProfilerActivity, profile
+        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=True,
+                             record_shapes=True)
+        self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._prof.__exit__(*exc)
+        events = []   # (time, ptr, signed bytes, site)
+        for root in self._prof.profiler.kineto_results.experimental_event_tree():
+            self._collect(root, [], events)
+        self._prof = None
+        events.sort(key=lambda e: e[0])
+        alive, level, peak, snapshot = {}, 0, 0, {}
+        for _, ptr, size, site in events:
+            level += size
+            if size > 0:
+                alive[ptr] = (size, site)
+            else:
+                alive.pop(ptr, None)   # older than the trace: only the level goes down
+            if level > peak:
+                peak, snapshot = level, dict(alive)
+        by_site: dict[str, list[int]] = {}
+        for size, site in snapshot.values():
+            acc = by_site.setdefault(site, [0, 0])
+            acc[0] += size
+            acc[1] += 1
+        self.peak_bytes = peak
+        self.at_peak = sorted(((s, b, n) for s, (b, n) in by_site.items()), key=lambda r: -r[1])
+        return False
+
+    def _collect(self, ev, stack: list[str], out: list, op: str = ""):
+        fields = ev.extra_fields
+        if type(fields).__name__ == "_ExtraFields_Allocation":
+            if str(fields.device).startswith(self.device) and fields.alloc_size:
+                out.append((ev.start_time_ns, fields.ptr, fields.alloc_size, self._site(stack, op)))
+            return
+        name = ev.name
+        if "(" in name and "): " in name and name.startswith(self.PACKAGES):
+            path, rest = name.split("(", 1)
+            line, func = rest.split("): ", 1)
+            stack, op = stack + [f"{path}:{line} {func}"], ""   # a function (its def line) in this repo
+        elif name.startswith("autograd::engine::evaluate_function: "):
+            op = name.rsplit(" ", 1)[1]     # the backward node names what backward allocated
+        elif name.startswith("aten::") and not op:
+            op = name                       # the outermost aten op under the innermost frame
+        for child in ev.children:
+            self._collect(child, stack, out, op)
+
+    def _site(self, stack: list[str], op: str) -> str:
+        frames = " < ".join(reversed(stack[-self.frames:])) if stack else "(outside this repository)"
+        return f"{frames} [{op}]" if op else frames
