@@ -119,9 +119,6 @@ def test_step_allocations_within_bounds_and_activations(system):
             f"= {MARGIN} x (bounds {r['bounds']} + activations {act}); alive at the peak: {r['at_peak']}")
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 goal 4: qwZ/qgZ allocate their quantize/dequantize "
-                                       "tensors per call (zeropp/quantized_collectives.py, zeropp/quant.py), "
-                                       "outside every pool and bound")
 def test_zeropp_allocates_beyond_zero3_only_what_its_pools_bound():
     for z3, zpp in zip(_run("zero3"), _run("zeropp")):
         extra_bounds = zpp["bounds"] - z3["bounds"]

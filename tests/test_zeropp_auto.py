@@ -10,7 +10,7 @@ import torch
 
 import train
 import zeropp
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, num_parameters
 from parallel.comm import Communicator
 from parallel.link_probe import LinkMeasurement, LinkProbeError, probe_links
 from parallel.topology import Topology, topology_from_env
@@ -119,8 +119,11 @@ def pick(zero: dict, m: Measurements):
 
 
 def test_slow_link_picks_quantization_and_hpz():
-    # weights regathered in backward (reuse 0), so hpZ has cross-node bytes to save
-    chosen, predicted, lines = pick({**AUTO_ZERO, "stage3_max_reuse_distance": 0}, synthetic(0.1, 50, 2000))
+    # weights regathered in backward (reuse 0, a prefetch bucket of 1/8 of the model: only
+    # the first backward bucket is held), so hpZ has cross-node bytes to save
+    psi = num_parameters(GPTConfig(**BENCH))
+    chosen, predicted, lines = pick({**AUTO_ZERO, "stage3_max_reuse_distance": 0,
+                                     "stage3_prefetch_bucket_size": psi // 8}, synthetic(0.1, 50, 2000))
     assert (chosen.zero_quantized_weights, chosen.zero_hpz_partition_size, chosen.zero_quantized_gradients) == \
         (True, 2, True), lines
     assert len(predicted) == 8 and min(predicted.values()) == predicted["ZeRO++ (qwZ, hpZ 2, qgZ)"]

@@ -74,8 +74,9 @@ class TrainingLogger:
                     f"{_mb(p['total'])} (measured/formula {report['ratio']['total']:.3f})")
         peaks = report.get("peaks") or {}
         if peaks:
+            names = [k[:-len("_peak")] for k in peaks if k.endswith("_peak") and k[:-5] + "_bound" in peaks]
             parts = [f"{name} {_mb(peaks[name + '_peak'])} (bound {_mb(peaks[name + '_bound'])})"
-                     for name in ("gathered_weights", "gradient_buckets") if name + "_peak" in peaks]
+                     for name in names]
             print_rank0(f"> peak during the step: {', '.join(parts).replace('_', ' ')}")
 
     def validation_line(self, it: int, name: str, loss: float, end_of_training: bool = False):

@@ -224,4 +224,5 @@ class ShardedEngineBase(Engine):
         # the bucket being filled plus those in flight, each [N, c] rows, a [c] result and
         # the reduction's own buffers (qgZ's wire), plus its staging of one bucket at a time
         per_bucket = bucket * (1 + 1 / self.world) * b + self.reduce.inflight_bytes(bucket)
-        return int((r.max_inflight + 1) * per_bucket + self.reduce.staging_bytes(bucket, b))
+        inflight = r.max_inflight if r.overlap else 0
+        return int((inflight + 1) * per_bucket + self.reduce.staging_bytes(bucket, b))
