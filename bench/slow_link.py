@@ -63,7 +63,7 @@ from bench.slow_link_report import mb, rate_name, render
 from bench.slow_link_sweep import run_system, segment, summarize
 
 DEFAULT_RATES = [100, 200, 1000, 0]  # Mbit/s; 0 = no qdisc (the veth's own speed)
-DEFAULT_SYSTEMS = ["zero3-reuse0", "zeropp-qwz", "zeropp-hpz", "zeropp-qgz", "zeropp", "auto", "fsdp2",
+DEFAULT_SYSTEMS = ["zero3-reuse0", "zero3", "zeropp-qwz", "zeropp-hpz", "zeropp-qgz", "zeropp", "auto", "fsdp2",
                    "fsdp2-hpz", "deepspeed-z3-reuse0", "deepspeed-z3-hpz"]
 QUICK_SYSTEMS = ["zero3-reuse0", "zeropp"]
 

@@ -1,9 +1,7 @@
-"""The systems bench/zero_bench.py compares, and one rank's timed loop.
-
-Each `setup_*` builds one system on this rank and returns its step functions
-(`fwd_bwd`, `opt_step`, `mem`, optionally `counted`/`reset`); `run_rank` times
-them. Imported by the spawned ranks, so it must not start anything on import.
-"""
+"""The systems bench/zero_bench.py compares, and one rank's timed loop. Each `setup_*`
+builds one system on this rank and returns its step functions (`fwd_bwd`, `opt_step`,
+`mem`, optionally `counted`/`reset`); `run_rank` times them. Imported by the spawned
+ranks, so it must not start anything on import."""
 from __future__ import annotations
 
 import os
@@ -29,7 +27,7 @@ FSDP2 = ("fsdp2", "fsdp2-hpz")
 # bench/zero_bench.py's systems (one node); the ZeRO++ rows need several nodes: SLOW_LINK_SYSTEMS.
 ALL_SYSTEMS = ["ddp", "zero1", "zero2", "zero3", "zero3-reuse0", "fsdp2", "deepspeed-z1", "deepspeed-z2",
                "deepspeed-z3", "deepspeed-z3-reuse0"]
-SLOW_LINK_SYSTEMS = ["zero3-reuse0", "zeropp-qwz", "zeropp-hpz", "zeropp-qgz", "zeropp", "auto", "fsdp2",
+SLOW_LINK_SYSTEMS = ["zero3-reuse0", "zero3", "zeropp-qwz", "zeropp-hpz", "zeropp-qgz", "zeropp", "auto", "fsdp2",
                      "fsdp2-hpz", "deepspeed-z3-reuse0", "deepspeed-z3-hpz"]
 DEFAULT_SYSTEMS = ["ddp", "zero1", "zero2", "zero3", "zero3-reuse0", "fsdp2", "deepspeed-z3"]
 WORLD1_SYSTEMS = ["plain", "ddp", "zero3"]
@@ -43,9 +41,9 @@ LABELS = {"ddp": "ours stage 0 (DDPEngine)", "zero1": "ours ZeRO-1", "zero2": "o
           "auto": "ours ZeRO++ auto (planner.auto)", "fsdp2-hpz": "PyTorch FSDP2 (reshard to node)",
           "deepspeed-z3-hpz": "DeepSpeed ZeRO-3 + hpZ (reuse 0)"}
 PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's default stage3_param_persistence_threshold (1e5)
-# The "reuse 0" rows: weights released after their forward use, gathered again in backward
-# (stage3_max_reuse_distance 0), prefetch bucket 1/REUSE0_PREFETCH_FRACTION of the model's
-# elements; a["bucket_fraction"] (bench/slow_link.py): prefetch and reduce buckets 1/that.
+# The "reuse 0" rows: weights released after forward, gathered again in backward (reuse distance 0),
+# prefetch bucket 1/REUSE0_PREFETCH_FRACTION of the model; a["bucket_fraction"] (bench/slow_link.py):
+# prefetch and reduce buckets 1/that, also for ours with held weights ("zero3").
 REUSE0 = ("zero3-reuse0", "deepspeed-z3-reuse0", "zeropp-qwz", "zeropp-hpz", "zeropp-qgz", "zeropp",
           "deepspeed-z3-hpz", "auto")
 REUSE0_PREFETCH_FRACTION = 4
@@ -78,6 +76,9 @@ def zero_section(system: str, a) -> dict:
         zero["stage3_prefetch_bucket_size"] = num_params(a) // (fraction or REUSE0_PREFETCH_FRACTION)
         if fraction:
             zero["reduce_bucket_size"] = num_params(a) // fraction
+    elif stage == 3 and system in OURS and a.get("bucket_fraction"):   # held weights, the same buckets
+        zero.update(dict.fromkeys(("stage3_prefetch_bucket_size", "reduce_bucket_size"),
+                                  num_params(a) // a["bucket_fraction"]))
     switches = ZEROPP.get(system, ())
     if "auto" in switches:
         zero.update(zero_quantized_weights="auto", zero_hpz_partition_size="auto", zero_quantized_gradients="auto")
