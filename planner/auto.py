@@ -27,8 +27,8 @@ Rules
   the real model's trace, the engine's buckets and collectives, planner/timing.py). The
   fastest wins, except that a candidate with fewer techniques within PREFER_FEWER (2%) of the
   fastest is preferred: quantization costs accuracy and hpZ memory.
-- Overlap of communication with compute is assumed on CUDA only: on CPU ranks gloo's threads
-  share the cores with compute (bench/planner_calibration.py measured no overlap there).
+- The engine overlaps gathers and reductions with compute (planner/timing.py's overlap model),
+  on CPU ranks too: bench/planner_calibration.py fits the slow-link sweep with it.
 - A probe that cannot run raises parallel.link_probe.LinkProbeError; nothing is guessed.
 
 `train.py --dry-run --cluster FILE` with auto switches plans every candidate on the
@@ -79,8 +79,7 @@ def resolve(ds_config: DeepSpeedConfig | dict, model_cfg: GPTConfig, comm, devic
     m = measure(model_cfg, dtype, device, micro_batch, seq_length, topo,
                 zero.zero_quantized_weights_block_size, zero.zero_quantized_gradients_block_size)
     backend = dist.get_backend() if dist.is_initialized() else "gloo"
-    cluster = measured_cluster(m, topo.num_nodes, topo.ranks_per_node, overlap=device.type == "cuda",
-                               gloo=backend == "gloo")
+    cluster = measured_cluster(m, topo.num_nodes, topo.ranks_per_node, overlap=True, gloo=backend == "gloo")
     job = Job(cfg=model_cfg, ds=ds, optimizer=optimizer or OptimizerSettings(), world=topo.world_size,
               ranks_per_node=topo.ranks_per_node, micro_batch=micro_batch, seq_length=seq_length,
               accumulation=accumulation)
