@@ -236,13 +236,25 @@ def _default_writer(path: str):
     return dcp.FileSystemWriter(path, sync_files=True)
 
 
+# torch's own file writer reports a short write ("... vs 598") without the errno: a save that
+# failed on a file system with less than this left is reported as the full disk it is.
+_FULL_DISK_BYTES = 64 * 2**20
+
+
 def _raise_save_error(save_dir: str, iteration: int, error):
     if error is None:
         return
     latest = latest_iteration(save_dir)
     kept = (f"the previous checkpoint (iteration {latest}) is intact and still the latest"
             if latest is not None else "no earlier checkpoint exists there")
-    raise CheckpointError(f"could not save iteration {iteration} to {save_dir}: {_reason(error)}; {kept}. "
+    reason = _reason(error)
+    try:
+        free = shutil.disk_usage(save_dir).free
+    except OSError:
+        free = None
+    if "No space left on device" not in reason and free is not None and free < _FULL_DISK_BYTES:
+        reason = f"No space left on device ({free} bytes free there): {reason}"
+    raise CheckpointError(f"could not save iteration {iteration} to {save_dir}: {reason}; {kept}. "
                           f"Free space there or pass another --save") from error
 
 
