@@ -183,5 +183,16 @@ def run(argv=None) -> int:
     return 0
 
 
+def exit_now(status: int):
+    """Ends the process once run() is done: everything of ours is closed by then (checkpoints
+    written and checked, TensorBoard closed, the process group destroyed), so the interpreter's
+    own teardown has nothing left to do but destroy torch's C++ objects, and that can abort
+    (gloo: "terminate called without an active exception", seen after a torchrun restart) or
+    hang (a gloo group freed by a finalizer that holds the GIL). os._exit skips it."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(run())
+    exit_now(run())
