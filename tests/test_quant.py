@@ -8,6 +8,7 @@ in this repo uses on CPU.
 """
 import math
 import os
+import threading
 
 import pytest
 import torch
@@ -207,8 +208,35 @@ def test_chunked_torch_path_equals_one_pass_and_writes_into_out(monkeypatch, bit
 
     chunked = everything()
     monkeypatch.setattr(quant, "_CHUNK", 1 << 30)
+    monkeypatch.setattr(quant, "_STACKED_CHUNK", 1 << 30)
+    monkeypatch.setattr(quant, "_SCRATCH", threading.local())   # the whole-tensor slots die with the test
     whole = everything()
     for a, b in zip(chunked, whole):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("rows", [2, 16, 64])
+def test_scratch_stays_within_its_bound_and_strided_packing_gives_the_same_bits(monkeypatch, rows):
+    """The torch path keeps its chunk temporaries for reuse; with many stacked rows (ranks)
+    they stay within scratch_bound (which the engine reports), and the int16 (un)packing of
+    INT4 equals the plain strided one (kept for big-endian hosts)."""
+    monkeypatch.setattr(quant, "_SCRATCH", threading.local())
+    n = quant._CHUNK // 2 + 77
+    xs = torch.randn(rows, n, dtype=torch.bfloat16)
+
+    def everything():
+        st = Quantized.stack([quant.quantize(x, 4, 128, backend="torch") for x in xs])
+        w = Quantized.stack([quant.quantize(x, 8, 256, backend="torch") for x in xs])
+        return [st.data, st.scales, quant.dequantize(w, torch.bfloat16, backend="torch"),
+                quant.dequantize(st, torch.bfloat16, backend="torch"),
+                quant.dequantize_reduce(st, torch.float32, 1 / rows, backend="torch"),
+                quant.dequantize_reduce_requantize(st, 4, 128, backend="torch").data]
+
+    fast = everything()
+    held = quant.scratch_bytes("cpu")
+    assert 0 < held <= quant.scratch_bound(256, rows)
+    monkeypatch.setattr(quant, "_LITTLE_ENDIAN", False)
+    for a, b in zip(fast, everything()):
         assert torch.equal(a, b)
 
 

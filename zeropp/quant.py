@@ -50,6 +50,8 @@ positive size, even for INT4) and multiples of 8, so the wire buffer of ``to_byt
 from __future__ import annotations
 
 import os
+import sys
+import threading
 from typing import Optional, Sequence, Union
 
 import torch
@@ -67,6 +69,8 @@ __all__ = [
     "dequantize_reduce",
     "wire_nbytes",
     "triton_available",
+    "scratch_bytes",
+    "scratch_bound",
 ]
 
 
@@ -107,13 +111,47 @@ def _pick_backend(backend: str, device: torch.device, block_size: int) -> str:
 # elements, so temporaries stay small (about a MB, in cache) whatever the tensor
 
 _CHUNK = 1 << 18   # 1 MB of fp32: per-op overhead amortized, temporaries still in cache
+_STACKED_CHUNK = 4 * _CHUNK   # elements of a chunk over all the rows of a stacked tensor
+_SCRATCH = threading.local()
+_LITTLE_ENDIAN = sys.byteorder == "little"   # INT4 (un)packing reads a pair of int8 as one int16
 
 
-def _chunks(num_blocks_: int, block_size: int):
-    """(first block, last block + 1) of each chunk."""
-    step = max(1, _CHUNK // block_size)
+def _scratch(slot: str, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A reusable temporary for one chunk (contents undefined). The same few slots serve every
+    call, so a chunk's temporaries are not allocated and freed each time: on CPU a freed MB
+    goes back to the OS and the next one page-faults in again, which cost the torch path as
+    much as its arithmetic. Each slot holds at most a chunk (a few MB per thread in all)."""
+    numel = 1
+    for d in shape:
+        numel *= d
+    nbytes = max(1, numel * dtype.itemsize)
+    slots = _SCRATCH.__dict__.setdefault(torch.device(device), {})
+    buf = slots.get(slot)
+    if buf is None or buf.numel() < nbytes:
+        buf = slots[slot] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return buf[:nbytes].view(dtype).view(shape)
+
+
+def _chunks(num_blocks_: int, block_size: int, rows: int = 1):
+    """(first block, last block + 1) of each chunk: _CHUNK elements of each row, and at
+    most _STACKED_CHUNK over `rows` stacked tensors, so that the temporaries stay bounded
+    however many rows (ranks) there are, and the chunks few (per-op overhead)."""
+    step = max(1, min(_CHUNK, _STACKED_CHUNK // rows) // block_size)
     for b0 in range(0, num_blocks_, step):
         yield b0, min(num_blocks_, b0 + step)
+
+
+def scratch_bytes(device) -> int:
+    """Bytes the torch path's scratch slots hold now in this thread (for `device`)."""
+    return sum(b.numel() for b in _SCRATCH.__dict__.get(torch.device(device), {}).values())
+
+
+def scratch_bound(block_size: int, rows: int = 1) -> int:
+    """The most `scratch_bytes` can reach for blocks of `block_size` and up to `rows` stacked
+    tensors (a chunk is at least one block of every row). Bytes per element of a chunk: of
+    one row, input, quotient, sum and term (fp32), int8, pack and pack_low (1 each); of all
+    its rows, product (fp32), unpacked and unpacked_low (int16 per pair: 1 each)."""
+    return 19 * max(_CHUNK, block_size) + 6 * max(_STACKED_CHUNK, block_size * rows)
 
 
 def _quantize_blocks(xb: torch.Tensor, bits: int, data_out: torch.Tensor, scales_out: torch.Tensor):
@@ -125,7 +163,7 @@ def _quantize_blocks(xb: torch.Tensor, bits: int, data_out: torch.Tensor, scales
     scales.div_(qmax)
     finite = torch.isfinite(scales)
     safe = torch.where((scales == 0) | ~finite, torch.ones_like(scales), scales)
-    y = torch.div(xb, safe.unsqueeze(-1))
+    y = torch.div(xb, safe.unsqueeze(-1), out=_scratch("quotient", xb.shape, torch.float32, xb.device))
     # clamp guards subnormal scales; round is ties-to-even, as the Triton kernels' rint trick
     y.clamp_(-qmax, qmax).round_()
     if not bool(finite.all()):  # non-finite block: data 0, the scale carries inf/nan
@@ -133,17 +171,36 @@ def _quantize_blocks(xb: torch.Tensor, bits: int, data_out: torch.Tensor, scales
     if bits == 8:
         data_out.copy_(y.view(-1))
     else:  # two values per byte, low nibble = even element
-        q = y.view(-1).to(torch.int8)
-        torch.bitwise_or(q[0::2] & 0xF, q[1::2] << 4, out=data_out.view(torch.int8))
+        q = _scratch("int8", (y.numel(),), torch.int8, y.device)
+        q.copy_(y.view(-1))
+        if not _LITTLE_ENDIAN:
+            torch.bitwise_or(q[0::2] & 0xF, q[1::2] << 4, out=data_out.view(torch.int8))
+            return
+        # Each pair as one int16 (q[2i] the low byte): contiguous ops, ~3x faster on CPU
+        # than the strided q[0::2], q[1::2].
+        pair = q.view(torch.int16)
+        byte = _scratch("pack", pair.shape, torch.int16, y.device)
+        low = _scratch("pack_low", pair.shape, torch.int16, y.device)
+        torch.bitwise_right_shift(pair, 4, out=byte).bitwise_and_(0xF0)     # q[2i+1]'s nibble, bits 4-7
+        byte.bitwise_or_(torch.bitwise_and(pair, 0x0F, out=low))             # q[2i]'s nibble, bits 0-3
+        data_out.copy_(byte)
 
 
 def _unpack4(b: torch.Tensor) -> torch.Tensor:
-    """uint8 [..., m] -> int8 [..., 2m]: arithmetic shifts of the int8 view sign-extend
-    each nibble (4-bit two's complement)."""
-    out = torch.empty(*b.shape[:-1], b.shape[-1], 2, dtype=torch.int8, device=b.device)
-    torch.bitwise_right_shift((b << 4).view(torch.int8), 4, out=out[..., 0])
-    torch.bitwise_right_shift(b.view(torch.int8), 4, out=out[..., 1])
-    return out.flatten(-2)
+    """uint8 [..., m] -> int8 [..., 2m]: arithmetic shifts sign-extend each nibble (4-bit
+    two's complement). Built as one int16 per byte, the low nibble in the low byte, so
+    every op is contiguous (~3x faster on CPU than writing out[..., 0] and out[..., 1])."""
+    if not _LITTLE_ENDIAN:
+        out = _scratch("unpacked", (*b.shape[:-1], b.shape[-1], 2), torch.int8, b.device)
+        torch.bitwise_right_shift((b << 4).view(torch.int8), 4, out=out[..., 0])
+        torch.bitwise_right_shift(b.view(torch.int8), 4, out=out[..., 1])
+        return out.flatten(-2)
+    word = _scratch("unpacked", b.shape, torch.int16, b.device)
+    low = _scratch("unpacked_low", b.shape, torch.int16, b.device)
+    word.copy_(b)                                                              # 0..255
+    torch.bitwise_left_shift(word, 12, out=low).bitwise_right_shift_(12).bitwise_and_(0xFF)
+    word.bitwise_left_shift_(8).bitwise_right_shift_(4).bitwise_and_(-256)    # high nibble, high byte
+    return word.bitwise_or_(low).view(torch.int8)
 
 
 def _values(q: Quantized, b0: int, b1: int) -> torch.Tensor:
@@ -167,13 +224,14 @@ def _dequant_into(q: Quantized, out: torch.Tensor):
     fp32 chunk then a cast (a mixed int8 x fp32 -> bf16 multiply is ~7x slower on CPU)."""
     bs, n = q.block_size, q.numel
     lead = q.data.shape[:-1]
-    for b0, b1 in _chunks(q.num_blocks, bs):
+    for b0, b1 in _chunks(q.num_blocks, bs, lead.numel()):
         lo, hi = b0 * bs, min(b1 * bs, n)
         vals, scales = _values(q, b0, b1), q.scales[..., b0:b1].unsqueeze(-1)
         if out.dtype == torch.float32 and hi - lo == (b1 - b0) * bs:
             torch.mul(vals, scales, out=out[..., lo:hi].view(*lead, b1 - b0, bs))
         else:
-            _write(out, lo, hi, torch.mul(vals, scales))
+            _write(out, lo, hi, torch.mul(vals, scales, out=_scratch("product", vals.shape, torch.float32,
+                                                                    vals.device)))
 
 
 def _torch_quantize(x: torch.Tensor, bits: int, block_size: int) -> Quantized:
@@ -185,9 +243,12 @@ def _torch_quantize(x: torch.Tensor, bits: int, block_size: int) -> Quantized:
     per_byte = 8 // bits
     for b0, b1 in _chunks(nb, bs):
         lo, hi = b0 * bs, min(b1 * bs, n)
-        xf = x[lo:hi].to(torch.float32)
-        if hi - lo < (b1 - b0) * bs:
-            xf = torch.nn.functional.pad(xf, (0, (b1 - b0) * bs - (hi - lo)))
+        if x.dtype == torch.float32 and hi - lo == (b1 - b0) * bs:
+            xf = x[lo:hi]
+        else:   # 16-bit in an fp32 chunk, zero-padded to whole blocks
+            xf = _scratch("input", ((b1 - b0) * bs,), torch.float32, x.device)
+            xf[:hi - lo].copy_(x[lo:hi])
+            xf[hi - lo:].zero_()
         _quantize_blocks(xf.view(b1 - b0, bs), bits, data[lo // per_byte:b1 * bs // per_byte], scales[b0:b1])
     return Quantized(data, scales, n, bits, bs)
 
@@ -204,10 +265,10 @@ def _summed_chunks(st: Quantized):
     """(b0, b1, fp32 [b1 - b0, bs]): the sum over the k parts of blocks [b0, b1),
     accumulated sequentially (part 0, then +1, ...), each product rounded before the sum
     (no fused multiply-add): the Triton kernel's order, so both give identical bits."""
-    for b0, b1 in _chunks(st.num_blocks, st.block_size):
+    for b0, b1 in _chunks(st.num_blocks, st.block_size, len(st)):
         vals, scales = _values(st, b0, b1), st.scales[:, b0:b1].unsqueeze(-1)
-        acc = torch.mul(vals[0], scales[0])
-        term = torch.empty_like(acc)
+        acc = torch.mul(vals[0], scales[0], out=_scratch("sum", vals.shape[1:], torch.float32, vals.device))
+        term = _scratch("term", acc.shape, torch.float32, acc.device)
         for i in range(1, len(st)):
             acc.add_(torch.mul(vals[i], scales[i], out=term))
         yield b0, b1, acc

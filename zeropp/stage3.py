@@ -53,6 +53,7 @@ from zeropp.buffer_pool import BufferPool
 from zeropp.collectives import ShardReduce
 from zeropp.hpz import SecondaryPartition
 from zeropp.partition import Partition
+from zeropp.quant import scratch_bound, scratch_bytes
 from zeropp.quantized_collectives import HierarchicalQuantizedReduce, QuantizedShardGather
 from zeropp.schedule import GatherSchedule, TraceRecorder, backward_order, checkpoint_region, reuse_set, without
 from zeropp.sharded import ShardedEngineBase
@@ -331,10 +332,17 @@ class Stage3Engine(ShardedEngineBase):
 
     def peak_buffers(self) -> dict:
         b = self._placeholder.element_size()
-        return {**super().peak_buffers(), "gathered_weights_peak": self.gathered.peak_bytes,
-                "gathered_weights_bound": self.zero.stage3_max_live_parameters * b,
-                "gather_buffers_peak": self.gather_pool.peak_bytes,
-                "gather_buffers_bound": self._gather_buffers_bound()}
+        peaks = {**super().peak_buffers(), "gathered_weights_peak": self.gathered.peak_bytes,
+                 "gathered_weights_bound": self.zero.stage3_max_live_parameters * b,
+                 "gather_buffers_peak": self.gather_pool.peak_bytes,
+                 "gather_buffers_bound": self._gather_buffers_bound()}
+        zero = self.zero
+        if zero.zero_quantized_weights or zero.zero_quantized_gradients:
+            # the torch quantization path's chunk temporaries, kept for reuse (none on CUDA)
+            block = max(zero.zero_quantized_weights_block_size, zero.zero_quantized_gradients_block_size)
+            peaks["quantizer_scratch_peak"] = scratch_bytes(self.device)
+            peaks["quantizer_scratch_bound"] = scratch_bound(block, self.world)
+        return peaks
 
     def _gather_buffers_bound(self) -> int:
         """Gathers in flight at once: the bucket requested, those prefetched (at most
