@@ -59,10 +59,6 @@ class ShardReduce:
         own rows and result (none here)."""
         return 0
 
-    def staging_bytes(self, bucket_elems: int, elem_bytes: int) -> int:
-        """Pooled bytes one start() uses only while it runs (none here)."""
-        return 0
-
     def start(self, rows: torch.Tensor, out: torch.Tensor, partition: Partition, phase: str,
               async_op: bool = True, pool: BufferPool | None = None):
         """`pool`: where a reduction takes its transient buffers (none here)."""

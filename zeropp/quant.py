@@ -234,12 +234,12 @@ def _dequant_into(q: Quantized, out: torch.Tensor):
                                                                     vals.device)))
 
 
-def _torch_quantize(x: torch.Tensor, bits: int, block_size: int) -> Quantized:
+def _torch_quantize(x: torch.Tensor, bits: int, block_size: int, out: Optional[Quantized] = None) -> Quantized:
     n, bs = x.numel(), block_size
     nb = num_blocks(n, bs)
     x = x.reshape(-1)
-    data = torch.empty(nb * bs * bits // 8, dtype=torch.int8 if bits == 8 else torch.uint8, device=x.device)
-    scales = torch.empty(nb, dtype=torch.float32, device=x.device)
+    out = out if out is not None else Quantized.empty(n, bits, bs, x.device)
+    data, scales = out.data, out.scales
     per_byte = 8 // bits
     for b0, b1 in _chunks(nb, bs):
         lo, hi = b0 * bs, min(b1 * bs, n)
@@ -250,7 +250,7 @@ def _torch_quantize(x: torch.Tensor, bits: int, block_size: int) -> Quantized:
             xf[:hi - lo].copy_(x[lo:hi])
             xf[hi - lo:].zero_()
         _quantize_blocks(xf.view(b1 - b0, bs), bits, data[lo // per_byte:b1 * bs // per_byte], scales[b0:b1])
-    return Quantized(data, scales, n, bits, bs)
+    return out
 
 
 def _as_stacked(parts: Union[Quantized, Sequence[Quantized]]) -> Quantized:
@@ -278,16 +278,19 @@ def _summed_chunks(st: Quantized):
 # public API
 
 def quantize(x: torch.Tensor, bits: int = 8, block_size: Optional[int] = None,
-             backend: str = "auto") -> Quantized:
+             backend: str = "auto", out: Optional[Quantized] = None) -> Quantized:
     """Quantize the flattened ``x`` (fp32/fp16/bf16) to ``bits`` (8 or 4) with one fp32 scale
-    per ``block_size`` elements (default ``DEFAULT_BLOCK_SIZE[bits]``)."""
+    per ``block_size`` elements (default ``DEFAULT_BLOCK_SIZE[bits]``). ``out``: where to
+    write (``Quantized.check_out``), e.g. views into a wire buffer; default new tensors."""
     block_size = check_block_size(bits, block_size)
     if not x.is_floating_point():
         raise TypeError(f"quantize needs a floating tensor, got {x.dtype}")
+    if out is not None:
+        out.check_out(x.numel(), bits, block_size)
     if _pick_backend(backend, x.device, block_size) == "triton":
         from zeropp import quant_triton
-        return quant_triton.quantize(x, bits, block_size)
-    return _torch_quantize(x, bits, block_size)
+        return quant_triton.quantize(x, bits, block_size, out=out)
+    return _torch_quantize(x, bits, block_size, out)
 
 
 def dequantize(q: Quantized, dtype: torch.dtype = torch.float32, backend: str = "auto",
@@ -309,31 +312,31 @@ def dequantize(q: Quantized, dtype: torch.dtype = torch.float32, backend: str = 
 
 def dequantize_reduce_requantize(parts: Union[Quantized, Sequence[Quantized]], bits_out: int = 4,
                                  block_size_out: Optional[int] = None,
-                                 backend: str = "auto") -> Quantized:
+                                 backend: str = "auto", out: Optional[Quantized] = None) -> Quantized:
     """qgZ's middle hop: dequantize k quantized tensors of the same numel (a list, or one
     stacked Quantized), sum them in fp32 (sequentially, part 0 first) and quantize the sum
     to ``bits_out`` with ``block_size_out`` (default: the parts' block size if valid for
-    ``bits_out``, else ``DEFAULT_BLOCK_SIZE[bits_out]``)."""
+    ``bits_out``, else ``DEFAULT_BLOCK_SIZE[bits_out]``). ``out`` as for ``quantize``."""
     st = _as_stacked(parts)
     if block_size_out is None:
         block_size_out = st.block_size if (bits_out == 8 or st.block_size % 2 == 0) else None
     block_size_out = check_block_size(bits_out, block_size_out)
+    if out is not None:
+        out.check_out(st.numel, bits_out, block_size_out)
     if _pick_backend(backend, st.data.device, st.block_size) == "triton" and block_size_out == st.block_size:
         from zeropp import quant_triton
-        return quant_triton.dequantize_reduce_requantize(st, bits_out)
+        return quant_triton.dequantize_reduce_requantize(st, bits_out, out=out)
     bs = st.block_size
     if block_size_out != bs:   # requantize the whole sum in the other block size
         total = torch.empty(st.num_blocks * bs, dtype=torch.float32, device=st.data.device)
         for b0, b1, acc in _summed_chunks(st):
             total[b0 * bs:b1 * bs].copy_(acc.view(-1))
-        return _torch_quantize(total[:st.numel], bits_out, block_size_out)
-    data = torch.empty(st.num_blocks * bs * bits_out // 8, dtype=torch.int8 if bits_out == 8 else torch.uint8,
-                       device=st.data.device)
-    scales = torch.empty(st.num_blocks, dtype=torch.float32, device=st.data.device)
+        return _torch_quantize(total[:st.numel], bits_out, block_size_out, out)
+    out = out if out is not None else Quantized.empty(st.numel, bits_out, bs, st.data.device)
     per_byte = 8 // bits_out
     for b0, b1, acc in _summed_chunks(st):
-        _quantize_blocks(acc, bits_out, data[b0 * bs // per_byte:b1 * bs // per_byte], scales[b0:b1])
-    return Quantized(data, scales, st.numel, bits_out, bs)
+        _quantize_blocks(acc, bits_out, out.data[b0 * bs // per_byte:b1 * bs // per_byte], out.scales[b0:b1])
+    return out
 
 
 def dequantize_reduce(parts: Union[Quantized, Sequence[Quantized]], dtype: torch.dtype = torch.float32,

@@ -36,6 +36,27 @@ class Quantized:
     bits: int
     block_size: int
 
+    @staticmethod
+    def empty(numel: int, bits: int, block_size: int, device) -> "Quantized":
+        """Uninitialized storage for `numel` elements quantized to `bits`."""
+        nb = num_blocks(numel, block_size)
+        data = torch.empty(nb * block_size * bits // 8, dtype=torch.int8 if bits == 8 else torch.uint8,
+                           device=device)
+        return Quantized(data, torch.empty(nb, dtype=torch.float32, device=device), numel, bits, block_size)
+
+    def check_out(self, numel: int, bits: int, block_size: int) -> "Quantized":
+        """`self` as the destination of a quantization of `numel` elements: contiguous data and
+        scales of the right sizes and dtypes (e.g. views into a wire buffer, `from_bytes`)."""
+        want = Quantized.empty(0, bits, block_size, "meta")
+        nb = num_blocks(numel, block_size)
+        if ((self.numel, self.bits, self.block_size) != (numel, bits, block_size) or self.stacked
+                or self.data.dtype != want.data.dtype or self.data.numel() != nb * block_size * bits // 8
+                or self.scales.dtype != torch.float32 or self.scales.numel() != nb
+                or not (self.data.is_contiguous() and self.scales.is_contiguous())):
+            raise ValueError(f"out does not hold {numel} elements quantized to INT{bits} in blocks of "
+                             f"{block_size} (contiguous {want.data.dtype} data and float32 scales)")
+        return self
+
     # ---- sizes -------------------------------------------------------------------------
     @property
     def num_blocks(self) -> int:
@@ -96,6 +117,16 @@ class Quantized:
         if bits == 8:
             data = data.view(torch.int8)
         return Quantized(data, scales, numel, bits, block_size)
+
+    def row(self, i: int, row_numel: int) -> "Quantized":
+        """Elements [i * padded, (i + 1) * padded) of a Quantized (of each, if stacked) whose
+        numel is a whole number of rows, each `row_numel` elements padded to whole blocks
+        (`padded`): a view, so quantizing into it writes into `self` (into a wire buffer, with
+        `from_bytes`)."""
+        nb = num_blocks(row_numel, self.block_size)
+        per = nb * self.block_size * self.bits // 8
+        return Quantized(self.data[..., i * per:(i + 1) * per], self.scales[..., i * nb:(i + 1) * nb], row_numel,
+                         self.bits, self.block_size)
 
 
 # ---------------------------------------------------------------------------------------

@@ -146,20 +146,19 @@ def _check_block(block_size: int):
         raise ValueError(f"Triton quant kernels need a power-of-two block_size >= 2, got {block_size}")
 
 
-def quantize(x: torch.Tensor, bits: int, block_size: int) -> Quantized:
+def quantize(x: torch.Tensor, bits: int, block_size: int, out: Quantized | None = None) -> Quantized:
+    """`out`: contiguous destination (zeropp.quant.quantize checks it); default new tensors."""
     _check_block(block_size)
     x = x.reshape(-1)
     if not x.is_contiguous():
         x = x.contiguous()
     n = x.numel()
     nb = num_blocks(n, block_size)
-    dtype = torch.int8 if bits == 8 else torch.uint8
-    data = torch.empty(nb * block_size * bits // 8, dtype=dtype, device=x.device)
-    scales = torch.empty(nb, dtype=torch.float32, device=x.device)
+    out = out if out is not None else Quantized.empty(n, bits, block_size, x.device)
     rows = _rows(block_size)
-    _quantize_kernel[(triton.cdiv(nb, rows),)](x, data, scales, n, nb, BLOCK=block_size, ROWS=rows, BITS=bits,
-                                               QMAX_=QMAX[bits], **_EXACT)
-    return Quantized(data, scales, n, bits, block_size)
+    _quantize_kernel[(triton.cdiv(nb, rows),)](x, out.data, out.scales, n, nb, BLOCK=block_size, ROWS=rows,
+                                               BITS=bits, QMAX_=QMAX[bits], **_EXACT)
+    return out
 
 
 def _stacked_args(st: Quantized):
@@ -200,15 +199,13 @@ def dequantize_reduce(st: Quantized, dtype: torch.dtype, scale: float, out: torc
     return _reduce_out(st, dtype, scale, out)
 
 
-def dequantize_reduce_requantize(st: Quantized, bits_out: int) -> Quantized:
+def dequantize_reduce_requantize(st: Quantized, bits_out: int, out: Quantized | None = None) -> Quantized:
     data, scales = _stacked_args(st)
     nb, bs = st.num_blocks, st.block_size
-    odt = torch.int8 if bits_out == 8 else torch.uint8
-    out = torch.empty(nb * bs * bits_out // 8, dtype=odt, device=data.device)
-    out_scales = torch.empty(nb, dtype=torch.float32, device=data.device)
+    out = out if out is not None else Quantized.empty(st.numel, bits_out, bs, data.device)
     rows = _rows(bs)
     _reduce_kernel[(triton.cdiv(nb, rows),)](data, scales, data.shape[0], data.stride(0), scales.stride(0),
-                                             st.numel, nb, 1.0, out, out_scales,
+                                             st.numel, nb, 1.0, out.data, out.scales,
                                              BLOCK=bs, ROWS=rows, BITS_IN=st.bits, MODE=1, BITS_OUT=bits_out,
                                              QMAX_OUT=QMAX[bits_out], **_EXACT)
-    return Quantized(out, out_scales, st.numel, bits_out, bs)
+    return out

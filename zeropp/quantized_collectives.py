@@ -33,12 +33,16 @@ from zeropp.quant import (DEFAULT_BLOCK_SIZE, Quantized, dequantize, dequantize_
                           dequantize_reduce_requantize, quantize, wire_nbytes)
 
 
-def _wire(q: Quantized, pool: BufferPool) -> torch.Tensor:
-    """`q` as its wire bytes ([k, nbytes] if stacked), in a buffer taken from `pool`."""
-    lead = q.data.shape[:-1]
-    nbytes = wire_nbytes(q.numel, q.bits, q.block_size)
-    k = lead[0] if lead else 1
-    return q.to_bytes(out=pool.take(k * nbytes, torch.uint8).view(*lead, nbytes))
+def _take_wire(pool: BufferPool, rows: int, numel: int, bits: int,
+               block_size: int) -> tuple[torch.Tensor, list[Quantized]]:
+    """A wire buffer [rows, nbytes] from `pool` and, per row, its Quantized view of `numel`
+    elements (scales then data, `Quantized.to_bytes`'s layout): the quantizers write
+    straight into it, with no quantized copy or staging buffer besides."""
+    nbytes = wire_nbytes(numel, bits, block_size)
+    buf = pool.take(rows * nbytes, torch.uint8).view(rows, nbytes)
+    views = [Quantized.from_bytes(buf[i], numel, bits, block_size) for i in range(rows)]
+    assert all(v.scales.data_ptr() == buf[i].data_ptr() for i, v in enumerate(views)), "unaligned wire buffer"
+    return buf, views
 
 
 class QuantizedShardGather(ShardGather):
@@ -57,7 +61,9 @@ class QuantizedShardGather(ShardGather):
             out[0].copy_(inp)
             return Work(result=out)
         pool = pool or BufferPool(inp.device)
-        send = _wire(quantize(inp, 8, self.block_size), pool)
+        send, (mine,) = _take_wire(pool, 1, total, 8, self.block_size)
+        send = send.view(-1)
+        quantize(inp, 8, self.block_size, out=mine)
         recv = pool.take(n * send.numel(), torch.uint8).view(n, send.numel())
         work = self.comm.all_gather(recv.view(-1), send, group=partition.group, async_op=async_op,
                                     phase=phase, plain=False)
@@ -108,7 +114,8 @@ class HierarchicalQuantizedReduce(ShardReduce):
 
     1. Each row is zero-padded to a whole number of blocks and reordered so that
        the N rows whose owners have local index b are consecutive ("tensor slice
-       reordering"): slot b*N + a holds row a*L + b. Quantized to INT4.
+       reordering"): slot b*N + a holds row a*L + b. Each row is quantized to INT4
+       straight into its slot of the wire buffer (no reordered copy).
     2. All-to-all inside the node: local rank b gets, from each of the L ranks
        of its node, the N rows of owners with local index b.
     3. Dequantize, sum the L contributions in fp32, requantize to INT4 (one
@@ -132,11 +139,9 @@ class HierarchicalQuantizedReduce(ShardReduce):
         return bucket_elems + self.block_size * self.nodes * self.local   # each row to whole blocks
 
     def inflight_bytes(self, bucket_elems: int) -> int:
-        # the INT4 wire of the first hop, sent and received (the second hop's is 1/L of it)
+        # the INT4 wire of the first hop, sent and received; the second hop's two buffers
+        # (1/L of it each, or all of it with L = 1) are taken once the first hop's send is back
         return 2 * wire_nbytes(self._padded(bucket_elems), 4, self.block_size)
-
-    def staging_bytes(self, bucket_elems: int, elem_bytes: int) -> int:
-        return self._padded(bucket_elems) * elem_bytes   # the reordered slots
 
     def start(self, rows: torch.Tensor, out: torch.Tensor, partition: Partition, phase: str,
               async_op: bool = True, pool: BufferPool | None = None):
@@ -147,16 +152,15 @@ class HierarchicalQuantizedReduce(ShardReduce):
         pool = pool or BufferPool(rows.device)
         padded = -(-total // bs) * bs
         self.comm.charge_plain("reduce_scatter", None, total * rows.element_size())
-        # 1. slot b*N + a <- row a*L + b, padded to whole blocks
-        slots = pool.take(local * nodes * padded, rows.dtype).view(local, nodes, padded)
-        slots[:, :, :total].copy_(rows.view(nodes, local, total).transpose(0, 1))
-        slots[:, :, total:].zero_()
-        q = quantize(slots.view(-1), 4, bs)
-        pool.give(slots)
-        per_dest = Quantized(q.data.view(local, -1), q.scales.view(local, -1), nodes * padded, 4, bs)
-        if local == 1:
-            return self._inter_hop(per_dest[0], out, total, padded, phase, async_op, pool)
-        send = _wire(per_dest, pool)
+        by_node = rows.view(nodes, local, total)
+        if local == 1:   # 4-5 only: row a to node a
+            return self._inter_hop(lambda a, dest: quantize(by_node[a, 0], 4, bs, out=dest), out, total, phase,
+                                   async_op, pool)
+        # 1. slot b*N + a <- row a*L + b, each padded to whole blocks (zeros), in INT4
+        send, per_dest = _take_wire(pool, local, nodes * padded, 4, bs)
+        for b, dest in enumerate(per_dest):
+            for a in range(nodes):
+                quantize(by_node[a, b], 4, bs, out=dest.row(a, total))
         recv = pool.take(send.numel(), torch.uint8).view_as(send)
         # 2. inside the node
         first = self.comm.all_to_all(recv.view(-1), send.view(-1), group=self.intra_group,
@@ -171,19 +175,25 @@ class HierarchicalQuantizedReduce(ShardReduce):
             return Work(first, then=finish)
 
         def second() -> Work:  # 3-4, once the first hop is done
-            partial = dequantize_reduce_requantize(Quantized.from_bytes(recv, nodes * padded, 4, bs), 4, bs)
             pool.give(send)
+            received = Quantized.from_bytes(recv, nodes * padded, 4, bs)   # [L senders], N rows each
+
+            def fill(a: int, dest: Quantized):   # row a of the node's sum, for node a
+                dequantize_reduce_requantize(received.row(a, total), 4, bs, out=dest)
+            work = self._inter_hop(fill, out, total, phase, async_op, pool)
             pool.give(recv)
-            return self._inter_hop(partial, out, total, padded, phase, async_op, pool)
+            return work
 
         return _TwoHops(first, second)
 
-    def _inter_hop(self, partial: Quantized, out: torch.Tensor, total: int, padded: int, phase: str,
+    def _inter_hop(self, fill: Callable[[int, Quantized], None], out: torch.Tensor, total: int, phase: str,
                    async_op: bool, pool: BufferPool) -> Work:
-        """4-5: `partial` holds N rows of `padded` elements, row a for node a."""
+        """4-5: `fill(a, dest)` writes the INT4 row for node a (`total` elements) into `dest`,
+        its slot of the wire buffer."""
         nodes, bs = self.nodes, self.block_size
-        rows = Quantized(partial.data.view(nodes, -1), partial.scales.view(nodes, -1), padded, 4, bs)
-        send = _wire(rows, pool)
+        send, per_node = _take_wire(pool, nodes, total, 4, bs)
+        for a, dest in enumerate(per_node):
+            fill(a, dest)
         recv = pool.take(send.numel(), torch.uint8).view_as(send)
         work = self.comm.all_to_all(recv.view(-1), send.view(-1), group=self.inter_group, phase=phase,
                                     async_op=async_op, plain=False)

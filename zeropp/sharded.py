@@ -222,7 +222,7 @@ class ShardedEngineBase(Engine):
         largest = max([s.chunk * self.world for s in self.shards], default=0)
         bucket = max(self.zero.reduce_bucket_size, largest)
         # the bucket being filled plus those in flight, each [N, c] rows, a [c] result and
-        # the reduction's own buffers (qgZ's wire), plus its staging of one bucket at a time
+        # the reduction's own buffers (qgZ's wire)
         per_bucket = bucket * (1 + 1 / self.world) * b + self.reduce.inflight_bytes(bucket)
         inflight = r.max_inflight if r.overlap else 0
-        return int((inflight + 1) * per_bucket + self.reduce.staging_bytes(bucket, b))
+        return int((inflight + 1) * per_bucket)
