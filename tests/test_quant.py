@@ -240,6 +240,44 @@ def test_scratch_stays_within_its_bound_and_strided_packing_gives_the_same_bits(
         assert torch.equal(a, b)
 
 
+def _rows_into_wire(backend, bits, bs, rows, n, device="cpu"):
+    """`rows` tensors of n elements quantized one by one into their rows of one wire buffer
+    (Quantized.row over from_bytes), as qgZ fills its first hop."""
+    xs = [_rand(n, torch.bfloat16, seed=10 + r).to(device) for r in range(rows)]
+    padded = -(-n // bs) * bs
+    buf = torch.full((quant.wire_nbytes(rows * padded, bits, bs),), 0xAB, dtype=torch.uint8, device=device)
+    wire = Quantized.from_bytes(buf, rows * padded, bits, bs)
+    for r, x in enumerate(xs):
+        got = quant.quantize(x, bits, bs, backend=backend, out=wire.row(r, n))
+        assert got.data.data_ptr() == wire.row(r, n).data.data_ptr()   # written in place, no copy
+    return xs, buf.cpu(), wire
+
+
+@pytest.mark.parametrize("bits, bs", [(8, 256), (4, 128), (4, 6)])
+def test_quantize_into_wire_rows_equals_quantizing_the_padded_rows(bits, bs):
+    rows, n = 3, 1000
+    xs, buf, wire = _rows_into_wire("torch", bits, bs, rows, n)
+    padded = -(-n // bs) * bs
+    slots = torch.zeros(rows, padded, dtype=torch.bfloat16)
+    for r, x in enumerate(xs):
+        slots[r, :n] = x
+    assert torch.equal(buf, quant.quantize(slots.view(-1), bits, bs, backend="torch").to_bytes())
+    # the middle hop's sum of row 1 over two stacked copies, straight into another wire buffer
+    two = Quantized.from_bytes(torch.stack([buf, buf]), rows * padded, bits, bs).row(1, n)
+    dest = Quantized.from_bytes(torch.empty(quant.wire_nbytes(n, bits, bs), dtype=torch.uint8), n, bits, bs)
+    quant.dequantize_reduce_requantize(two, bits, bs, backend="torch", out=dest)
+    want = quant.dequantize_reduce_requantize(Quantized.stack([wire.row(1, n)] * 2), bits, bs, backend="torch")
+    assert torch.equal(dest.data, want.data) and torch.equal(dest.scales, want.scales)
+
+
+def test_quantize_refuses_an_out_that_does_not_fit():
+    x = torch.randn(1000)
+    for bad in (Quantized.empty(999, 8, 256, "cpu"), Quantized.empty(1000, 4, 256, "cpu"),
+                Quantized.empty(1000, 8, 128, "cpu")):
+        with pytest.raises(ValueError, match="out does not hold 1000 elements"):
+            quant.quantize(x, 8, 256, backend="torch", out=bad)
+
+
 def test_dequantize_out_must_fit():
     q = quant.quantize(torch.randn(100), 8, backend="torch")
     with pytest.raises(ValueError, match="out must be contiguous"):
@@ -338,6 +376,23 @@ def test_triton_special_values(bits):
     assert torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(a.nan_to_num(), b.nan_to_num())
     a16 = qt.dequantize(got, torch.bfloat16).cpu()
     assert torch.equal(torch.isnan(a16), torch.isnan(b)) and torch.all(a16[:64] == 0)
+
+
+@needs_triton
+@pytest.mark.parametrize("bits, bs", [(8, 256), (4, 128)])
+def test_triton_quantizes_into_wire_rows_as_torch(bits, bs):
+    _, buf_triton, _ = _rows_into_wire("triton", bits, bs, 3, 1000, _DEV)
+    _, buf_torch, _ = _rows_into_wire("torch", bits, bs, 3, 1000)
+    assert torch.equal(buf_triton, buf_torch)
+    # the middle hop into a wire buffer, from row 1 of two stacked (strided) copies
+    padded = -(-1000 // bs) * bs
+    sums = []
+    for backend, dev in (("triton", _DEV), ("torch", "cpu")):
+        two = Quantized.from_bytes(torch.stack([buf_torch, buf_torch]).to(dev), 3 * padded, bits, bs).row(1, 1000)
+        dest = torch.zeros(quant.wire_nbytes(1000, 4, bs), dtype=torch.uint8, device=dev)
+        quant.dequantize_reduce_requantize(two, 4, bs, backend=backend, out=Quantized.from_bytes(dest, 1000, 4, bs))
+        sums.append(dest.cpu())
+    assert torch.equal(*sums)
 
 
 @needs_triton
