@@ -41,20 +41,20 @@ class Quantized:
         """Uninitialized storage for `numel` elements quantized to `bits`."""
         nb = num_blocks(numel, block_size)
         data = torch.empty(nb * block_size * bits // 8, dtype=torch.int8 if bits == 8 else torch.uint8,
-                           device=device)
+                           device=device)   # INT4: two values per uint8
         return Quantized(data, torch.empty(nb, dtype=torch.float32, device=device), numel, bits, block_size)
 
     def check_out(self, numel: int, bits: int, block_size: int) -> "Quantized":
         """`self` as the destination of a quantization of `numel` elements: contiguous data and
         scales of the right sizes and dtypes (e.g. views into a wire buffer, `from_bytes`)."""
-        want = Quantized.empty(0, bits, block_size, "meta")
+        dtype = torch.int8 if bits == 8 else torch.uint8
         nb = num_blocks(numel, block_size)
         if ((self.numel, self.bits, self.block_size) != (numel, bits, block_size) or self.stacked
-                or self.data.dtype != want.data.dtype or self.data.numel() != nb * block_size * bits // 8
+                or self.data.dtype != dtype or self.data.numel() != nb * block_size * bits // 8
                 or self.scales.dtype != torch.float32 or self.scales.numel() != nb
                 or not (self.data.is_contiguous() and self.scales.is_contiguous())):
             raise ValueError(f"out does not hold {numel} elements quantized to INT{bits} in blocks of "
-                             f"{block_size} (contiguous {want.data.dtype} data and float32 scales)")
+                             f"{block_size} (contiguous {dtype} data and float32 scales)")
         return self
 
     # ---- sizes -------------------------------------------------------------------------
