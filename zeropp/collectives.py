@@ -28,6 +28,8 @@ class ShardGather:
     """All-gather: `inp` [total] is this member's chunks laid end to end; the
     result is [N, total], row j from member j."""
 
+    delivers_rows = False   # True: `start` also takes out=deliver(j, row) (qwZ)
+
     def __init__(self, comm):
         self.comm = comm
 

@@ -56,6 +56,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from zeropp import quant_cpu
 from zeropp.quant_format import (DEFAULT_BLOCK_SIZE, QMAX, Quantized, check_block_size, num_blocks,
                                  wire_nbytes)
 
@@ -76,6 +77,7 @@ __all__ = [
 
 
 _TRITON = None
+_WARNED = False   # said once that the CPU kernels are missing
 
 
 def triton_available() -> bool:
@@ -90,19 +92,30 @@ def triton_available() -> bool:
     return _TRITON is not False
 
 
-def _pick_backend(backend: str, device: torch.device, block_size: int) -> str:
+def _pick_backend(backend: str, device: torch.device, block_size: int,
+                  dtype: Optional[torch.dtype] = None) -> str:
     """'auto' -> 'triton' for CUDA tensors when triton imports and block_size is a power of
-    two, else 'torch'.  ZEROPP_QUANT_BACKEND=torch in the environment forces torch."""
-    if backend not in ("auto", "torch", "triton"):
-        raise ValueError(f"backend must be auto, torch or triton, got {backend!r}")
+    two; 'cpu' (zeropp.quant_cpu, compiled) for CPU tensors of fp32/bf16/fp16 when it builds;
+    else 'torch'. ZEROPP_QUANT_BACKEND=torch (or cpu) in the environment forces that one."""
+    if backend not in ("auto", "torch", "triton", "cpu"):
+        raise ValueError(f"backend must be auto, torch, triton or cpu, got {backend!r}")
+    if backend == "auto":
+        backend = os.environ.get("ZEROPP_QUANT_BACKEND", "") or "auto"
     if backend != "auto":
         if backend == "triton" and not triton_available():
             raise RuntimeError("backend='triton' but triton is not importable")
+        if backend == "cpu" and not quant_cpu.available():
+            raise RuntimeError(f"backend='cpu': {quant_cpu.why_not()}")
         return backend
-    if os.environ.get("ZEROPP_QUANT_BACKEND", "") == "torch":
-        return "torch"
     if device.type == "cuda" and block_size & (block_size - 1) == 0 and triton_available():
         return "triton"
+    if device.type == "cpu" and dtype in (None, torch.float32, torch.bfloat16, torch.float16):
+        if quant_cpu.supports(block_size):
+            return "cpu"
+        global _WARNED
+        if not _WARNED and not quant_cpu.available():
+            _WARNED = True
+            quant_cpu.warn_unavailable()
     return "torch"
 
 
@@ -288,9 +301,12 @@ def quantize(x: torch.Tensor, bits: int = 8, block_size: Optional[int] = None,
         raise TypeError(f"quantize needs a floating tensor, got {x.dtype}")
     if out is not None:
         out.check_out(x.numel(), bits, block_size)
-    if _pick_backend(backend, x.device, block_size) == "triton":
+    chosen = _pick_backend(backend, x.device, block_size, x.dtype)
+    if chosen == "triton":
         from zeropp import quant_triton
         return quant_triton.quantize(x, bits, block_size, out=out)
+    if chosen == "cpu":
+        return quant_cpu.quantize(x, bits, block_size, out=out)
     return _torch_quantize(x, bits, block_size, out)
 
 
@@ -304,9 +320,12 @@ def dequantize(q: Quantized, dtype: torch.dtype = torch.float32, backend: str = 
     elif out.dtype != dtype or out.shape != (*q.data.shape[:-1], q.numel) or not out.is_contiguous():
         raise ValueError(f"dequantize: out must be contiguous {dtype} of shape "
                          f"{(*q.data.shape[:-1], q.numel)}, got {out.dtype} {tuple(out.shape)}")
-    if _pick_backend(backend, q.data.device, q.block_size) == "triton":
+    chosen = _pick_backend(backend, q.data.device, q.block_size, dtype)
+    if chosen == "triton":
         from zeropp import quant_triton
         return quant_triton.dequantize(q, dtype, out=out)
+    if chosen == "cpu":
+        return quant_cpu.dequantize(q, dtype, out=out)
     _dequant_into(q, out)
     return out
 
@@ -324,9 +343,12 @@ def dequantize_reduce_requantize(parts: Union[Quantized, Sequence[Quantized]], b
     block_size_out = check_block_size(bits_out, block_size_out)
     if out is not None:
         out.check_out(st.numel, bits_out, block_size_out)
-    if _pick_backend(backend, st.data.device, st.block_size) == "triton" and block_size_out == st.block_size:
+    chosen = _pick_backend(backend, st.data.device, st.block_size)
+    if chosen == "triton" and block_size_out == st.block_size:
         from zeropp import quant_triton
         return quant_triton.dequantize_reduce_requantize(st, bits_out, out=out)
+    if chosen == "cpu" and block_size_out == st.block_size:
+        return quant_cpu.dequantize_reduce_requantize(st, bits_out, out=out)
     bs = st.block_size
     if block_size_out != bs:   # requantize the whole sum in the other block size
         total = torch.empty(st.num_blocks * bs, dtype=torch.float32, device=st.data.device)
@@ -351,9 +373,12 @@ def dequantize_reduce(parts: Union[Quantized, Sequence[Quantized]], dtype: torch
     elif out.dtype != dtype or out.shape != (st.numel,) or not out.is_contiguous():
         raise ValueError(f"dequantize_reduce: out must be contiguous {dtype} of shape ({st.numel},), "
                          f"got {out.dtype} {tuple(out.shape)}")
-    if _pick_backend(backend, st.data.device, st.block_size) == "triton":
+    chosen = _pick_backend(backend, st.data.device, st.block_size, dtype)
+    if chosen == "triton":
         from zeropp import quant_triton
         return quant_triton.dequantize_reduce(st, dtype, scale, out=out)
+    if chosen == "cpu":
+        return quant_cpu.dequantize_reduce(st, dtype, scale, out=out)
     factor = torch.tensor(scale, dtype=torch.float32)
     bs = st.block_size
     for b0, b1, acc in _summed_chunks(st):

@@ -46,7 +46,12 @@ def _take_wire(pool: BufferPool, rows: int, numel: int, bits: int,
 
 
 class QuantizedShardGather(ShardGather):
-    """qwZ: all-gather of INT8 blocks; the result is [N, total] in `inp`'s dtype."""
+    """qwZ: all-gather of INT8 blocks; the result is [N, total] in `inp`'s dtype, or,
+    when `out` is a function `deliver(j, row)`, each member's row in turn: dequantized
+    into one pooled [total] buffer and handed over, so the [N, total] rows are never
+    materialized (stage 3 copies each row's pieces straight into the weights)."""
+
+    delivers_rows = True
 
     def __init__(self, comm, block_size: int = DEFAULT_BLOCK_SIZE[8]):
         super().__init__(comm)
@@ -55,9 +60,13 @@ class QuantizedShardGather(ShardGather):
     def start(self, inp: torch.Tensor, partition: Partition, phase: str, async_op: bool = True,
               out: torch.Tensor | None = None, plain: bool = True, pool: BufferPool | None = None):
         n, total = partition.size, inp.numel()
+        deliver = out if callable(out) else None
         if out is None:
             out = torch.empty(n, total, dtype=inp.dtype, device=inp.device)
         if n == 1:
+            if deliver is not None:
+                deliver(0, inp)
+                return Work(result=None)
             out[0].copy_(inp)
             return Work(result=out)
         pool = pool or BufferPool(inp.device)
@@ -71,10 +80,17 @@ class QuantizedShardGather(ShardGather):
             self.comm.charge_plain("all_gather", partition.group, total * inp.element_size())
 
         def finish():
-            dequantize(Quantized.from_bytes(recv, total, 8, self.block_size), out.dtype, out=out)
             pool.give(send)
+            if deliver is None:
+                dequantize(Quantized.from_bytes(recv, total, 8, self.block_size), out.dtype, out=out)
+            else:
+                row = pool.take(total, inp.dtype)
+                for j in range(n):
+                    deliver(j, dequantize(Quantized.from_bytes(recv[j], total, 8, self.block_size), inp.dtype,
+                                          out=row))
+                pool.give(row)
             pool.give(recv)
-            return out
+            return None if deliver is not None else out
         return Work(work, then=finish)
 
 

@@ -347,17 +347,23 @@ class Stage3Engine(ShardedEngineBase):
     def _gather_buffers_bound(self) -> int:
         """Gathers in flight at once: the bucket requested, those prefetched (at most
         the prefetch bucket) and a weight read outside its module, each bucket at most
-        max(prefetch bucket, the largest module's weights). Per gathered element: the
-        [N, total] rows and the input when not adjacent (compute dtype); with qwZ the
-        INT8 wire, received (1 + 4/block bytes) and sent (1/N of that)."""
+        max(prefetch bucket, the largest module's weights). Per gathered element, the most
+        any of the gathers needs (compute dtype, b bytes): an exact gather over N ranks
+        (evaluation, or without ZeRO++) its [N, total] rows and the input when not adjacent,
+        b (1 + 1/N); hpZ's over the h ranks of its group b (1 + 1/h); qwZ, which delivers
+        row by row into the weights, its input and one row, 2b/N, and the INT8 wire,
+        received (1 + 4/block bytes) and sent (1/N of that)."""
         zero, n, b = self.zero, self.world, self._placeholder.element_size()
         largest_module = max((sum(s.chunk for s in ws) * n for ws in self._mod_weights.values()), default=0)
         largest_weight = max((s.chunk * n for s in self.shards if not s.persistent), default=0)
         bucket = max(zero.stage3_prefetch_bucket_size, largest_module)
         elems = zero.stage3_prefetch_bucket_size + bucket + largest_weight
         per_elem = b * (1 + 1 / n)
+        if self.secondary_partition is not None:
+            per_elem = max(per_elem, b * (1 + 1 / self.secondary_partition.size))
         if self._weight_gather is not None:
-            per_elem += (1 + 4 / zero.zero_quantized_weights_block_size) * (1 + 1 / n)
+            wire = (1 + 4 / zero.zero_quantized_weights_block_size) * (1 + 1 / n)
+            per_elem = max(per_elem, 2 * b / n + wire)
         return int(elems * per_elem) + 4096
 
 

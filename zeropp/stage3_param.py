@@ -194,15 +194,28 @@ class BucketGather:
         else:
             inp = torch.cat(slices, out=pool.take(total, flat.dtype))
             self._taken.append(inp)
-        # One unpadded weight is gathered straight into its own storage.
+        # One unpadded weight is gathered straight into its own storage; a gather that
+        # delivers row by row (qwZ) writes each row's pieces into the weights; else rows.
         first = weights[0]
         if len(weights) == 1 and first.numel == chunks[0] * n:
             out = first.full.view(n, chunks[0])
+        elif source.gather.delivers_rows:
+            out = self._deliver
         else:
             out = pool.take(n * total, flat.dtype).view(n, total)
             self._taken.append(out)
         self._work = source.start(weights, inp, phase, out, pool)
         self._done = False
+
+    def _deliver(self, j: int, row: torch.Tensor):
+        """Row j of the gather (member j's chunk of every weight) into the weights."""
+        off = 0
+        for s in self.weights:
+            c = self.source.chunk(s)
+            lo, hi = j * c, min((j + 1) * c, s.numel)
+            if hi > lo:
+                s.full.view(-1)[lo:hi].copy_(row[off:off + hi - lo])
+            off += c
 
     def wait(self):
         if self._done:
@@ -212,7 +225,7 @@ class BucketGather:
         off = 0
         for s in self.weights:  # each weight out of the bucket into its own storage
             c = self.source.chunk(s)
-            s._arrive(rows[:, off:off + c].reshape(-1)[:s.numel])
+            s._arrive(s.full.view(-1) if rows is None else rows[:, off:off + c].reshape(-1)[:s.numel])
             self.source.arrived(s, s.full)
             off += c
         for t in self._taken:

@@ -1,0 +1,162 @@
+"""Compiled CPU kernels for zeropp.quant (same format, same results bit for bit).
+
+The torch path makes a dozen passes over every element (amax, amin, divide, clamp,
+round, cast, pack, ...); on CPU ranks that arithmetic was most of ZeRO++'s cost on a
+fast link. ``csrc/quant_cpu.c`` does each block in one pass, in fp32, in L1. It is
+built with the system C compiler (``$CC``, else ``cc``) the first time it is needed, into
+``$ZEROPP_CACHE_DIR`` (default ``~/.cache/zeropp``) under a name that hashes the source,
+the flags, the compiler and this CPU's features, so a cache shared between machines never
+runs code built for another processor. Concurrent ranks build it once (a file lock) and
+load it with ctypes; calls release the GIL. No compiler, or a failed build: `available()`
+is False and zeropp.quant says why once, then uses the torch path.
+"""
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import os
+import platform
+import subprocess
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from zeropp.quant_format import Quantized
+
+_SOURCE = Path(__file__).with_name("csrc") / "quant_cpu.c"
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11"]
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_LIB = None          # ctypes library, False once a build failed
+_WHY_NOT = ""        # why the library is not available
+
+
+def _cpu_features() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _library_path(compiler: str) -> Path:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256("\0".join([_SOURCE.read_text(), " ".join(_FLAGS), version,
+                                    _cpu_features()]).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("ZEROPP_CACHE_DIR") or Path.home() / ".cache" / "zeropp")
+    return cache / f"quant_cpu-{key}.so"
+
+
+def _build(compiler: str) -> Path:
+    path = _library_path(compiler)
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)     # one rank compiles, the others wait and load
+        if not path.exists():
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            res = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(tmp), "-lm"],
+                                 capture_output=True, text=True, timeout=300)
+            if res.returncode != 0:
+                tmp.unlink(missing_ok=True)
+                raise RuntimeError(f"{compiler} failed: {res.stderr.strip()[-500:]}")
+            os.replace(tmp, path)
+    return path
+
+
+def _load():
+    global _LIB, _WHY_NOT
+    compiler = os.environ.get("CC", "cc")
+    try:
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        _WHY_NOT = f"the CPU quantization kernels could not be built ({e})"
+        return False
+    i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+    lib.zq_quantize.argtypes = [ptr, i32, i64, i32, i64, ptr, ptr]
+    lib.zq_dequantize.argtypes = [ptr, i64, ptr, i64, i64, i64, i32, i64, i32, f32, ptr, i32, i32, ptr, ptr]
+    lib.zq_max_block.restype = i32
+    return lib
+
+
+def available() -> bool:
+    """True once the kernels are built and loaded (builds them on the first call)."""
+    global _LIB
+    if _LIB is None:
+        _LIB = _load()
+    return _LIB is not False
+
+
+def why_not() -> str:
+    return _WHY_NOT
+
+
+def supports(block_size: int) -> bool:
+    return available() and block_size <= _LIB.zq_max_block()
+
+
+def _check_block(block_size: int):
+    if block_size > _LIB.zq_max_block():
+        raise ValueError(f"CPU quantization kernels take blocks of at most {_LIB.zq_max_block()} elements, "
+                         f"got {block_size}")
+
+
+def _dtype_code(t: torch.Tensor) -> int:
+    if t.dtype not in _DTYPES:
+        raise TypeError(f"CPU quantization kernels take float32, bfloat16 or float16, got {t.dtype}")
+    return _DTYPES[t.dtype]
+
+
+def quantize(x: torch.Tensor, bits: int, block_size: int, out: Optional[Quantized] = None) -> Quantized:
+    _check_block(block_size)
+    x = x.reshape(-1).contiguous()
+    out = out if out is not None else Quantized.empty(x.numel(), bits, block_size, x.device)
+    _LIB.zq_quantize(x.data_ptr(), _dtype_code(x), x.numel(), bits, block_size, out.data.data_ptr(),
+                     out.scales.data_ptr())
+    return out
+
+
+def _run(st: Quantized, reduce: bool, factor: float, out: Optional[torch.Tensor],
+         requant: Optional[Quantized] = None):
+    """st: a stacked Quantized whose rows may be strided views (wire buffers)."""
+    _check_block(st.block_size)
+    data, scales = st.data, st.scales
+    if data.stride(-1) != 1 or scales.stride(-1) != 1:
+        raise ValueError("each part's data and scales must be contiguous")
+    _LIB.zq_dequantize(data.data_ptr(), data.stride(0) * data.element_size(), scales.data_ptr(), scales.stride(0),
+                       len(st), st.numel, st.bits, st.block_size, int(reduce), factor,
+                       out.data_ptr() if out is not None else None, _dtype_code(out) if out is not None else 0,
+                       requant.bits if requant is not None else 0,
+                       requant.data.data_ptr() if requant is not None else None,
+                       requant.scales.data_ptr() if requant is not None else None)
+
+
+def _stacked(q: Quantized) -> Quantized:
+    if q.stacked:
+        return q
+    return Quantized(q.data.unsqueeze(0), q.scales.unsqueeze(0), q.numel, q.bits, q.block_size)
+
+
+def dequantize(q: Quantized, dtype: torch.dtype, out: torch.Tensor) -> torch.Tensor:
+    _run(_stacked(q), False, 1.0, out)
+    return out
+
+
+def dequantize_reduce_requantize(st: Quantized, bits_out: int, out: Optional[Quantized] = None) -> Quantized:
+    out = out if out is not None else Quantized.empty(st.numel, bits_out, st.block_size, st.data.device)
+    _run(st, True, 1.0, None, requant=out)
+    return out
+
+
+def dequantize_reduce(st: Quantized, dtype: torch.dtype, scale: float, out: torch.Tensor) -> torch.Tensor:
+    _run(st, True, scale, out)
+    return out
+
+
+def warn_unavailable():
+    warnings.warn(f"zeropp.quant: {_WHY_NOT}; using the torch path (slower on CPU)", RuntimeWarning, stacklevel=3)
