@@ -3,7 +3,8 @@
 GB/s counts the bytes of the *input* tensor (fp32/bf16 elements for quantize, the same
 element count in the output dtype for dequantize, the k stacked parts' element count in
 fp32 for the fused dequantize-reduce-requantize of qgZ's middle hop); the baseline is
-``dst.copy_(src)`` of the input's bytes on the same device.  On CPU the torch path runs; on
+``dst.copy_(src)`` of the input's bytes on the same device.  On CPU the torch path and the
+compiled CPU kernels (zeropp.quant_cpu) run, one thread (as each rank of a CPU job); on
 CUDA both the torch path and the Triton kernels, so the table shows the kernels against
 the device's copy bandwidth.  Writes a table to stdout and JSON (default
 bench/results/quant_bench.json, or quant_bench_cuda.json on CUDA).
@@ -17,7 +18,8 @@ import time
 
 import torch
 
-from zeropp import quant
+from bench.slow_link import cpu_model
+from zeropp import quant, quant_cpu
 
 
 def _time(fn, repeats, device):
@@ -44,7 +46,11 @@ def main():
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     device = torch.device(a.device)
-    backends = ["torch", "triton"] if device.type == "cuda" and quant.triton_available() else ["torch"]
+    if device.type == "cuda":
+        backends = ["torch", "triton"] if quant.triton_available() else ["torch"]
+    else:
+        torch.set_num_threads(1)
+        backends = ["torch", "cpu"] if quant_cpu.available() else ["torch"]
     out = a.out or os.path.join(os.path.dirname(__file__), "results",
                                 "quant_bench.json" if device.type == "cpu" else f"quant_bench_{device.type}.json")
     rows = []
@@ -68,7 +74,9 @@ def main():
                                 a.repeats, device)
                     row["fused_GBps"] = a.parts * a.numel * 4 / t_f / 1e9
                 rows.append(row)
-    print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
+    name = (torch.cuda.get_device_name(device) if device.type == "cuda"
+            else f"{cpu_model()}, torch CPU capability {torch.backends.cpu.get_cpu_capability()}")
+    print(f"device {device} ({name}), "
           f"{a.numel} elements; GB/s of input bytes; copy = dst.copy_(src) of the same bytes")
     print(f"{'dtype':9} {'bits':>4} {'backend':>7} {'block':>5} {'wire/in':>7} {'copy GB/s':>10} "
           f"{'quant GB/s':>10} {'dequant GB/s':>12} {'fused dqrq GB/s':>15}")
@@ -79,8 +87,7 @@ def main():
               f"{r['dequantize_GBps']:12.2f} {fused}")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
-        json.dump(dict(device=str(device), device_name=torch.cuda.get_device_name(device) if device.type == "cuda"
-                       else "cpu", torch=torch.__version__, threads=torch.get_num_threads(), rows=rows), f, indent=1)
+        json.dump(dict(device=str(device), device_name=name, torch=torch.__version__, threads=torch.get_num_threads(), rows=rows), f, indent=1)
     print("wrote", out)
 
 

@@ -31,8 +31,11 @@ backward, so per micro-step
     t_bwd = max(compute_bwd + quant_bwd, backward gathers + gradient reductions but the last) + last reduction
 
 and without overlap every term adds up. The iteration is
-A x (t_fwd + t_bwd) + optimizer step + optimizer collectives + the cluster's
-step_overhead_ms (host work the model does not itemize; 0 unless measured).
+A x (t_fwd + t_bwd) + optimizer step + optimizer collectives. The cluster's
+step_overhead_ms (host work the model does not itemize: hooks, copies, Python; 0
+unless measured) counts as compute, split between forward and backward as the
+FLOPs are: it runs on the same processor, beside the collectives in flight, so a
+link-bound step hides it as it hides compute.
 """
 from __future__ import annotations
 
@@ -78,7 +81,11 @@ def iteration_time(step, cluster, flops_per_micro: float, recompute: bool, accum
                    owned_elements: int, world: int, ranks_per_node: int, hpz: int, overlap: bool) -> Timing:
     rate = cluster.peak_flops * cluster.compute_efficiency
     fwd_share = 0.25 if recompute else 1 / 3
-    c_fwd, c_bwd = flops_per_micro * fwd_share / rate, flops_per_micro * (1 - fwd_share) / rate
+    # Host work (hooks, copies, Python) runs on the same processor as the compute and, like it,
+    # beside the collectives in flight: spread over the micro-steps as compute.
+    host = cluster.step_overhead_ms * 1e-3 / accumulation
+    c_fwd = flops_per_micro * fwd_share / rate + host * fwd_share
+    c_bwd = flops_per_micro * (1 - fwd_share) / rate + host * (1 - fwd_share)
     per_micro = {}   # micro-step -> {phase: [times]}, {phase: quant}
     comm = {p: 0.0 for p in ("forward_gather", "backward_gather", "grad_reduce", "optimizer")}
     quant_total = 0.0
@@ -108,7 +115,7 @@ def iteration_time(step, cluster, flops_per_micro: float, recompute: bool, accum
         exposed += t_fwd + t_bwd - (c_fwd + c_bwd + q_fwd + q_bwd)
         total += t_fwd + t_bwd
     opt = owned_elements * OPTIMIZER_BYTES_PER_ELEMENT / cluster.memory_bw
-    total += opt + comm["optimizer"] + cluster.step_overhead_ms * 1e-3
+    total += opt + comm["optimizer"]
     exposed += comm["optimizer"]
     return Timing(compute_fwd=c_fwd * accumulation, compute_bwd=c_bwd * accumulation, quant=quant_total,
                   comm=comm, optimizer=opt, iteration=total, exposed_comm=exposed)

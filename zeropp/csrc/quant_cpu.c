@@ -91,25 +91,26 @@ static void quantize_block(float *x, int64_t bs, int bits, void *data, float *sc
     }
 }
 
-/* Block b of a quantized row as fp32 values times its scale, added into acc (or written
- * when first). Rounded product, then the add: the order of the torch path. */
+/* Block b of a quantized row as fp32 values times its scale, written into acc (first) or
+ * added to it. No contraction (-ffp-contract=off): the product rounds before the add, the
+ * order of the torch path. */
 static void dequant_block(const uint8_t *data, const float *scales, int bits, int64_t bs, int64_t b,
                           float *acc, int first) {
     const float s = scales[b];
-    float v[MAX_BLOCK];
     if (bits == 8) {
         const int8_t *q = (const int8_t *)data + b * bs;
-        for (int64_t i = 0; i < bs; i++) v[i] = (float)q[i] * s;
-    } else {
-        const uint8_t *q = data + b * bs / 2;
-        for (int64_t i = 0; i < bs / 2; i++) {
-            int8_t lo = (int8_t)(uint8_t)(q[i] << 4), hi = (int8_t)q[i];
-            v[2 * i] = (float)(lo >> 4) * s;
-            v[2 * i + 1] = (float)(hi >> 4) * s;
-        }
+        if (first) for (int64_t i = 0; i < bs; i++) acc[i] = (float)q[i] * s;
+        else for (int64_t i = 0; i < bs; i++) acc[i] += (float)q[i] * s;
+        return;
     }
-    if (first) memcpy(acc, v, (size_t)bs * sizeof(float));
-    else for (int64_t i = 0; i < bs; i++) acc[i] += v[i];
+    const uint8_t *q = data + b * bs / 2;
+    int8_t v[MAX_BLOCK];
+    for (int64_t i = 0; i < bs / 2; i++) {   /* arithmetic shifts sign-extend each nibble */
+        v[2 * i] = (int8_t)((int8_t)(uint8_t)(q[i] << 4) >> 4);
+        v[2 * i + 1] = (int8_t)((int8_t)q[i] >> 4);
+    }
+    if (first) for (int64_t i = 0; i < bs; i++) acc[i] = (float)v[i] * s;
+    else for (int64_t i = 0; i < bs; i++) acc[i] += (float)v[i] * s;
 }
 
 int zq_max_block(void) { return MAX_BLOCK; }
