@@ -44,8 +44,6 @@ import contextlib
 import ctypes
 import gc
 import json
-import platform
-import subprocess
 import sys
 import threading
 import time
@@ -54,6 +52,7 @@ from pathlib import Path
 import torch
 
 import zeropp
+from bench import cpu_model
 from model import GPT, GPTConfig, num_parameters
 from parallel.comm import Communicator
 from parallel.spawn import run_distributed
@@ -207,12 +206,7 @@ def bound_rank(rank, world, a, system: str) -> dict:
 
 
 def cpu_info() -> dict:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        model = next((l.split(":", 1)[1].strip() for l in out.splitlines() if l.startswith("Model name")), None)
-    except (OSError, subprocess.CalledProcessError):
-        model = None
-    return {"cpu_model": model or platform.processor(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    return {"cpu_model": cpu_model(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "torch": torch.__version__}
 
 

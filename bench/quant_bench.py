@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from bench.slow_link import cpu_model
+from bench import cpu_model
 from zeropp import quant, quant_cpu
 
 

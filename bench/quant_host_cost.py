@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 
 import torch
 
-from bench import zero_systems as zs
+from bench import cpu_model, zero_systems as zs
 from parallel.spawn import run_distributed
 
 SYSTEMS = ["zero3-reuse0", "zeropp-qwz", "zeropp-qgz", "zeropp"]
@@ -72,8 +71,7 @@ def main(argv=None):
     for no_op in (False, True):
         times = run_distributed(_rank, 4, (SYSTEMS, a, args.rounds, no_op), env=env, timeout=1200)[0]
         medians[no_op] = {s: statistics.median(t) * 1e3 for s, t in times.items()}
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
+    cpu = cpu_model()
     print(f"{args.dtype}, 4 gloo ranks as 2 nodes x 2 on loopback, {cpu}, torch CPU capability "
           f"{torch.backends.cpu.get_cpu_capability()}; median ms per step over {args.rounds} x 6 steps")
     print("| system | step ms | x ZeRO-3 | step ms, quantizers no-ops | x ZeRO-3 |")

@@ -56,7 +56,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import RESULTS, ROOT
+from bench import RESULTS, ROOT, cpu_model
 from bench.netns import RANKS_PER_NODE, TBF_LATENCY, netns_down, netns_up, tbf_burst
 from bench.slow_link_auto import chosen
 from bench.slow_link_report import mb, rate_name, render
@@ -66,15 +66,6 @@ DEFAULT_RATES = [100, 200, 1000, 0]  # Mbit/s; 0 = no qdisc (the veth's own spee
 DEFAULT_SYSTEMS = ["zero3-reuse0", "zero3", "zeropp-qwz", "zeropp-hpz", "zeropp-qgz", "zeropp", "auto", "fsdp2",
                    "fsdp2-hpz", "deepspeed-z3-reuse0", "deepspeed-z3-hpz"]
 QUICK_SYSTEMS = ["zero3-reuse0", "zeropp"]
-
-
-def cpu_model() -> str | None:
-    """lscpu's "Model name"."""
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-    except Exception:
-        return None
-    return next((l.split(":", 1)[1].strip() for l in out.splitlines() if l.startswith("Model name")), None)
 
 
 def versions():

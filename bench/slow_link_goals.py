@@ -55,6 +55,23 @@ def compute_row(r, by):
     return r["system"], by.get((r["system"], 0))
 
 
+def phase_bound(r) -> float | None:
+    """The bound a step can reach when the link's work is not spread like the compute:
+    forward gathers overlap only the forward (1/3 of the compute), backward gathers and
+    gradient reductions only the backward, so max(forward compute, forward link) +
+    max(backward compute, backward link) + the optimizer's link time. The link time is
+    split between the phases as the counted inter-node bytes are."""
+    by_phase = r.get("counted_inter_by_phase_per_step") or {}
+    total = sum(by_phase.values())
+    if not r.get("link_time_ms") or r.get("compute_ms") is None or not total:
+        return None
+    link = {p: r["link_time_ms"] * b / total for p, b in by_phase.items()}
+    c = r["compute_ms"]
+    return (max(c / 3, link.get("forward_gather", 0.0))
+            + max(2 * c / 3, link.get("backward_gather", 0.0) + link.get("grad_reduce", 0.0))
+            + link.get("optimizer", 0.0) + link.get("other", 0.0))
+
+
 def derive(rows):
     """Adds link_time_ms, compute_ms (compute_from), bound_ms, step_over_bound, exposed_ms,
     x_zero3 to each row."""
@@ -67,6 +84,7 @@ def derive(rows):
         r["bound_ms"] = (max(r["compute_ms"], r["link_time_ms"] or 0.0) if r["compute_ms"] is not None
                          else None)
         r["step_over_bound"] = r["step_ms_median"] / r["bound_ms"] if r["bound_ms"] else None
+        r["phase_bound_ms"] = phase_bound(r)
         r["exposed_ms"] = r["step_ms_median"] - r["compute_ms"] if r["compute_ms"] is not None else None
         ref = by.get((REF, rate))
         r["x_zero3"] = r["samples_per_s"] / ref["samples_per_s"] if ref else None
@@ -133,6 +151,13 @@ def goals(rows, rates, labels, rate_name):
             out.append(f"Goal 1 {labels.get(s, s)}: step / max(compute, link) "
                        + ", ".join(f"{v:.2f} at {rate_name(r)}" for r, v in vals.items())
                        + f" (goal <= {STEP_OVER_BOUND_MAX} at every throttled rate): {verdict(ok)}")
+            phase = {r: by[(s, r)]["step_ms_median"] / by[(s, r)]["phase_bound_ms"] for r in vals
+                     if by[(s, r)].get("phase_bound_ms")}
+            if phase:
+                res.setdefault("step_over_phase_bound", {})[s] = phase
+                out.append(f"  beside it, step / per-phase bound (max(fwd compute, fwd link) + max(bwd compute, "
+                           f"bwd link) + optimizer link, link split by counted bytes per phase): "
+                           + ", ".join(f"{v:.2f} at {rate_name(r)}" for r, v in phase.items()))
     for ours, other in PAIRS:
         vals = {r: by[(ours, r)]["samples_per_s"] / by[(other, r)]["samples_per_s"] for r in rates
                 if (ours, r) in by and (other, r) in by}

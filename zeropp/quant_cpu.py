@@ -70,7 +70,7 @@ def _build(compiler: str) -> Path:
 
 
 def _load():
-    global _LIB, _WHY_NOT
+    global _WHY_NOT
     compiler = os.environ.get("CC", "cc")
     try:
         lib = ctypes.CDLL(str(_build(compiler)))
