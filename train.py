@@ -123,7 +123,8 @@ def print_job(args, topology, cfg, engine, device, vocab_size: int):
 def zeropp_label(zero) -> str:
     on = [name for name, enabled in (("qwZ", zero.zero_quantized_weights),
                                      ("hpZ", zero.zero_hpz_partition_size > 1),
-                                     ("qgZ", zero.zero_quantized_gradients)) if enabled]
+                                     ("qgZ", zero.zero_quantized_gradients),
+                                     ("LoCo", zero.zeropp_loco_param is not None)) if enabled]
     return f"ZeRO-3 + ZeRO++ ({', '.join(on)})" if on else f"ZeRO stage {zero.stage}"
 
 

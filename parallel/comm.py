@@ -296,12 +296,12 @@ class Communicator:
         return self._issued(all_gather_flat(output, input, group=group, async_op=async_op), async_op, phase, t0)
 
     def reduce_scatter(self, output, input, op=dist.ReduceOp.SUM, group=None, async_op=False,
-                       phase="other"):
+                       phase="other", plain=True):
         """Sum flat `input` over members; member j keeps chunk j in `output`."""
         if self._size(group) == 1:
             output.copy_(input.view_as(output))
             return Work()
-        self._charge("reduce_scatter", phase, group, self._nbytes(output))
+        self._charge("reduce_scatter", phase, group, self._nbytes(output), plain=plain)
         t0 = time.perf_counter()
         return self._issued(reduce_scatter_flat(output, input, op=op, group=group, async_op=async_op),
                             async_op, phase, t0)

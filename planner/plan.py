@@ -64,7 +64,8 @@ def label(zero: ZeroConfig) -> str:
         return f"ZeRO-{zero.stage}"
     on = [name for name, enabled in (("qwZ", zero.zero_quantized_weights),
                                      (f"hpZ {zero.zero_hpz_partition_size}", zero.zero_hpz_partition_size > 1),
-                                     ("qgZ", zero.zero_quantized_gradients)) if enabled]
+                                     ("qgZ", zero.zero_quantized_gradients),
+                                     ("LoCo", zero.zeropp_loco_param is not None)) if enabled]
     return f"ZeRO++ ({', '.join(on)})" if on else "ZeRO-3"
 
 
@@ -96,6 +97,10 @@ def plan_config(job: Job, zero: ZeroConfig, trace: ModelTrace, cluster: Cluster 
     memory = model_state_bytes(shards, zero.stage, w, opt.type, opt.momentum, hpz_on)
     k = (8 if opt.type != "sgd" else (4 if opt.momentum else 0)) + (4 if w != 4 else 0)
     formula = formula_bytes(trace.num_parameters, zero.stage, world, dtype, hpz, k)
+    loco = zero.stage == 3 and zero.zero_quantized_gradients and zero.zeropp_loco_param is not None and world > rpn
+    # qgZ's error feedback: fp32 [N, bucket's chunks] per gradient bucket (zeropp/error_feedback.py)
+    memory["error_feedback"] = 4 * (world // rpn) * sum(s.chunk for s in shards) if loco else 0
+    formula["error_feedback"] = 4 / rpn * trace.num_parameters if loco else 0
     memory.update(buffer_bytes(step, shards, zero, world, w, g))
     memory["activations"] = trace.activation_bytes(job.cfg.checkpoint_activations)
     memory["activations_other"] = trace.activation_bytes(not job.cfg.checkpoint_activations)
@@ -119,6 +124,7 @@ def companion(zero: ZeroConfig, ranks_per_node: int) -> ZeroConfig | None:
     if label(zero) != "ZeRO-3":
         other.zero_quantized_weights = other.zero_quantized_gradients = False
         other.zero_hpz_partition_size = 1
+        other.zeropp_loco_param = None
     else:
         other.zero_quantized_weights = other.zero_quantized_gradients = True
         other.zero_hpz_partition_size = ranks_per_node
@@ -206,8 +212,11 @@ def format_plan(job: Job, cluster: Cluster, trace: ModelTrace, plans: list[Confi
     out(f"-- Memory per GPU (GiB, rank 0){'':11}{head}")
     rows = [("weights (16-bit shard + persistent)" if plans[0].zero.stage == 3 else "weights (whole, 16-bit)",
              "weights"), ("hpZ secondary partition", "hpz_secondary"), ("gradients (fp32, whole)" if plans[0].zero.stage == 0 else "gradients (fp32 partition)", "gradients"),
-            ("optimizer (fp32 master + Adam)", "optimizer"), ("gradient bucket buffers", "gradient_buckets"),
+            ("optimizer (fp32 master + Adam)", "optimizer"), ("qgZ error feedback (fp32, 1/L)", "error_feedback"),
+            ("gradient bucket buffers", "gradient_buckets"),
             ("gathered-weight buffers", "gathered_weights")]
+    if not any(p.memory["error_feedback"] for p in plans):
+        rows = [r for r in rows if r[1] != "error_feedback"]
     ckpt = "on" if cfg.checkpoint_activations else "off"
     for name, key in rows:
         out(f"   {name:<41}" + "".join(f"{_gib(p.memory[key]):>{width}}" for p in plans))

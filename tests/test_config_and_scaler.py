@@ -81,7 +81,6 @@ REFUSED = [
     ({"data_types": {"grad_accum_dtype": "bf16"}}, "data_types.grad_accum_dtype"),
     ({"zero_optimization": {"offload_param": {"device": "nvme"}}}, "offload_param"),
     ({"zero_optimization": {"mics_shard_size": 8}}, "mics_shard_size"),
-    ({"zero_optimization": {"zeropp_loco_param": {"err_beta": 0.8}}}, "zeropp_loco_param"),
     ({"zero_optimization": {"zero_quantized_nontrainable_weights": True}}, "zero_quantized_nontrainable_weights"),
     ({"zero_optimization": {"memory_efficient_linear": True}}, "memory_efficient_linear"),
     ({"zero_optimization": {"stage3_module_granularity_threshold": 100}}, "stage3_module_granularity_threshold"),

@@ -342,6 +342,8 @@ def load_checkpoint(load: str, engine, load_optim: bool = True, load_rng: bool =
                               f"pass the model flags it was trained with")
 
     state = engine.checkpoint_state(for_load=True, optimizer=load_optim)
+    for key in engine.uncarried_state(meta["engine"]) if load_optim else []:
+        del state[key]   # saved in another layout (or not at all): reset, and load_scalar_state says so
     stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     for key, entry in state.items():
         if key not in stored:
@@ -356,7 +358,9 @@ def load_checkpoint(load: str, engine, load_optim: bool = True, load_rng: bool =
                  no_dist=not dist.is_initialized())
     engine.checkpoint_loaded(state)
     if load_optim:
-        engine.load_scalar_state(meta["engine"])
+        for note in engine.load_scalar_state(meta["engine"]):
+            if this_rank == 0:
+                print(f"> {path}: {note}", flush=True)
     if load_rng:
         if this_rank < len(meta["rng"]):
             set_rng_state(meta["rng"][this_rank])

@@ -14,7 +14,7 @@ import os
 import warnings
 
 from common import ConfigError
-from zeropp.config import AUTO, DeepSpeedConfig, OptimizerSettings, load_json
+from zeropp.config import AUTO, DeepSpeedConfig, LocoConfig, OptimizerSettings, load_json
 
 
 _GIVEN = object()  # merge(): "take the flag's value if it was given"
@@ -47,6 +47,8 @@ def merge_deepspeed_config(args, explicit: set[str]) -> DeepSpeedConfig:
         else:
             merge(dest, f"zero_optimization.{key}", zero, key)
     merge("zero_reduce_bucket_size", "zero_optimization.reduce_bucket_size", zero, "reduce_bucket_size")
+    if args.zero_loco and zero.zeropp_loco_param is None:   # the JSON's own parameters, if any, stay
+        zero.zeropp_loco_param = LocoConfig()
     merge("fp16", "fp16.enabled", ds.fp16, "enabled")
     merge("bf16", "bf16.enabled", ds.bf16, "enabled")
     merge("loss_scale", "fp16.loss_scale", ds.fp16, "loss_scale")

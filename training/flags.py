@@ -178,6 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--zero-hpz-size", type=_int, default=None, help="zero_hpz_partition_size")
     g.add_argument("--zero-quantized-weights", action="store_true", default=None)
     g.add_argument("--zero-quantized-gradients", action="store_true", default=None)
+    g.add_argument("--zero-loco", action="store_true", default=None,
+                   help="qgZ with error feedback (zeropp_loco_param with err_beta 0.8, reset_T 1024)")
     g.add_argument("--zero-reduce-bucket-size", type=_int, default=None)
     g.add_argument("--zeropp", type=_zeropp_mode, default=None, metavar="auto",
                    help="auto: set qwZ, hpZ and qgZ to \"auto\" (measure the links at start-up, let the "

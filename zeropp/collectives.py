@@ -62,8 +62,9 @@ class ShardReduce:
         return 0
 
     def start(self, rows: torch.Tensor, out: torch.Tensor, partition: Partition, phase: str,
-              async_op: bool = True, pool: BufferPool | None = None):
-        """`pool`: where a reduction takes its transient buffers (none here)."""
+              async_op: bool = True, pool: BufferPool | None = None, key: int = 0):
+        """`pool`: where a reduction takes its transient buffers (none here). `key`: which
+        bucket (a reduction that keeps state per bucket, qgZ's error feedback, needs it)."""
         if partition.size == 1:
             out.copy_(rows[0])
             return Work(result=out)
@@ -203,7 +204,7 @@ class GradientReducer:
                     b.rows[:, off:off + s.chunk].zero_()
         b.out = self._take(b.total)
         b.work = self.reduce.start(b.rows, b.out, self.partition, "grad_reduce", async_op=self.overlap,
-                                   pool=self.pool)
+                                   pool=self.pool, key=b.index)
         self.next_launch += 1
         self.inflight.append(b)
         while len(self.inflight) > (self.max_inflight if self.overlap else 0):

@@ -26,7 +26,24 @@ from common import ConfigError, parse_int, parse_number, refuse_value
 from zeropp.config_keys import UNSUPPORTED
 from zeropp.config_optim import OptimizerConfig, OptimizerSettings, SchedulerConfig
 
-__all__ = ["AUTO", "AUTO_KEYS", "ConfigError", "DeepSpeedConfig", "ZeroConfig", "OptimizerSettings", "load_json"]
+__all__ = ["AUTO", "AUTO_KEYS", "ConfigError", "DeepSpeedConfig", "LocoConfig", "ZeroConfig", "OptimizerSettings", "load_json"]
+
+
+@dataclass
+class LocoConfig:
+    """`zeropp_loco_param` (DeepSpeed's spelling): error feedback for qgZ's INT4 hop
+    (zeropp/quantized_collectives.py). The error carried to the next reduction is
+    err_beta x the old one + (1 - err_beta) x this quantization's; every reset_T
+    reductions of a bucket it starts again from zero."""
+    err_beta: float = 0.8
+    reset_T: int = 1024
+
+    def validate(self, where: str):
+        if not 0 <= self.err_beta < 1:
+            raise ConfigError(f"{where}.err_beta must be in [0, 1) (0: carry the whole last error), "
+                              f"got {self.err_beta}")
+        if self.reset_T < 1:
+            raise ConfigError(f"{where}.reset_T must be >= 1 (reductions between resets), got {self.reset_T}")
 
 
 @dataclass
@@ -47,6 +64,8 @@ class ZeroConfig:
     zero_hpz_partition_size: int | str = 1
     zero_quantized_weights: bool | str = False
     zero_quantized_gradients: bool | str = False
+    # qgZ with error feedback (--zero-loco); None = off.
+    zeropp_loco_param: LocoConfig | None = None
     # This product's keys (DeepSpeed fixes these): elements per fp32 scale (zeropp/quant.py).
     zero_quantized_weights_block_size: int = 256      # qwZ, INT8
     zero_quantized_gradients_block_size: int = 128    # qgZ, INT4
@@ -91,6 +110,12 @@ class ZeroConfig:
         zpp = [k for k in ("zero_quantized_weights", "zero_quantized_gradients") if getattr(self, k) is True]
         if self.zero_hpz_partition_size != AUTO and self.zero_hpz_partition_size > 1:
             zpp.append("zero_hpz_partition_size")
+        if self.zeropp_loco_param is not None:
+            self.zeropp_loco_param.validate(f"{where}.zeropp_loco_param")
+            if self.zero_quantized_gradients is not True:
+                raise ConfigError(f"{where}.zeropp_loco_param (--zero-loco) is error feedback for qgZ's "
+                                  f"quantized gradients: set zero_quantized_gradients true "
+                                  f"(--zero-quantized-gradients), got {self.zero_quantized_gradients!r}")
         if zpp and self.stage != 3:
             raise ConfigError(f"{where}: {', '.join(zpp)} (ZeRO++) need stage 3, "
                               f"but stage is {self.stage}")
@@ -295,7 +320,7 @@ def _build(cls, raw: Any, where: str):
     return cls(**kwargs)
 
 
-_SECTIONS = (ZeroConfig, FP16Config, BF16Config, DataTypesConfig, OptimizerConfig, SchedulerConfig)
+_SECTIONS = (ZeroConfig, LocoConfig, FP16Config, BF16Config, DataTypesConfig, OptimizerConfig, SchedulerConfig)
 
 
 def _coerce(f: dataclasses.Field, value: Any, where: str):

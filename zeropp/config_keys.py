@@ -106,7 +106,6 @@ UNSUPPORTED: dict[str, dict[str, tuple[Callable, str]]] = {
         "mics_shard_size": (_only(-1), "MiCS sharding is not implemented; to keep a copy of the weights "
                                        "inside each node use zero_hpz_partition_size (hpZ)"),
         "mics_hierarchical_params_gather": (_only(False), f"MiCS is not implemented; {_REMOVE}"),
-        "zeropp_loco_param": (_only(None), f"LoCo error feedback for qgZ is not implemented; {_REMOVE}"),
         "zero_quantized_nontrainable_weights": (_only(False), "every weight here is trainable: use "
                                                               "zero_quantized_weights (qwZ)"),
         "memory_efficient_linear": (_only(False), f"the model's own linear layers run unchanged "

@@ -196,10 +196,17 @@ class Engine:
         return {"loss_scaler": self.loss_scaler.state_dict(), "global_step": self.global_step,
                 "skipped_steps": self.skipped_steps}
 
-    def load_scalar_state(self, sd: dict):
+    def load_scalar_state(self, sd: dict) -> list[str]:
+        """Restore scalar_state(); returns lines to report (state that could not be carried)."""
         self.loss_scaler.load_state_dict(sd["loss_scaler"])
         self.global_step = sd["global_step"]
         self.skipped_steps = sd.get("skipped_steps", 0)   # absent from checkpoints before it was kept
+        return []
+
+    def uncarried_state(self, saved_scalar_state: dict) -> list[str]:
+        """Keys of checkpoint_state(for_load=True) that a checkpoint saved with `saved_scalar_state`
+        cannot fill on this job (its layout differs): left out of the load, reset instead."""
+        return []
 
     def _moment_names(self) -> tuple[str, ...]:
         """The optimizer's per-element state tensors, by torch's names."""

@@ -27,7 +27,9 @@ without momentum has no optimizer state (K = 0, or 4 for the 16-bit master).
 
 hpZ (ZeRO++) adds the secondary partition: the 16-bit weights again, split
 over the h ranks of a node group, w/h bytes per parameter on top of stage 3's
-parameters (`hpz_secondary_bytes` is that buffer alone).
+parameters (`hpz_secondary_bytes` is that buffer alone). qgZ's error feedback
+(`zeropp_loco_param`, on more than one node) adds an fp32 error for 1/L of the
+gradients, 4/L bytes per parameter under gradients (`error_feedback_bytes`).
 
 Padding to a multiple of N, stage 3's persistent (unpartitioned) small
 parameters and Adam's scalar step counters make the measurement slightly
@@ -114,6 +116,11 @@ def memory_report(engine) -> dict:
     secondary = hpz.flat if hpz is not None else None
     if hpz is not None:
         per["parameters"] += engine.dtype.itemsize / hpz.size
+    topo = engine.comm.topology
+    feedback = getattr(engine, "error_feedback", None)
+    feedback = feedback.buffers if feedback is not None else {}
+    if engine.config.zero_optimization.zeropp_loco_param is not None and topo.num_nodes > 1:
+        per["gradients"] += 4 / topo.ranks_per_node   # qgZ's fp32 error, 1/L of the gradients
     measured = measure(engine.model_state_tensors())
     predicted = {k: v * psi for k, v in per.items()}
     total_m, total_p = sum(measured.values()), sum(predicted.values())
@@ -131,6 +138,7 @@ def memory_report(engine) -> dict:
         "buffers": buffers,
         "buffer_bounds_bytes": sum(b["bound"] or 0 for b in buffers.values()),
         "hpz_secondary_bytes": 0 if secondary is None else secondary.untyped_storage().nbytes(),
+        "error_feedback_bytes": sum(b.untyped_storage().nbytes() for b in feedback.values()),
     }
 
 

@@ -12,6 +12,13 @@
   The result is the sum a reduce-scatter gives (the caller scales it), within
   the INT4 bound.
 
+- with `ErrorFeedback` (zeropp/error_feedback.py, `zeropp_loco_param`), qgZ
+  carries the quantization error of what a rank sent across nodes into its
+  next reduction of the same bucket. The one lossy hop is then the inter-node
+  one: inside the node the rows are reduce-scattered exactly (in the
+  communication dtype, on the fast link), so the error lives in 1/L of the
+  bucket per rank.
+
 Each charges the communicator's plain equivalent with the collective it
 replaces (parallel/comm.py), so a run reports what ZeRO-3 would have sent.
 Quantization runs in zeropp/quant.py: Triton kernels on CUDA, torch elsewhere.
@@ -28,6 +35,7 @@ import torch
 from parallel.comm import Work
 from zeropp.buffer_pool import BufferPool
 from zeropp.collectives import ShardGather, ShardReduce
+from zeropp.error_feedback import ErrorFeedback
 from zeropp.partition import Partition
 from zeropp.quant import (DEFAULT_BLOCK_SIZE, Quantized, dequantize, dequantize_reduce,
                           dequantize_reduce_requantize, quantize, wire_nbytes)
@@ -144,9 +152,10 @@ class HierarchicalQuantizedReduce(ShardReduce):
     which the gradient reducer calls as gradients come in), step 5 in wait().
     """
 
-    def __init__(self, comm, block_size: int = DEFAULT_BLOCK_SIZE[4]):
+    def __init__(self, comm, block_size: int = DEFAULT_BLOCK_SIZE[4], error_feedback: ErrorFeedback | None = None):
         super().__init__(comm)
         self.block_size = block_size
+        self.error_feedback = error_feedback
         topo = comm.topology
         self.nodes, self.local = topo.num_nodes, topo.ranks_per_node
         self.intra_group, self.inter_group = topo.intra_node_group, topo.inter_node_group
@@ -157,10 +166,18 @@ class HierarchicalQuantizedReduce(ShardReduce):
     def inflight_bytes(self, bucket_elems: int) -> int:
         # the INT4 wire of the first hop, sent and received; the second hop's two buffers
         # (1/L of it each, or all of it with L = 1) are taken once the first hop's send is back
-        return 2 * wire_nbytes(self._padded(bucket_elems), 4, self.block_size)
+        if self.error_feedback is None:
+            return 2 * wire_nbytes(self._padded(bucket_elems), 4, self.block_size)
+        # with error feedback: the exact first hop's reordered rows (8 bytes a bucket element at
+        # most) and its result (1/L of that), then x and a row (fp32, 1/L of the bucket + a row)
+        # and the second hop's wire, sent and received
+        padded = self._padded(bucket_elems)
+        return (8 * bucket_elems * (1 + 1 / self.local) + 4 * padded * (1 / self.local + 1 / self.nodes)
+                + 2 * wire_nbytes(padded, 4, self.block_size))
 
     def start(self, rows: torch.Tensor, out: torch.Tensor, partition: Partition, phase: str,
-              async_op: bool = True, pool: BufferPool | None = None):
+              async_op: bool = True, pool: BufferPool | None = None, key: int = 0):
+        """`key`: which bucket this is (error feedback keeps one error per bucket)."""
         nodes, local, bs = self.nodes, self.local, self.block_size
         world, total = rows.shape
         if world != nodes * local:
@@ -169,9 +186,13 @@ class HierarchicalQuantizedReduce(ShardReduce):
         padded = -(-total // bs) * bs
         self.comm.charge_plain("reduce_scatter", None, total * rows.element_size())
         by_node = rows.view(nodes, local, total)
+        if self.error_feedback is not None:
+            return self._start_compensated(by_node, out, phase, async_op, pool, key)
         if local == 1:   # 4-5 only: row a to node a
-            return self._inter_hop(lambda a, dest: quantize(by_node[a, 0], 4, bs, out=dest), out, total, phase,
-                                   async_op, pool)
+            def fill_rows(dests: list[Quantized]):
+                for a, dest in enumerate(dests):
+                    quantize(by_node[a, 0], 4, bs, out=dest)
+            return self._inter_hop(fill_rows, out, total, phase, async_op, pool)
         # 1. slot b*N + a <- row a*L + b, each padded to whole blocks (zeros), in INT4
         send, per_dest = _take_wire(pool, local, nodes * padded, 4, bs)
         for b, dest in enumerate(per_dest):
@@ -194,22 +215,59 @@ class HierarchicalQuantizedReduce(ShardReduce):
             pool.give(send)
             received = Quantized.from_bytes(recv, nodes * padded, 4, bs)   # [L senders], N rows each
 
-            def fill(a: int, dest: Quantized):   # row a of the node's sum, for node a
-                dequantize_reduce_requantize(received.row(a, total), 4, bs, out=dest)
+            def fill(dests: list[Quantized]):   # row a of the node's sum, for node a
+                for a, dest in enumerate(dests):
+                    dequantize_reduce_requantize(received.row(a, total), 4, bs, out=dest)
             work = self._inter_hop(fill, out, total, phase, async_op, pool)
             pool.give(recv)
             return work
 
         return _TwoHops(first, second)
 
-    def _inter_hop(self, fill: Callable[[int, Quantized], None], out: torch.Tensor, total: int, phase: str,
+    def _start_compensated(self, by_node: torch.Tensor, out: torch.Tensor, phase: str, async_op: bool,
+                           pool: BufferPool, key: int) -> Work:
+        """qgZ with error feedback: inside the node an exact reduce-scatter of the reordered rows
+        (slot b*N + a <- row a*L + b), then the node's sums for owners of local index b go
+        across nodes in INT4 with the carried error (`ErrorFeedback.send`). One node: the exact
+        reduce-scatter is the whole reduction (nothing crosses a node)."""
+        nodes, local, total = by_node.shape
+        ef = self.error_feedback
+        if local == 1:
+            node_sum, first = by_node[:, 0], None
+        else:
+            send = pool.take(local * nodes * total, by_node.dtype).view(local, nodes, total)
+            send.copy_(by_node.transpose(0, 1))
+            node_sum = pool.take(nodes * total, by_node.dtype).view(nodes, total)
+            first = self.comm.reduce_scatter(node_sum.view(-1), send.view(-1), group=self.intra_group,
+                                             async_op=async_op, phase=phase, plain=False)
+        if nodes == 1:
+            def finish():
+                out.copy_(node_sum[0])
+                pool.give(send)
+                pool.give(node_sum)
+                return out
+            return Work(first, then=finish)
+
+        def second() -> Work:
+            if first is not None:
+                pool.give(send)
+            work = self._inter_hop(lambda dests: ef.send(key, node_sum, dests, pool), out, total, phase,
+                                   async_op, pool)
+            if first is not None:
+                pool.give(node_sum)
+            return work
+
+        if first is None:
+            return second()
+        return _TwoHops(first, second)
+
+    def _inter_hop(self, fill: Callable[[list[Quantized]], None], out: torch.Tensor, total: int, phase: str,
                    async_op: bool, pool: BufferPool) -> Work:
-        """4-5: `fill(a, dest)` writes the INT4 row for node a (`total` elements) into `dest`,
+        """4-5: `fill(dests)` writes the INT4 row for node a (`total` elements) into `dests[a]`,
         its slot of the wire buffer."""
         nodes, bs = self.nodes, self.block_size
         send, per_node = _take_wire(pool, nodes, total, 4, bs)
-        for a, dest in enumerate(per_node):
-            fill(a, dest)
+        fill(per_node)
         recv = pool.take(send.numel(), torch.uint8).view_as(send)
         work = self.comm.all_to_all(recv.view(-1), send.view(-1), group=self.inter_group, phase=phase,
                                     async_op=async_op, plain=False)

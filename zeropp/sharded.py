@@ -15,6 +15,7 @@ import torch
 
 from zeropp.collectives import GradientReducer, ShardGather, ShardReduce, gather_bucketed
 from zeropp.engine import Engine, FlatState, communication_dtype
+from zeropp.error_feedback import KEY as ERROR_FEEDBACK_KEY, ErrorFeedback
 from zeropp.init import ParamInit, full_value, materialize_rest, replace_data
 from zeropp.partition import Partition, ShardedParam
 
@@ -63,6 +64,9 @@ class ShardedEngineBase(Engine):
             self.reduce, self.shards, reduce_partition, self.zero.reduce_bucket_size,
             communication_dtype(config), device, self.zero.overlap, pre=pre, post=post)
         self.reducer.pool.budget = self._gradient_buffers_bound()
+        if self.error_feedback is not None:
+            self.error_feedback.expect({b.index: (topo.num_nodes, b.total) for b in self.reducer.buckets},
+                                       self.world, topo.num_nodes, device)
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._grad_hook)
 
@@ -201,7 +205,33 @@ class ShardedEngineBase(Engine):
                     local = self._moment(s.master, key, for_load) if s.valid else empty
                     out[f"optim.{key}.{s.name}"] = FlatState(local, s.numel, sharded=True)
             out["optim.step"] = self._step_entry([s.master for s in self.shards if s.valid])
+            if self.error_feedback is not None:
+                out.update(self.error_feedback.checkpoint_state(self.world))
         return out
+
+    @property
+    def error_feedback(self) -> ErrorFeedback | None:
+        """qgZ's error feedback (zeropp_loco_param), when the gradient reduction keeps one."""
+        return getattr(self.reduce, "error_feedback", None)
+
+    def scalar_state(self) -> dict:
+        out = super().scalar_state()
+        if self.error_feedback is not None:
+            out["error_feedback"] = self.error_feedback.scalar_state()
+        return out
+
+    def load_scalar_state(self, sd: dict) -> list[str]:
+        notes = super().load_scalar_state(sd)
+        if self.error_feedback is not None:
+            note = self.error_feedback.load_scalar_state(sd.get("error_feedback"))
+            notes += [note] if note else []
+        return notes
+
+    def uncarried_state(self, saved_scalar_state: dict) -> list[str]:
+        ef = self.error_feedback
+        if ef is None or ef.carried(saved_scalar_state.get("error_feedback")):
+            return []
+        return [f"{ERROR_FEEDBACK_KEY}{k}" for k in ef.shapes]
 
     def checkpoint_loaded(self, state: dict):
         self._publish_weights()   # masters -> 16-bit weights, gathered where this stage keeps them whole

@@ -54,6 +54,7 @@ from zeropp.collectives import ShardReduce
 from zeropp.hpz import SecondaryPartition
 from zeropp.partition import Partition
 from zeropp.quant import scratch_bound, scratch_bytes
+from zeropp.error_feedback import ErrorFeedback
 from zeropp.quantized_collectives import HierarchicalQuantizedReduce, QuantizedShardGather
 from zeropp.schedule import GatherSchedule, TraceRecorder, backward_order, checkpoint_region, reuse_set, without
 from zeropp.sharded import ShardedEngineBase
@@ -96,7 +97,9 @@ class Stage3Engine(ShardedEngineBase):
 
     def _gradient_reduce(self) -> ShardReduce:
         if self.zero.zero_quantized_gradients:
-            return HierarchicalQuantizedReduce(self.comm, self.zero.zero_quantized_gradients_block_size)
+            loco = self.zero.zeropp_loco_param
+            feedback = ErrorFeedback(loco.err_beta, loco.reset_T) if loco is not None else None
+            return HierarchicalQuantizedReduce(self.comm, self.zero.zero_quantized_gradients_block_size, feedback)
         return super()._gradient_reduce()
 
     def _allocate_partitions(self):
@@ -327,7 +330,8 @@ class Stage3Engine(ShardedEngineBase):
     def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
         live = [s.param.data for s in self.shards if s.persistent or s.state is WeightState.LIVE]
         secondary = [self.secondary_partition.flat] if self.secondary_partition is not None else []
-        return {"parameters": [self.param_flat] + secondary + live, "gradients": [self.grad_flat],
+        feedback = list(self.error_feedback.buffers.values()) if self.error_feedback is not None else []
+        return {"parameters": [self.param_flat] + secondary + live, "gradients": [self.grad_flat] + feedback,
                 "optimizer": self._optimizer_tensors()}
 
     def peak_buffers(self) -> dict:

@@ -1,0 +1,99 @@
+"""qgZ's error feedback (`zeropp_loco_param`, LoCo: arXiv 2407.04480): the INT4
+error of what a rank sends across nodes, carried into its next reduction of the
+same gradient bucket, and kept in checkpoints.
+
+Per bucket one fp32 buffer [N, P]: the node's sums for the owners with this
+rank's local index (HierarchicalQuantizedReduce's inter-node rows), 1/L of the
+bucket, so all buffers together are 4/L bytes per parameter. A reduction sends
+Q(x) for x = rows + e and keeps e = beta e + (1 - beta)(x - Q(x)) (beta 0:
+classic error feedback); every `reset_every` reductions of a bucket e starts
+again from zero. Without it each step's INT4 error is lost; with it what was
+not sent is sent later, so the sum of what the optimizer receives over steps
+tracks the sum of the true gradients (tests/test_zeropp_loco.py: over 20
+reductions of the same rows, 0.1 x a step's error against 20 x).
+
+Checkpoints: each buffer is a sharded tensor of W x N x P elements (rank r's
+buffer is its r-th chunk), and the layout (ranks, nodes, each bucket's shape)
+and the reduction counts go to the metadata. A load with the same layout
+restores them exactly; any other layout (world size, node shape, buckets)
+cannot place them, so they start from zero and the load says so.
+"""
+from __future__ import annotations
+
+import torch
+
+from zeropp.buffer_pool import BufferPool
+from zeropp.engine import FlatState
+from zeropp.quant import dequantize, quantize
+from zeropp.quant_format import Quantized
+
+KEY = "error_feedback."   # checkpoint keys: KEY + bucket index
+
+
+class ErrorFeedback:
+    def __init__(self, beta: float, reset_every: int):
+        self.beta, self.reset_every = beta, reset_every
+        self.buffers: dict[int, torch.Tensor] = {}
+        self.reductions: dict[int, int] = {}
+        self.shapes: dict[int, tuple[int, int]] = {}   # every bucket's buffer shape (`expect`)
+        self.layout: dict = {}
+
+    def expect(self, shapes: dict[int, tuple[int, int]], world: int, nodes: int, device):
+        """The buckets to come (index -> [N, P]) and the job's shape: what a checkpoint records."""
+        self.shapes, self.device = dict(shapes), device
+        self.layout = {"world": world, "nodes": nodes, "shapes": {str(k): list(v) for k, v in shapes.items()}}
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers.values())
+
+    def _buffer(self, key: int, shape) -> torch.Tensor:
+        err = self.buffers.get(key)
+        if err is None or tuple(err.shape) != tuple(shape):
+            err = self.buffers[key] = torch.zeros(tuple(shape), dtype=torch.float32, device=self.device)
+        return err
+
+    def send(self, key: int, rows: torch.Tensor, dests: list[Quantized], pool: BufferPool):
+        """Quantize rows [N, total] plus the carried error into `dests` (INT4 wire rows)."""
+        self.device = rows.device
+        err = self._buffer(key, rows.shape)
+        done = self.reductions.get(key, 0)
+        if done and done % self.reset_every == 0:
+            err.zero_()
+        self.reductions[key] = done + 1
+        x = pool.take(rows.numel(), torch.float32).view(rows.shape)
+        torch.add(rows, err, out=x)
+        sent = pool.take(rows.shape[1], torch.float32)
+        for a, dest in enumerate(dests):
+            quantize(x[a], 4, dest.block_size, out=dest)
+            x[a].sub_(dequantize(dest, torch.float32, out=sent))    # this quantization's error
+        err.mul_(self.beta).add_(x, alpha=1 - self.beta)
+        pool.give(sent)
+        pool.give(x)
+
+    # -- checkpoints ---------------------------------------------------------------------
+    def checkpoint_state(self, world: int) -> dict[str, FlatState]:
+        """Every bucket's buffer (zeros for one not reduced yet), as rank r's chunk of W of them."""
+        return {f"{KEY}{k}": FlatState(self._buffer(k, shape).view(-1), world * shape[0] * shape[1], sharded=True)
+                for k, shape in self.shapes.items()}
+
+    def scalar_state(self) -> dict:
+        return {"layout": self.layout, "reductions": {str(k): v for k, v in self.reductions.items()}}
+
+    def carried(self, saved: dict | None) -> bool:
+        """Whether a checkpoint's buffers (its scalar state `saved`) fit this job's layout."""
+        return bool(saved) and saved.get("layout") == self.layout
+
+    def load_scalar_state(self, saved: dict | None) -> str | None:
+        """After the buffers were loaded (if carried): the counts; else zero everything and say why."""
+        if self.carried(saved):
+            self.reductions = {int(k): v for k, v in saved["reductions"].items()}
+            return None
+        for err in self.buffers.values():
+            err.zero_()
+        self.reductions = {}
+        if not saved:
+            return "the checkpoint has no qgZ error feedback (saved without zeropp_loco_param): it starts from zero"
+        was, now = saved["layout"], self.layout
+        return (f"qgZ's error feedback starts from zero: saved on {was['world']} ranks in {was['nodes']} nodes "
+                f"with {len(was['shapes'])} gradient buckets, now {now['world']} ranks in {now['nodes']} nodes "
+                f"with {len(now['shapes'])} (its buffers follow that layout)")
