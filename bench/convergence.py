@@ -75,7 +75,7 @@ def model_flags(a) -> list[str]:
 def command(a, zero_flags: list[str], scratch: Path) -> list[str]:
     return ([str(ROOT / ".venv/bin/torchrun"), "--standalone", "--nproc-per-node", str(a.nproc), "train.py",
              "--config", "configs/demo.yaml"] + model_flags(a) + zero_flags +
-            ["--save", str(scratch / "checkpoints"), "--save-interval", "0",
+            ["--save", str(scratch / "checkpoints"), "--save-interval", str(a.iters),   # at the end only
              "--tensorboard-dir", str(scratch / "tensorboard")])
 
 

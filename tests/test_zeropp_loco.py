@@ -136,7 +136,8 @@ def train(rank, world_size, zero, steps=24):
     params = sum(s.numel for s in engine.shards)
     return dict(losses=losses, inter=engine.comm.stats.inter_node_bytes, params=params,
                 error_bytes=report["error_feedback_bytes"], measured=report["measured_bytes"]["gradients"],
-                predicted=report["predicted_bytes"]["gradients"])
+                predicted=report["predicted_bytes"]["gradients"],
+                pools_within_bounds={k: b["within"] for k, b in report["buffers"].items()})
 
 
 def train_both(rank, world_size):
@@ -158,6 +159,7 @@ def test_loco_trains_like_zero3_sends_what_qgz_sends_across_nodes_and_counts_its
         assert 2 * r["loco"]["params"] <= r["loco"]["error_bytes"] <= 2 * r["loco"]["params"] * 1.2
         assert r["loco"]["measured"] - r["qgz"]["measured"] == r["loco"]["error_bytes"]
         assert r["loco"]["predicted"] - r["qgz"]["predicted"] == pytest.approx(2 * r["loco"]["params"])
+        assert all(r["loco"]["pools_within_bounds"].values()), r["loco"]["pools_within_bounds"]
 
 
 # --------------------------------------------------------------------------------------

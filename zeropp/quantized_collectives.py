@@ -168,12 +168,11 @@ class HierarchicalQuantizedReduce(ShardReduce):
         # (1/L of it each, or all of it with L = 1) are taken once the first hop's send is back
         if self.error_feedback is None:
             return 2 * wire_nbytes(self._padded(bucket_elems), 4, self.block_size)
-        # with error feedback: the exact first hop's reordered rows (8 bytes a bucket element at
-        # most) and its result (1/L of that), then x and a row (fp32, 1/L of the bucket + a row)
-        # and the second hop's wire, sent and received
+        # with error feedback, at most (all counted as if alive at once, at 4 bytes an element):
+        # the exact first hop's reordered rows (the bucket) and its result (1/L of it), then x
+        # (1/L) and one row (1/W <= 1/N), and the second hop's INT4 wire, sent and received
         padded = self._padded(bucket_elems)
-        return (8 * bucket_elems * (1 + 1 / self.local) + 4 * padded * (1 / self.local + 1 / self.nodes)
-                + 2 * wire_nbytes(padded, 4, self.block_size))
+        return 4 * padded * (1 + 2 / self.local + 1 / self.nodes) + 2 * wire_nbytes(padded, 4, self.block_size)
 
     def start(self, rows: torch.Tensor, out: torch.Tensor, partition: Partition, phase: str,
               async_op: bool = True, pool: BufferPool | None = None, key: int = 0):
