@@ -120,6 +120,9 @@ def test_auto_uses_the_kernels_on_cpu_unless_told_otherwise(monkeypatch):
     assert calls == [1]
     with pytest.raises(ValueError, match="at most"):
         quant.quantize(torch.randn(300), 8, 8192, backend="cpu")
+    monkeypatch.setenv("ZEROPP_QUANT_BACKEND", "fast")
+    with pytest.raises(ValueError, match="ZEROPP_QUANT_BACKEND='fast': use torch, cpu or triton"):
+        quant.quantize(torch.randn(300), 8)
 
 
 def _python(code: str, env: dict) -> subprocess.CompletedProcess:

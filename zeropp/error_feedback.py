@@ -39,8 +39,9 @@ class ErrorFeedback:
         self.layout: dict = {}
 
     def expect(self, shapes: dict[int, tuple[int, int]], world: int, nodes: int, device):
-        """The buckets to come (index -> [N, P]) and the job's shape: what a checkpoint records."""
-        self.shapes, self.device = dict(shapes), device
+        """The buckets to come (index -> [N, P]) and the job's shape: what a checkpoint records.
+        On one node nothing is quantized, so there is no error to keep."""
+        self.shapes, self.device = (dict(shapes) if nodes > 1 else {}), device
         self.layout = {"world": world, "nodes": nodes, "shapes": {str(k): list(v) for k, v in shapes.items()}}
 
     def nbytes(self) -> int:

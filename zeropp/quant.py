@@ -101,6 +101,8 @@ def _pick_backend(backend: str, device: torch.device, block_size: int,
         raise ValueError(f"backend must be auto, torch, triton or cpu, got {backend!r}")
     if backend == "auto":
         backend = os.environ.get("ZEROPP_QUANT_BACKEND", "") or "auto"
+        if backend not in ("auto", "torch", "triton", "cpu"):
+            raise ValueError(f"ZEROPP_QUANT_BACKEND={backend!r}: use torch, cpu or triton (or leave it unset)")
     if backend != "auto":
         if backend == "triton" and not triton_available():
             raise RuntimeError("backend='triton' but triton is not importable")

@@ -159,4 +159,4 @@ def dequantize_reduce(st: Quantized, dtype: torch.dtype, scale: float, out: torc
 
 
 def warn_unavailable():
-    warnings.warn(f"zeropp.quant: {_WHY_NOT}; using the torch path (slower on CPU)", RuntimeWarning, stacklevel=3)
+    warnings.warn(f"zeropp.quant: {_WHY_NOT}; using the torch path (slower on CPU)", RuntimeWarning, stacklevel=4)

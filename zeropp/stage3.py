@@ -51,10 +51,10 @@ import torch
 
 from zeropp.buffer_pool import BufferPool
 from zeropp.collectives import ShardReduce
+from zeropp.error_feedback import ErrorFeedback
 from zeropp.hpz import SecondaryPartition
 from zeropp.partition import Partition
 from zeropp.quant import scratch_bound, scratch_bytes
-from zeropp.error_feedback import ErrorFeedback
 from zeropp.quantized_collectives import HierarchicalQuantizedReduce, QuantizedShardGather
 from zeropp.schedule import GatherSchedule, TraceRecorder, backward_order, checkpoint_region, reuse_set, without
 from zeropp.sharded import ShardedEngineBase
