@@ -5,13 +5,14 @@
     .venv/bin/python -m bench.convergence --iters 1000
     .venv/bin/python -m bench.convergence --quick         # ~30 iterations: a smoke test of the harness
 
-Both runs are `train.py --config configs/demo.yaml` under torchrun with 4 ranks as
-2 emulated nodes x 2 (`--ranks-per-node 2`), the same seed, the same data order
-and the same tiny GPT (flags below override demo.yaml); the only difference is
-the ZeRO flags:
+Both runs are `train.py --config configs/demo.yaml` (less its ZeRO++ switches) under
+torchrun with 4 ranks as 2 emulated nodes x 2 (`--ranks-per-node 2`), the same seed,
+the same data order and the same tiny GPT (flags below override demo.yaml); the only
+difference is the ZeRO flags:
 
-    ZeRO-3   --zero-stage 3
-    ZeRO++   --zero-stage 3 --zero-quantized-weights --zero-hpz-size 2 --zero-quantized-gradients
+    ZeRO-3          --zero-stage 3
+    ZeRO++          --zero-stage 3 --zero-quantized-weights --zero-hpz-size 2 --zero-quantized-gradients
+    ZeRO++ + LoCo   the same and --zero-loco (with --with-loco: qgZ's error feedback)
 
 The harness parses train.py's Megatron-style stdout: the training lines
 ("iteration N/ M | ... | lm loss: X | ... | inter-node MB: Y |") and the
@@ -72,9 +73,23 @@ def model_flags(a) -> list[str]:
             "--ranks-per-node", str(a.ranks_per_node)]
 
 
+ZEROPP_YAML_KEYS = ("zero-quantized-weights", "zero-hpz-size", "zero-quantized-gradients")
+
+
+def base_config(scratch: Path) -> Path:
+    """configs/demo.yaml without its ZeRO++ switches (the demo runs ZeRO++, and a YAML switch
+    cannot be turned off by a flag): each run's flags say which techniques it uses."""
+    import yaml
+    cfg = {k: v for k, v in yaml.safe_load((ROOT / "configs/demo.yaml").read_text()).items()
+           if k not in ZEROPP_YAML_KEYS}
+    path = scratch / "base.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
 def command(a, zero_flags: list[str], scratch: Path) -> list[str]:
     return ([str(ROOT / ".venv/bin/torchrun"), "--standalone", "--nproc-per-node", str(a.nproc), "train.py",
-             "--config", "configs/demo.yaml"] + model_flags(a) + zero_flags +
+             "--config", str(scratch.parent / "base.yaml")] + model_flags(a) + zero_flags +
             ["--save", str(scratch / "checkpoints"), "--save-interval", str(a.iters),   # at the end only
              "--tensorboard-dir", str(scratch / "tensorboard")])
 
@@ -154,7 +169,8 @@ def plot(runs: dict, verdict: dict, path: Path, title: str):
     import matplotlib.pyplot as plt
 
     fig, (ax, ax2) = plt.subplots(2, 1, figsize=(8, 7), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
-    colors = {"ZeRO-3": "tab:blue", "ZeRO++": "tab:orange", "ZeRO-3 (seed+1)": "tab:gray"}
+    colors = {"ZeRO-3": "tab:blue", "ZeRO++": "tab:orange", "ZeRO++ + LoCo": "tab:green",
+              "ZeRO-3 (seed+1)": "tab:gray"}
     for name, r in runs.items():
         if not r["train"]:
             continue
@@ -169,17 +185,21 @@ def plot(runs: dict, verdict: dict, path: Path, title: str):
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    base, cand = runs.get("ZeRO-3"), runs.get("ZeRO++")
-    if base and cand and base["train"] and cand["train"]:
+    base = runs.get("ZeRO-3")
+    if base and base["train"] and runs.get("ZeRO++", {}).get("train"):
         b = {t["iteration"]: t["loss"] for t in base["train"]}
-        pts = [(t["iteration"], 100 * (t["loss"] / b[t["iteration"]] - 1)) for t in cand["train"]
-               if t["iteration"] in b]
-        ax2.plot([p[0] for p in pts], [p[1] for p in pts], color="tab:orange", lw=1.2, label="ZeRO++ training")
         bv = {v["iteration"]: v["loss"] for v in base["validation"]}
-        vp = [(v["iteration"], 100 * (v["loss"] / bv[v["iteration"]] - 1)) for v in cand["validation"]
-              if v["iteration"] in bv]
-        ax2.plot([p[0] for p in vp], [p[1] for p in vp], "x", color="tab:orange", ms=5, mew=1.5,
-                 label="ZeRO++ validation")
+        for name in ("ZeRO++", "ZeRO++ + LoCo"):
+            cand = runs.get(name)
+            if not cand or not cand["train"]:
+                continue
+            pts = [(t["iteration"], 100 * (t["loss"] / b[t["iteration"]] - 1)) for t in cand["train"]
+                   if t["iteration"] in b]
+            ax2.plot([p[0] for p in pts], [p[1] for p in pts], color=colors[name], lw=1.2, label=f"{name} training")
+            vp = [(v["iteration"], 100 * (v["loss"] / bv[v["iteration"]] - 1)) for v in cand["validation"]
+                  if v["iteration"] in bv]
+            ax2.plot([p[0] for p in vp], [p[1] for p in vp], "x", color=colors[name], ms=5, mew=1.5,
+                     label=f"{name} validation")
         ctrl = runs.get("ZeRO-3 (seed+1)")
         if ctrl and ctrl["validation"]:
             cp = [(v["iteration"], 100 * (v["loss"] / bv[v["iteration"]] - 1)) for v in ctrl["validation"]
@@ -189,7 +209,7 @@ def plot(runs: dict, verdict: dict, path: Path, title: str):
         ax2.axhspan(-100 * TOLERANCE, 100 * TOLERANCE, color="tab:green", alpha=0.12, label="±1%")
         ax2.axhline(0, color="k", lw=0.6)
         ax2.set_ylabel("vs ZeRO-3 (%)")
-        ax2.legend(fontsize=7, loc="lower center", ncol=4)
+        ax2.legend(fontsize=7, loc="lower center", ncol=3)
     ax2.set_xlabel("iteration")
     ax2.grid(alpha=0.3)
     fig.tight_layout()
@@ -312,6 +332,8 @@ def main(argv=None):
                         "to put the 1%% criterion in context")
     p.add_argument("--baseline-only", action="store_true",
                    help="run ZeRO-3 only (no comparison; for a build without ZeRO++)")
+    p.add_argument("--with-loco", action="store_true",
+                   help="also run ZeRO++ with qgZ's error feedback (--zero-loco, zeropp/error_feedback.py)")
     p.add_argument("--zeropp-flags", default=shlex.join(ZEROPP_FLAGS),
                    help="the candidate's ZeRO flags (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=None,
@@ -339,9 +361,12 @@ def main(argv=None):
     out_dir = Path(a.out_dir) if a.out_dir else (scratch / "results" if a.quick else RESULTS)
     out_dir.mkdir(parents=True, exist_ok=True)
 
+    base_config(scratch)
     variants = [("ZeRO-3", ZERO3_FLAGS, a.seed)]
     if not a.baseline_only:
         variants.append(("ZeRO++", shlex.split(a.zeropp_flags), a.seed))
+    if a.with_loco:
+        variants.append(("ZeRO++ + LoCo", shlex.split(a.zeropp_flags) + ["--zero-loco"], a.seed))
     if a.seed_control:
         variants.append(("ZeRO-3 (seed+1)", ZERO3_FLAGS, a.seed + 1))
     runs = {}
@@ -359,7 +384,8 @@ def main(argv=None):
     import torch
     invocation = ("python -m bench.convergence" + (f" --iters {a.iters}" if a.iters != 600 and not a.quick else "")
                   + (" --quick" if a.quick else "") + (" --seed-control" if a.seed_control else "")
-                  + (" --baseline-only" if a.baseline_only else ""))
+                  + (" --baseline-only" if a.baseline_only else "") + (" --with-loco" if a.with_loco else "")
+                  + (f" --seed {a.seed}" if a.seed != 1234 else ""))
     setup = {"invocation": invocation,
              "model": {"num_layers": a.num_layers, "hidden_size": a.hidden_size, "heads": a.heads,
                        "seq_length": a.seq_length},
