@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 
 from bench import RESULTS, ROOT
+from bench.convergence_plot import plot
 from bench.megatron_log import parse_log
 
 DATA_PREFIX = "work_dir/kjv_text_document"
@@ -163,60 +164,6 @@ def table(runs: dict, summary: dict) -> str:
                      for i, r in enumerate(rows))
 
 
-def plot(runs: dict, verdict: dict, path: Path, title: str):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(8, 7), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
-    colors = {"ZeRO-3": "tab:blue", "ZeRO++": "tab:orange", "ZeRO++ + LoCo": "tab:green",
-              "ZeRO-3 (seed+1)": "tab:gray"}
-    for name, r in runs.items():
-        if not r["train"]:
-            continue
-        c = colors.get(name)
-        ax.plot([t["iteration"] for t in r["train"]], [t["loss"] for t in r["train"]], color=c, lw=1.3,
-                label=f"{name} training loss", ls="--" if "seed" in name else "-")
-        if r["validation"]:
-            style = {"ZeRO-3": dict(marker="o", ms=9, mfc="none", mew=1.5), "ZeRO++": dict(marker="x", ms=6, mew=1.5)}
-            ax.plot([v["iteration"] for v in r["validation"]], [v["loss"] for v in r["validation"]], ls="none",
-                    color=c, label=f"{name} validation loss", **style.get(name, dict(marker="s", ms=5, mfc="none")))
-    ax.set_ylabel("lm loss (nats)")
-    ax.set_title(title, fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    base = runs.get("ZeRO-3")
-    if base and base["train"] and runs.get("ZeRO++", {}).get("train"):
-        b = {t["iteration"]: t["loss"] for t in base["train"]}
-        bv = {v["iteration"]: v["loss"] for v in base["validation"]}
-        for name in ("ZeRO++", "ZeRO++ + LoCo"):
-            cand = runs.get(name)
-            if not cand or not cand["train"]:
-                continue
-            pts = [(t["iteration"], 100 * (t["loss"] / b[t["iteration"]] - 1)) for t in cand["train"]
-                   if t["iteration"] in b]
-            ax2.plot([p[0] for p in pts], [p[1] for p in pts], color=colors[name], lw=1.2, label=f"{name} training")
-            vp = [(v["iteration"], 100 * (v["loss"] / bv[v["iteration"]] - 1)) for v in cand["validation"]
-                  if v["iteration"] in bv]
-            ax2.plot([p[0] for p in vp], [p[1] for p in vp], "x", color=colors[name], ms=5, mew=1.5,
-                     label=f"{name} validation")
-        ctrl = runs.get("ZeRO-3 (seed+1)")
-        if ctrl and ctrl["validation"]:
-            cp = [(v["iteration"], 100 * (v["loss"] / bv[v["iteration"]] - 1)) for v in ctrl["validation"]
-                  if v["iteration"] in bv]
-            ax2.plot([q[0] for q in cp], [q[1] for q in cp], "s", color="tab:gray", ms=4, mfc="none",
-                     label="ZeRO-3 seed+1 validation")
-        ax2.axhspan(-100 * TOLERANCE, 100 * TOLERANCE, color="tab:green", alpha=0.12, label="±1%")
-        ax2.axhline(0, color="k", lw=0.6)
-        ax2.set_ylabel("vs ZeRO-3 (%)")
-        ax2.legend(fontsize=7, loc="lower center", ncol=3)
-    ax2.set_xlabel("iteration")
-    ax2.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def notes(runs: dict, summary: dict, verdict: dict, setup: dict) -> list[str]:
     """A few sentences for the README, from the numbers."""
     out = []
@@ -292,7 +239,7 @@ def report(runs: dict, setup: dict, out_dir: Path) -> dict:
              + (f"final val loss ZeRO++/ZeRO-3 = {verdict['ratio']:.4f} ({verdict['result']})"
                 if verdict["ratio"] is not None else verdict["reason"]))
     try:
-        plot(runs, verdict, out_dir / "convergence.png", title)
+        plot(runs, verdict, out_dir / "convergence.png", title, TOLERANCE)
     except Exception as e:  # the numbers matter more than the figure
         print(f"warning: no plot ({e!r})")
     md = [f"Convergence, ZeRO-3 vs ZeRO++ (`{setup['zeropp_flags']}`): {m['num_layers']}-layer GPT, "
