@@ -44,9 +44,6 @@ class ErrorFeedback:
         self.shapes, self.device = (dict(shapes) if nodes > 1 else {}), device
         self.layout = {"world": world, "nodes": nodes, "shapes": {str(k): list(v) for k, v in shapes.items()}}
 
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers.values())
-
     def _buffer(self, key: int, shape) -> torch.Tensor:
         err = self.buffers.get(key)
         if err is None or tuple(err.shape) != tuple(shape):
