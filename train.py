@@ -81,7 +81,7 @@ def main(argv=None):
                       progress)
     early_stop = trainer.run()
     if early_stop is None:
-        print_summary(args, topology, trainer.cross_node)
+        print_summary(args, topology, trainer.cross_node, engine)
     logger.close()
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -124,7 +124,8 @@ def zeropp_label(zero) -> str:
     on = [name for name, enabled in (("qwZ", zero.zero_quantized_weights),
                                      ("hpZ", zero.zero_hpz_partition_size > 1),
                                      ("qgZ", zero.zero_quantized_gradients),
-                                     ("LoCo", zero.zeropp_loco_param is not None)) if enabled]
+                                     ("LoCo", zero.zeropp_loco_param is not None),
+                                     ("INT4 weight deltas", zero.zero_quantized_weight_deltas)) if enabled]
     return f"ZeRO-3 + ZeRO++ ({', '.join(on)})" if on else f"ZeRO stage {zero.stage}"
 
 
@@ -152,7 +153,7 @@ def checkpoint_meta(args, cfg, model, argv) -> dict:
             "argv": sys.argv[1:] if argv is None else argv}
 
 
-def print_summary(args, topology, cross_node: CrossNodeTraffic):
+def print_summary(args, topology, cross_node: CrossNodeTraffic, engine):
     print_rank0(f"> peak memory per rank: {peak_memory_mb():.0f} MB")
     if topology.num_nodes > 1 and cross_node.iterations:
         sent, plain = (total / cross_node.iterations / 2**20
@@ -160,6 +161,11 @@ def print_summary(args, topology, cross_node: CrossNodeTraffic):
         print_rank0(f"> cross-node bytes per iteration (mean over ranks): {sent:.2f} MB with "
                     f"{zeropp_label(args.ds_config.zero_optimization)}; ZeRO-3 without ZeRO++ would send "
                     f"{plain:.2f} MB ({sent / plain if plain else 1.0:.3f}x)")
+    deltas = getattr(engine, "deltas", None)
+    if deltas is not None and deltas.arrivals:
+        print_rank0(f"> INT4 weight deltas: {deltas.sent} of {deltas.arrivals} weight gathers from the primary "
+                    f"partition went as deltas ({100 * deltas.sent / deltas.arrivals:.1f}%); the others in full "
+                    f"(first gathers, every {deltas.refresh_interval} steps, after a load, large deltas)")
 
 
 def run(argv=None) -> int:

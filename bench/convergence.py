@@ -13,6 +13,11 @@ difference is the ZeRO flags:
     ZeRO-3          --zero-stage 3
     ZeRO++          --zero-stage 3 --zero-quantized-weights --zero-hpz-size 2 --zero-quantized-gradients
     ZeRO++ + LoCo   the same and --zero-loco (with --with-loco: qgZ's error feedback)
+    ZeRO++ + deltas, ZeRO++ + LoCo + deltas
+                    the same and --zero-quantized-weight-deltas (with --with-deltas)
+    ... resumed     with --resume-nproc N: ZeRO++ + LoCo + deltas trained to the last
+                    evaluation before half way on 4 ranks, saved, and resumed from that
+                    checkpoint on N ranks (--resume-ranks-per-node) to the end
 
 The harness parses train.py's Megatron-style stdout: the training lines
 ("iteration N/ M | ... | lm loss: X | ... | inter-node MB: Y |") and the
@@ -41,7 +46,7 @@ import time
 from pathlib import Path
 
 from bench import RESULTS, ROOT
-from bench.convergence_plot import plot
+from bench.convergence_plot import plot, table
 from bench.megatron_log import parse_log
 
 DATA_PREFIX = "work_dir/kjv_text_document"
@@ -89,10 +94,36 @@ def base_config(scratch: Path) -> Path:
 
 
 def command(a, zero_flags: list[str], scratch: Path) -> list[str]:
+    ds = []
+    if a.persistence_threshold is not None:   # every run the same stage-3 layout
+        path = scratch.parent / "ds_config.json"
+        path.write_text(json.dumps({"zero_optimization": {"stage3_param_persistence_threshold":
+                                                          a.persistence_threshold}}))
+        ds = ["--deepspeed_config", str(path)]
     return ([str(ROOT / ".venv/bin/torchrun"), "--standalone", "--nproc-per-node", str(a.nproc), "train.py",
-             "--config", str(scratch.parent / "base.yaml")] + model_flags(a) + zero_flags +
+             "--config", str(scratch.parent / "base.yaml")] + ds + model_flags(a) + zero_flags +
             ["--save", str(scratch / "checkpoints"), "--save-interval", str(a.iters),   # at the end only
              "--tensorboard-dir", str(scratch / "tensorboard")])
+
+
+def run_resumed(name: str, a, flags: list[str], scratch: Path, timeout: float) -> dict:
+    """`flags` trained on a.nproc ranks to the last evaluation before half way (so the resumed run
+    sees the validation batches the others see) and stopped there by --exit-interval (which saves;
+    --train-iters stays, and with it the data order), then resumed from that checkpoint on
+    a.resume_nproc ranks (a.resume_ranks_per_node per node, the same global batch) to the end."""
+    half = a.iters // 2 // a.eval_interval * a.eval_interval
+    r1 = run_one(name + " (1st half)", command(a, flags, scratch) + ["--exit-interval", str(half)],
+                 scratch.parent / (scratch.name + "_1.log"), timeout)
+    second = argparse.Namespace(**{**vars(a), "nproc": a.resume_nproc, "ranks_per_node": a.resume_ranks_per_node,
+                                   "micro_batch": a.micro_batch * a.nproc // a.resume_nproc})
+    hpz = ["--zero-hpz-size", str(a.resume_ranks_per_node)]
+    r2 = run_one(name + " (2nd half)", command(second, flags + hpz, scratch) + ["--load", str(scratch / "checkpoints")],
+                 scratch.parent / (scratch.name + "_2.log"), timeout)
+    r2["train"] = r1["train"] + r2["train"]
+    r2["validation"] = [v for v in r1["validation"] if v["iteration"] <= half] + r2["validation"]
+    r2.update(error=r1["error"] or r2["error"], wall_s=r1["wall_s"] + r2["wall_s"], resumed_at=half,
+              command=r1["command"] + " ; " + r2["command"])
+    return r2
 
 
 def run_one(name: str, cmd: list[str], log_path: Path, timeout: float) -> dict:
@@ -144,24 +175,6 @@ def summarize(r: dict, skip_first: bool = True) -> dict:
         "ms_per_iter": round(mean([t["iter_ms"] for t in steady]), 1),
         "wall_s": r["wall_s"],
     }
-
-
-def fmt(x, spec=".4f"):
-    return "-" if x is None else format(x, spec)
-
-
-def table(runs: dict, summary: dict) -> str:
-    rows = [("run", "final val loss", "test loss", "final train loss", "inter-node MB/iter",
-             "intra-node MB/iter", "ms/iter", "wall s")]
-    for name, s in summary.items():
-        if runs[name]["error"]:
-            rows.append((name, "FAILED: " + runs[name]["error"], "", "", "", "", "", fmt(s["wall_s"], ".0f")))
-            continue
-        rows.append((name, fmt(s["final_validation_loss"]), fmt(s["test_loss"]), fmt(s["final_train_loss"]),
-                     fmt(s["inter_node_mb_per_iter"], ".2f"), fmt(s["intra_node_mb_per_iter"], ".2f"),
-                     fmt(s["ms_per_iter"], ".0f"), fmt(s["wall_s"], ".0f")))
-    return "\n".join("| " + " | ".join(r) + " |" + ("\n|" + "---|" * len(r) if i == 0 else "")
-                     for i, r in enumerate(rows))
 
 
 def notes(runs: dict, summary: dict, verdict: dict, setup: dict) -> list[str]:
@@ -242,6 +255,13 @@ def report(runs: dict, setup: dict, out_dir: Path) -> dict:
         plot(runs, verdict, out_dir / "convergence.png", title, TOLERANCE)
     except Exception as e:  # the numbers matter more than the figure
         print(f"warning: no plot ({e!r})")
+    for name, c in summary.items():   # every other candidate against ZeRO-3 and ZeRO++
+        if name in ("ZeRO-3", "ZeRO++") or "seed" in name or runs[name]["error"] or cand is None:
+            continue
+        r3, rpp = (c["final_validation_loss"] / x["final_validation_loss"] for x in (base, cand))
+        verdict.setdefault("candidates", {})[name] = {"vs_zero3": round(r3, 6), "vs_zeropp": round(rpp, 6)}
+        line += (f"\n{name} / ZeRO-3 final validation loss: {r3:.4f} ({100 * (r3 - 1):+.2f}%), / ZeRO++: "
+                 f"{rpp:.4f} ({100 * (rpp - 1):+.2f}%); inter-node bytes {c['inter_node_mb_per_iter']:.2f} MB/iter")
     md = [f"Convergence, ZeRO-3 vs ZeRO++ (`{setup['zeropp_flags']}`): {m['num_layers']}-layer GPT, "
           f"hidden {m['hidden_size']}, seq {m['seq_length']}, global batch {setup['global_batch']}, "
           f"{setup['iters']} iterations, {setup['ranks']} CPU ranks as {nodes} emulated nodes x "
@@ -281,6 +301,13 @@ def main(argv=None):
                    help="run ZeRO-3 only (no comparison; for a build without ZeRO++)")
     p.add_argument("--with-loco", action="store_true",
                    help="also run ZeRO++ with qgZ's error feedback (--zero-loco, zeropp/error_feedback.py)")
+    p.add_argument("--with-deltas", action="store_true",
+                   help="also run ZeRO++ with INT4 weight deltas, and with deltas and LoCo")
+    p.add_argument("--resume-nproc", type=int, default=None,
+                   help="also run ZeRO++ + LoCo + deltas resumed half way on this many ranks")
+    p.add_argument("--resume-ranks-per-node", type=int, default=4)
+    p.add_argument("--persistence-threshold", type=int, default=None,
+                   help="stage3_param_persistence_threshold of every run (default 1e5: only the embedding is partitioned)")
     p.add_argument("--zeropp-flags", default=shlex.join(ZEROPP_FLAGS),
                    help="the candidate's ZeRO flags (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=None,
@@ -314,6 +341,13 @@ def main(argv=None):
         variants.append(("ZeRO++", shlex.split(a.zeropp_flags), a.seed))
     if a.with_loco:
         variants.append(("ZeRO++ + LoCo", shlex.split(a.zeropp_flags) + ["--zero-loco"], a.seed))
+    deltas = ["--zero-quantized-weight-deltas"]
+    if a.with_deltas:
+        variants.append(("ZeRO++ + deltas", shlex.split(a.zeropp_flags) + deltas, a.seed))
+        variants.append(("ZeRO++ + LoCo + deltas", shlex.split(a.zeropp_flags) + ["--zero-loco"] + deltas, a.seed))
+    if a.resume_nproc:
+        name = f"ZeRO++ + LoCo + deltas, resumed on {a.resume_nproc // a.resume_ranks_per_node}x{a.resume_ranks_per_node}"
+        variants.append((name, shlex.split(a.zeropp_flags) + ["--zero-loco"] + deltas, a.seed))
     if a.seed_control:
         variants.append(("ZeRO-3 (seed+1)", ZERO3_FLAGS, a.seed + 1))
     runs = {}
@@ -322,7 +356,10 @@ def main(argv=None):
             tag = re.sub(r"\W+", "_", name.replace("++", "pp")).strip("_")
             (scratch / tag).mkdir()
             sub = argparse.Namespace(**{**vars(a), "seed": seed})
-            runs[name] = run_one(name, command(sub, flags, scratch / tag), scratch / f"{tag}.log", timeout)
+            if "resumed" in name:
+                runs[name] = run_resumed(name, sub, flags, scratch / tag, timeout)
+            else:
+                runs[name] = run_one(name, command(sub, flags, scratch / tag), scratch / f"{tag}.log", timeout)
     finally:
         if not a.keep_logs:
             for child in scratch.iterdir():
@@ -332,14 +369,19 @@ def main(argv=None):
     invocation = ("python -m bench.convergence" + (f" --iters {a.iters}" if a.iters != 600 and not a.quick else "")
                   + (" --quick" if a.quick else "") + (" --seed-control" if a.seed_control else "")
                   + (" --baseline-only" if a.baseline_only else "") + (" --with-loco" if a.with_loco else "")
-                  + (f" --seed {a.seed}" if a.seed != 1234 else ""))
+                  + (" --with-deltas" if a.with_deltas else "")
+                  + (f" --resume-nproc {a.resume_nproc} --resume-ranks-per-node {a.resume_ranks_per_node}"
+                     if a.resume_nproc else "")
+                  + (f" --seed {a.seed}" if a.seed != 1234 else "")
+                  + (f" --persistence-threshold {a.persistence_threshold}" if a.persistence_threshold is not None
+                     else ""))
     setup = {"invocation": invocation,
              "model": {"num_layers": a.num_layers, "hidden_size": a.hidden_size, "heads": a.heads,
                        "seq_length": a.seq_length},
              "ranks": a.nproc, "ranks_per_node": a.ranks_per_node, "micro_batch": a.micro_batch,
              "global_batch": a.micro_batch * a.nproc, "iters": a.iters, "warmup": a.warmup,
              "eval_interval": a.eval_interval, "eval_iters": a.eval_iters, "log_interval": a.log_interval,
-             "seed": a.seed, "config": "configs/demo.yaml (lr 1e-3 cosine to 1e-4, AdamW, wd 0.1, clip 1.0, fp32)",
+             "seed": a.seed, "persistence_threshold": a.persistence_threshold, "config": "configs/demo.yaml (lr 1e-3 cosine to 1e-4, AdamW, wd 0.1, clip 1.0, fp32)",
              "zero3_flags": shlex.join(ZERO3_FLAGS), "zeropp_flags": a.zeropp_flags,
              "inter_node_mb_note": "mean over ranks of the bytes sent across emulated nodes per iteration, "
                                    "averaged over the log windows after the first",

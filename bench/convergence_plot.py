@@ -1,5 +1,5 @@
-"""The convergence benchmark's plot (bench/convergence.py): each run's training and
-validation loss, and below, each candidate's relative difference from ZeRO-3."""
+"""The convergence benchmark's table and plot (bench/convergence.py): each run's training
+and validation loss, and below, each candidate's relative difference from ZeRO-3."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,7 +12,9 @@ def plot(runs: dict, verdict: dict, path: Path, title: str, tolerance: float):
 
     fig, (ax, ax2) = plt.subplots(2, 1, figsize=(8, 7), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
     colors = {"ZeRO-3": "tab:blue", "ZeRO++": "tab:orange", "ZeRO++ + LoCo": "tab:green",
-              "ZeRO-3 (seed+1)": "tab:gray"}
+              "ZeRO-3 (seed+1)": "tab:gray", "ZeRO++ + deltas": "tab:red", "ZeRO++ + LoCo + deltas": "tab:purple"}
+    others = iter(["tab:brown", "tab:pink", "tab:olive", "tab:cyan"])
+    colors.update({name: next(others, None) for name in runs if name not in colors})
     for name, r in runs.items():
         if not r["train"]:
             continue
@@ -31,7 +33,7 @@ def plot(runs: dict, verdict: dict, path: Path, title: str, tolerance: float):
     if base and base["train"] and runs.get("ZeRO++", {}).get("train"):
         b = {t["iteration"]: t["loss"] for t in base["train"]}
         bv = {v["iteration"]: v["loss"] for v in base["validation"]}
-        for name in ("ZeRO++", "ZeRO++ + LoCo"):
+        for name in (n for n in runs if n != "ZeRO-3" and "seed" not in n):
             cand = runs.get(name)
             if not cand or not cand["train"]:
                 continue
@@ -58,3 +60,21 @@ def plot(runs: dict, verdict: dict, path: Path, title: str, tolerance: float):
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def fmt(x, spec=".4f"):
+    return "-" if x is None else format(x, spec)
+
+
+def table(runs: dict, summary: dict) -> str:
+    rows = [("run", "final val loss", "test loss", "final train loss", "inter-node MB/iter",
+             "intra-node MB/iter", "ms/iter", "wall s")]
+    for name, s in summary.items():
+        if runs[name]["error"]:
+            rows.append((name, "FAILED: " + runs[name]["error"], "", "", "", "", "", fmt(s["wall_s"], ".0f")))
+            continue
+        rows.append((name, fmt(s["final_validation_loss"]), fmt(s["test_loss"]), fmt(s["final_train_loss"]),
+                     fmt(s["inter_node_mb_per_iter"], ".2f"), fmt(s["intra_node_mb_per_iter"], ".2f"),
+                     fmt(s["ms_per_iter"], ".0f"), fmt(s["wall_s"], ".0f")))
+    return "\n".join("| " + " | ".join(r) + " |" + ("\n|" + "---|" * len(r) if i == 0 else "")
+                     for i, r in enumerate(rows))

@@ -62,6 +62,8 @@ from zeropp.memory import AllocationTrace, buffer_bounds, memory_report
 DEFAULTS = dict(num_layers=12, hidden=1536, heads=16, vocab=50257, seq=32, micro_batch=1, world=8,
                 ranks_per_node=4, steps=3, dtype="bf16", optimizer="sgd", bucket=3e7, max_live=1.5e8)
 RSS_LIMIT = 1.15       # peak rise / (states + bounds + activations)
+NAMES = {"zero3": "ZeRO-3", "zeropp": "ZeRO++ (qwZ + hpZ + qgZ)",
+         "zeropp-all": "ZeRO++ + LoCo + INT4 weight deltas"}
 ZEROPP_SLACK = 0.10    # ZeRO++ rise <= ZeRO-3 rise + hpZ secondary + this x ZeRO-3 rise
 MB = 2**20
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -120,8 +122,9 @@ def model_config(a) -> GPTConfig:
                      checkpoint_activations=a.checkpoint_activations)
 
 
-def ds_config(a, zeropp_on: bool) -> zeropp.DeepSpeedConfig:
-    """Stage 3 with --bucket, --max-live, reuse distance 0; ZeRO++ adds all three techniques."""
+def ds_config(a, zeropp_on: bool, beyond: bool = False) -> zeropp.DeepSpeedConfig:
+    """Stage 3 with --bucket, --max-live, reuse distance 0; ZeRO++ adds all three techniques,
+    `beyond` qgZ's error feedback and INT4 weight deltas on top."""
     raw = {"zero_optimization": {"stage": 3, "reduce_bucket_size": a.bucket,
                                  "stage3_prefetch_bucket_size": a.bucket,
                                  "stage3_max_live_parameters": a.max_live,
@@ -129,6 +132,8 @@ def ds_config(a, zeropp_on: bool) -> zeropp.DeepSpeedConfig:
     if zeropp_on:  # qwZ, hpZ over each emulated node, qgZ
         raw["zero_optimization"].update(zero_quantized_weights=True, zero_quantized_gradients=True,
                                         zero_hpz_partition_size=a.ranks_per_node)
+    if beyond:
+        raw["zero_optimization"].update(zeropp_loco_param={}, zero_quantized_weight_deltas=True)
     if a.dtype != "fp32":
         raw[a.dtype] = {"enabled": True}
     return zeropp.DeepSpeedConfig.from_dict(raw)
@@ -163,7 +168,7 @@ def activation_probe(rank, world, a) -> dict:
 
 def bound_rank(rank, world, a, system: str) -> dict:
     ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)
-    cfg, ds = model_config(a), ds_config(a, system == "zeropp")
+    cfg, ds = model_config(a), ds_config(a, system != "zero3", beyond=system == "zeropp-all")
     comm = Communicator(topology_from_env(a.ranks_per_node))
     gc.collect()
     base, base_split = rss_mb("VmRSS"), rss_split()
@@ -201,6 +206,7 @@ def bound_rank(rank, world, a, system: str) -> dict:
             "end_rss_anon_file_shmem_mb": rss_split(), "rise_bytes": int((peak - base) * MB),
             "rise_over_before_steps_bytes": int((peak - before_steps) * MB), "model_states_bytes": states,
             "bounds_bytes": bounds, "hpz_secondary_bytes": report["hpz_secondary_bytes"],
+            "new_state_bytes": report["error_feedback_bytes"] + report["weight_deltas_bytes"],
             "losses": losses, "step_s": step_s, "peak_method": probe.method, "memory_report": report,
             "allocations": traced}
 
@@ -254,13 +260,14 @@ def print_allocations(ranks: list[dict]):
         print(f"  {nbytes / MB:>8.1f} MB {count:>4} x  {site}")
 
 
-def compare(zero3: list[dict], zpp: list[dict]) -> list[dict]:
-    print(f"\nZeRO++ over ZeRO-3 (MB): excess <= hpZ secondary + {ZEROPP_SLACK:.0%} of ZeRO-3's rise")
-    print(f"{'rank':>4} {'ZeRO-3 rise':>11} {'ZeRO++ rise':>11} {'excess':>7} {'hpZ':>5} {'limit':>6} {'':>4}")
+def compare(zero3: list[dict], zpp: list[dict], name: str = "ZeRO++") -> list[dict]:
+    print(f"\n{name} over ZeRO-3 (MB): excess <= hpZ secondary (+ error feedback and weight deltas' state) + "
+          f"{ZEROPP_SLACK:.0%} of ZeRO-3's rise")
+    print(f"{'rank':>4} {'ZeRO-3 rise':>11} {'rise':>11} {'excess':>7} {'hpZ':>5} {'limit':>6} {'':>4}")
     out = []
     for a, b in zip(zero3, zpp):
         excess = b["rise_bytes"] - a["rise_bytes"]
-        limit = b["hpz_secondary_bytes"] + ZEROPP_SLACK * a["rise_bytes"]
+        limit = b["hpz_secondary_bytes"] + b["new_state_bytes"] + ZEROPP_SLACK * a["rise_bytes"]
         ok = excess <= limit
         out.append({"rank": a["rank"], "excess_bytes": excess, "hpz_secondary_bytes": b["hpz_secondary_bytes"],
                     "limit_bytes": int(limit), "pass": ok})
@@ -271,9 +278,9 @@ def compare(zero3: list[dict], zpp: list[dict]) -> list[dict]:
 
 def run(a) -> dict:
     systems = a.systems.split(",")
-    unknown = set(systems) - {"zero3", "zeropp"}
+    unknown = set(systems) - set(NAMES)
     if unknown:
-        raise SystemExit(f"--systems: unknown {sorted(unknown)} (zero3, zeropp)")
+        raise SystemExit(f"--systems: unknown {sorted(unknown)} ({', '.join(NAMES)})")
     info = cpu_info()
     psi = num_parameters(model_config(a))
     print(f"{info['cpu_model']}, torch {info['torch']} ({info['cpu_capability']}); GPT {a.num_layers} x "
@@ -292,14 +299,16 @@ def run(a) -> dict:
                                 env={"OMP_NUM_THREADS": "1"})
         for r in ranks:
             r["judge"] = judge(r, act["activation_bytes"])
-        print_system({"zero3": "ZeRO-3", "zeropp": "ZeRO++ (qwZ + hpZ + qgZ)"}[name], ranks)
+        print_system(NAMES[name], ranks)
         print_allocations(ranks)
         out["systems"][name] = {"ranks": ranks, "pass": all(r["judge"]["rss_pass"] and r["judge"]["buffers_pass"]
                                                             for r in ranks)}
-    if "zero3" in out["systems"] and "zeropp" in out["systems"]:
-        out["zeropp_over_zero3"] = compare(out["systems"]["zero3"]["ranks"], out["systems"]["zeropp"]["ranks"])
+    for name in ("zeropp", "zeropp-all"):
+        if "zero3" in out["systems"] and name in out["systems"]:
+            key = "zeropp_over_zero3" if name == "zeropp" else "zeropp_all_over_zero3"
+            out[key] = compare(out["systems"]["zero3"]["ranks"], out["systems"][name]["ranks"], NAMES[name])
     out["pass"] = (all(s["pass"] for s in out["systems"].values())
-                   and all(r["pass"] for r in out.get("zeropp_over_zero3", [])))
+                   and all(r["pass"] for k in ("zeropp_over_zero3", "zeropp_all_over_zero3") for r in out.get(k, [])))
     print(f"bounded memory (issue 17 goal 4): {'PASS' if out['pass'] else 'FAIL'}")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=2))

@@ -21,6 +21,7 @@ import statistics
 import torch
 
 from bench import cpu_model, zero_systems as zs
+from bench.system_catalog import LABELS
 from parallel.spawn import run_distributed
 
 SYSTEMS = ["zero3-reuse0", "zeropp-qwz", "zeropp-qgz", "zeropp"]
@@ -78,7 +79,7 @@ def main(argv=None):
     print("|---|---|---|---|---|")
     base = {k: v["zero3-reuse0"] for k, v in medians.items()}
     for s in SYSTEMS:
-        print(f"| {zs.LABELS[s]} | {medians[False][s]:.1f} | {base[False] / medians[False][s]:.2f}x | "
+        print(f"| {LABELS[s]} | {medians[False][s]:.1f} | {base[False] / medians[False][s]:.2f}x | "
               f"{medians[True][s]:.1f} | {base[True] / medians[True][s]:.2f}x |")
     with open(args.out, "w") as f:
         json.dump({"args": a, "cpu_model": cpu, "cpu_capability": torch.backends.cpu.get_cpu_capability(),

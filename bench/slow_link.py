@@ -146,7 +146,7 @@ def main(argv=None):
               f"to create network namespaces and a tc qdisc")
         return 0
 
-    from bench.zero_systems import (
+    from bench.system_catalog import (
         DEEPSPEED,
         LABELS,
         SLOW_LINK_SYSTEMS,

@@ -34,7 +34,7 @@ def md_table(hdr, lines):
 
 def tables(rows, systems, rates, ref="zero3-reuse0"):
     by = {(r["system"], r["rate_mbit"]): r for r in rows}
-    from bench.zero_systems import LABELS
+    from bench.system_catalog import LABELS
     # 1. throughput (samples/s) and ratio to ZeRO-3, per rate
     hdr = ["system"] + [f"{rate_name(r)}" for r in rates]
     lines = []
@@ -83,7 +83,7 @@ def plot(rows, systems, rates, path, cfg):
     import matplotlib.pyplot as plt
     from matplotlib.ticker import LogLocator, ScalarFormatter
 
-    from bench.zero_systems import LABELS
+    from bench.system_catalog import LABELS
     derive(rows)
     finite = [r for r in rates if r]
     unlimited_x = (max(finite) * 4) if finite else 1000
@@ -125,7 +125,7 @@ def plot(rows, systems, rates, path, cfg):
 
 def markdown(report, rows, systems, rates, ref="zero3-reuse0"):
     """A table for the README; the explanation under it is written by hand from these numbers."""
-    from bench.zero_systems import LABELS
+    from bench.system_catalog import LABELS
     by = {(r["system"], r["rate_mbit"]): r for r in rows if not r.get("error")}
     a = report["config"]
     hdr = (["system"] + [f"{rate_name(r)} samples/s (x ZeRO-3)" for r in rates]
@@ -257,7 +257,7 @@ def render(report, out: Path, png: Path | None = None):
         if not r.get("error") and r.get("rate_mbit") and r.get("qdisc"):
             q = r["qdisc"]
             r["tbf_bytes_over_veth"] = (sum(q[i]["bytes"] for i in IF) / r["whole_rate_link_bytes"][-1])
-    from bench.zero_systems import LABELS
+    from bench.system_catalog import LABELS
     t1, t2, errors = tables(rows, systems, rates)
     t0 = fmt_table(*row_table(rows, systems, rates, LABELS, rate_name))
     goal_lines, goal_res = goals(rows, rates, LABELS, rate_name)

@@ -19,7 +19,7 @@ from bench.netns import ADDR, IF, NS, RANKS_PER_NODE, link_counters, qdisc_stats
 def run_system(system: str, rates: list[int], a: dict, port: int, setup_timeout: float, rate_timeout: float,
                logdir: Path, on_rate=None) -> list[dict]:
     """One dict per rate: the ranks' results, or "error"."""
-    from bench.zero_systems import DEEPSPEED
+    from bench.system_catalog import DEEPSPEED
     out_dir = Path(tempfile.mkdtemp(prefix=f"{system}_", dir=logdir))
     procs, logs = [], []
     t0 = time.monotonic()
@@ -148,7 +148,7 @@ def segment(run, a):
 
 def summarize(system, rate, runs, a):
     """One row: the segments run at `rate` pooled (their timed steps together)."""
-    from bench.zero_systems import LABELS, OURS
+    from bench.system_catalog import LABELS, OURS
     world = 2 * RANKS_PER_NODE
     row = {"system": system, "label": LABELS.get(system, system), "rate_mbit": rate,
            "wall_s": sum(r["wall_s"] for r in runs)}

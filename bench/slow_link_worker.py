@@ -64,7 +64,8 @@ def main():
     import torch.distributed as dist
     torch.set_num_threads(1)
     from bench.slow_link_auto import make_prepare
-    from bench.zero_systems import COUNTER, DEEPSPEED, build_system, model_config, timed_loop
+    from bench.system_catalog import DEEPSPEED, model_config
+    from bench.zero_systems import COUNTER, build_system, timed_loop
     idx = -1
     try:
         COUNTER.install()  # before DeepSpeed binds torch.distributed functions

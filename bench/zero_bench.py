@@ -26,9 +26,10 @@ import torch
 
 from bench import RESULTS
 
-from bench.zero_systems import (ALL_SYSTEMS, DEEPSPEED, DEFAULT_SYSTEMS, LABELS, OPTIM, PERSISTENCE_THRESHOLD,
-                                REUSE0, REUSE0_PREFETCH_FRACTION, WORLD1_SYSTEMS, bench_rank, num_params,
-                                stage_of, zero_section)
+from bench.system_catalog import (ALL_SYSTEMS, DEEPSPEED, DEFAULT_SYSTEMS, LABELS, OPTIM, PERSISTENCE_THRESHOLD,
+                                  REUSE0, REUSE0_PREFETCH_FRACTION, WORLD1_SYSTEMS, num_params, stage_of,
+                                  zero_section)
+from bench.zero_systems import bench_rank
 from parallel.spawn import spawn_ranks
 
 

@@ -3,13 +3,21 @@ ZeRO-3 and each ZeRO++ technique alone and all three, counted by the Communicato
 (parallel/comm.py, NCCL ring model) next to the theory.
 
 Setting: every weight is released after forward and gathered again in backward
-(stage3_max_reuse_distance 0), as for a model larger than its prefetch bucket.
+(stage3_max_reuse_distance 0, prefetch buckets of 1/8 of the model; the weights
+of backward's first bucket stay held, as they would be gathered at once), as
+for a model larger than its prefetch bucket.
 Theory, per phase, relative to the counted ZeRO-3 bytes of the same phase
 (W ranks = N nodes x L, e = bytes per element of the compute dtype):
   qwZ  gathers: INT8 + an fp32 scale per 256 elements: (1 + 4/256) / e
   hpZ  backward gather: inside the node group: 0 across nodes
   qgZ  gradients: one INT4 all-to-all between nodes (+ an fp32 scale per 128)
        instead of a ring reduce-scatter: (0.5 + 4/128) W (N-1) / (N (W-1) e)
+  LoCo (qgZ's error feedback): the same bytes across nodes (exact inside)
+  deltas (INT4 weight deltas, with hpZ): the forward gather in INT4 + an fp32
+       scale per 128 elements, across nodes among the ranks of one local index
+       only (then inside the node) where a ring over the world crosses more:
+       (0.5 + 4/128) W (N-1) / (N (W-1) e) (a weight's chunk pads to whole
+       blocks: a little more on small weights)
 The last columns repeat what each run reports as the plain equivalent (what
 ZeRO-3 without ZeRO++ would have sent): it must equal ZeRO-3's own count.
 
@@ -31,6 +39,11 @@ SYSTEMS = {"ZeRO-3": {}, "+qwZ": {"zero_quantized_weights": True},
            "+qgZ": {"zero_quantized_gradients": True},
            "ZeRO++ (all three)": {"zero_quantized_weights": True, "zero_hpz_partition_size": None,
                                   "zero_quantized_gradients": True}}
+# Beyond ZeRO++ (issue 18): qgZ's error feedback, INT4 weight deltas, both.
+_ZPP = SYSTEMS["ZeRO++ (all three)"]
+SYSTEMS.update({"ZeRO++ + LoCo": {**_ZPP, "zeropp_loco_param": {}},
+                "ZeRO++ + deltas": {**_ZPP, "zero_quantized_weight_deltas": True},
+                "ZeRO++ + LoCo + deltas": {**_ZPP, "zeropp_loco_param": {}, "zero_quantized_weight_deltas": True}})
 PHASES = ("forward_gather", "backward_gather", "grad_reduce")
 
 
@@ -44,7 +57,9 @@ def _rank(rank, world, a, ranks_per_node, dtype):
     out = {}
     for name, zero in SYSTEMS.items():
         zero = {k: (ranks_per_node if v is None else v) for k, v in zero.items()}
-        ds = {"zero_optimization": {"stage": 3, "stage3_max_reuse_distance": 0, **zero}}
+        # prefetch buckets of 1/8 of the model: backward's first bucket stays held, the rest is gathered again
+        ds = {"zero_optimization": {"stage": 3, "stage3_max_reuse_distance": 0,
+                                    "stage3_prefetch_bucket_size": num_params(cfg) // 8, **zero}}
         if dtype != "fp32":
             ds[dtype] = {"enabled": True}
         comm = Communicator(topology_from_env(ranks_per_node))
@@ -54,7 +69,7 @@ def _rank(rank, world, a, ranks_per_node, dtype):
         engine = zeropp.initialize(model, zeropp.DeepSpeedConfig.from_dict(ds), comm, torch.device("cpu"),
                                    zeropp.OptimizerSettings(), param_init=model.init_parameter)
         x = torch.randint(0, a.vocab, (1, a.seq + 1), generator=torch.Generator().manual_seed(rank))
-        for step in range(2):   # count the second step: schedules are recorded in the first
+        for step in range(2):   # count the second step: schedules are recorded in the first, deltas need a base
             comm.reset_stats()
             engine.backward(engine(x[:, :-1], x[:, 1:]))
             engine.step()
@@ -67,12 +82,21 @@ def _rank(rank, world, a, ranks_per_node, dtype):
     return out
 
 
+def num_params(cfg) -> int:
+    from model import GPT
+    with torch.device("meta"):
+        return sum(p.numel() for p in GPT(cfg).parameters())
+
+
 def theory_ratios(world, nodes, elt) -> dict:
     w8 = wire_nbytes(1 << 20, 8) / (1 << 20)   # bytes per element, INT8 + scales
     w4 = wire_nbytes(1 << 20, 4) / (1 << 20)
     qgz = w4 * world * (nodes - 1) / (nodes * (world - 1))
+    deltas = w4 * world * (nodes - 1) / (nodes * (world - 1))   # one hop across, then inside the node
     return {"ZeRO-3": (1, 1, 1), "+qwZ": (w8 / elt, w8 / elt, 1), "+hpZ": (1, 0, 1),
-            "+qgZ": (1, 1, qgz / elt), "ZeRO++ (all three)": (w8 / elt, 0, qgz / elt)}
+            "+qgZ": (1, 1, qgz / elt), "ZeRO++ (all three)": (w8 / elt, 0, qgz / elt),
+            "ZeRO++ + LoCo": (w8 / elt, 0, qgz / elt), "ZeRO++ + deltas": (deltas / elt, 0, qgz / elt),
+            "ZeRO++ + LoCo + deltas": (deltas / elt, 0, qgz / elt)}
 
 
 def table(world, ranks_per_node, dtype, result):

@@ -95,6 +95,17 @@ class Topology:
                 mine = g
         return mine
 
+    def build_strided_group(self, size: int):
+        """A new process group of the ranks at my index in their groups of `size`
+        consecutive ranks: {i, size + i, 2 size + i, ...} (with size = ranks per node,
+        one rank per node, like inter_node_group; collective on all ranks)."""
+        mine = None
+        for i in range(size):
+            g = dist.new_group(list(range(i, self.world_size, size)))
+            if self.rank % size == i:
+                mine = g
+        return mine
+
 
 def topology_from_env(ranks_per_node: int | None = None) -> Topology:
     """The topology of the running job. With no override, torchrun's

@@ -16,6 +16,11 @@ Per iteration (A = gradient accumulation steps, micro-step m = 0..A-1):
   elements quantized, W T dequantized); with
   hpZ, micro-steps m > 0 gather the secondary partition inside the group of
   h ranks (S = sum of secondary chunks x w);
+  INT4 weight deltas (with hpZ), micro-step 0: S = sum of wire_nbytes(chunk,
+  4, 128) over the bucket's weights among the W/h ranks at my index in their
+  hpZ group ("strided"), then those W/h rows and the previous weights'
+  secondary slices inside the hpZ group (the steady state: a full gather every
+  refresh_interval steps and after a load is left out);
 - backward_gather, per micro-step, the weights backward needs that were not
   held from forward, bucketed the same way (hpZ: always the secondary
   partition, inside the node);
@@ -24,7 +29,8 @@ Per iteration (A = gradient accumulation steps, micro-step m = 0..A-1):
   the communication dtype); qgZ: all-to-all of L x wire_nbytes(N P, 4, block)
   inside the node, then of N x wire_nbytes(P, 4, block) between nodes, P = T
   padded to whole blocks; (2W + N) P elements through the INT4 kernels;
-- optimizer: an all-reduce of the 8-byte squared gradient norm, then the
+- optimizer: an all-reduce of the 8-byte squared gradient norm (weight deltas:
+  and of a 4-byte flag per partitioned weight), then the
   persistent weights (stage 3) or all weights (stages 1-2) all-gathered in
   allgather_bucket_size buckets.
 Stage 0 (zeropp.engine.DDPEngine, torch DDP): grad_reduce is one all-reduce
@@ -46,6 +52,7 @@ from zeropp.config import ZeroConfig
 from zeropp.stage0 import DDP_BUCKET_MB
 from zeropp.quant_format import wire_nbytes
 from zeropp.schedule import backward_order, bucketize, gather_buckets, gradient_buckets, reuse_set, without
+from zeropp.weight_deltas import BLOCK_SIZE as DELTA_BLOCK
 
 PHASES = ("forward_gather", "backward_gather", "grad_reduce", "optimizer")
 
@@ -54,7 +61,8 @@ PHASES = ("forward_gather", "backward_gather", "grad_reduce", "optimizer")
 class Collective:
     phase: str
     op: str            # all_gather, reduce_scatter, all_reduce, all_to_all (parallel/comm.py OPS)
-    group: str         # world, secondary (hpZ group), intra (my node), inter (my local index on every node)
+    group: str         # world, secondary (hpZ group), intra (my node), inter (my local index on every node),
+                       # strided (my index in every hpZ group)
     nbytes: int        # the size argument wire_bytes takes (see parallel/comm.py)
     quant_elements: int = 0   # elements through (de)quantization kernels around this collective
     quant_bits: int = 0       # 8 (qwZ) or 4 (qgZ)
@@ -82,7 +90,20 @@ def iteration_collectives(shards, trace, zero: ZeroConfig, world: int, ranks_per
     hpz = zero.stage == 3 and 1 < zero.zero_hpz_partition_size < world
     qw_block, qg_block = zero.zero_quantized_weights_block_size, zero.zero_quantized_gradients_block_size
 
+    deltas = hpz and zero.zero_quantized_weight_deltas
+    partitioned = [s for s in shards if not s.persistent] if deltas else []
+
     def gather(bucket, phase, m, secondary):
+        if deltas and not secondary and phase == "forward_gather":
+            # zeropp/weight_deltas.py: INT4 deltas across nodes, then inside the hpZ group with the
+            # previous weights' secondary slices beside them (rows padded to 4 bytes)
+            wire = sum(wire_nbytes(shards[i].chunk, 4, DELTA_BLOCK) for i in bucket)
+            add(Collective(phase, "all_gather", "strided", wire,
+                           quant_elements=world * sum(shards[i].chunk for i in bucket), quant_bits=4, micro_step=m))
+            base = sum(shards[i].secondary_slice.chunk for i in bucket) * weight_bytes
+            add(Collective(phase, "all_gather", "secondary",
+                           wire * world // zero.zero_hpz_partition_size + -(-base // 4) * 4, micro_step=m))
+            return
         if secondary:
             total = sum(shards[i].secondary_slice.chunk for i in bucket)
             add(Collective(phase, "all_gather", "secondary", total * weight_bytes, micro_step=m))
@@ -145,6 +166,9 @@ def iteration_collectives(shards, trace, zero: ZeroConfig, world: int, ranks_per
                 add(Collective("grad_reduce", "reduce_scatter", "world", total * grad_bytes, micro_step=m))
 
     add(Collective("optimizer", "all_reduce", "world", 8))   # the squared gradient norm, float64
+    if deltas:   # each owner quantizes its deltas; one int32 flag per weight says which go in full
+        add(Collective("optimizer", "all_reduce", "world", 4 * len(partitioned),
+                       quant_elements=sum(s.chunk for s in partitioned), quant_bits=4))
     published = [s for s in shards if s.persistent] if zero.stage == 3 else list(shards)
     for b in bucketize(published, lambda s: s.chunk * world, zero.allgather_bucket_size):
         add(Collective("optimizer", "all_gather", "world", sum(s.chunk for s in b) * weight_bytes))
@@ -182,6 +206,8 @@ def _group(kind: str, world: int, ranks_per_node: int, hpz: int, rank: int) -> t
         return tuple(range(world))
     if kind == "secondary":
         return tuple(topo.subgroup_ranks(hpz))
+    if kind == "strided":
+        return tuple(range(rank % hpz, world, hpz))
     if kind == "intra":
         return tuple(topo.node_ranks(topo.node))
     return tuple(topo.peer_ranks(topo.local_rank))

@@ -25,6 +25,8 @@ from planner.trace import ModelTrace, shard_layout, trace_model
 from training.checkpoint import checkpoint_bytes, optimizer_moments
 from zeropp.config import DeepSpeedConfig, OptimizerSettings, ZeroConfig
 from zeropp.engine import communication_dtype, compute_dtype
+from zeropp.quant_format import wire_nbytes
+from zeropp.weight_deltas import BLOCK_SIZE as DELTA_BLOCK
 
 GPT2_VOCAB = 50257   # GPT-2's BPE vocabulary, when the tokenizer files are not at hand
 
@@ -65,7 +67,8 @@ def label(zero: ZeroConfig) -> str:
     on = [name for name, enabled in (("qwZ", zero.zero_quantized_weights),
                                      (f"hpZ {zero.zero_hpz_partition_size}", zero.zero_hpz_partition_size > 1),
                                      ("qgZ", zero.zero_quantized_gradients),
-                                     ("LoCo", zero.zeropp_loco_param is not None)) if enabled]
+                                     ("LoCo", zero.zeropp_loco_param is not None),
+                                     ("INT4 weight deltas", zero.zero_quantized_weight_deltas)) if enabled]
     return f"ZeRO++ ({', '.join(on)})" if on else "ZeRO-3"
 
 
@@ -101,6 +104,11 @@ def plan_config(job: Job, zero: ZeroConfig, trace: ModelTrace, cluster: Cluster 
     # qgZ's error feedback: fp32 [N, bucket's chunks] per gradient bucket (zeropp/error_feedback.py)
     memory["error_feedback"] = 4 * (world // rpn) * sum(s.chunk for s in shards) if loco else 0
     formula["error_feedback"] = 4 / rpn * trace.num_parameters if loco else 0
+    deltas = hpz_on and zero.zero_quantized_weight_deltas   # zeropp/weight_deltas.py: recon and INT4 deltas
+    memory["weight_deltas"] = sum(s.chunk * w + wire_nbytes(s.chunk, 4, DELTA_BLOCK)
+                                  for s in shards if not s.persistent) if deltas else 0
+    formula["weight_deltas"] = (w + wire_nbytes(1 << 20, 4, DELTA_BLOCK) / (1 << 20)) / world \
+        * trace.num_parameters if deltas else 0
     memory.update(buffer_bytes(step, shards, zero, world, w, g))
     memory["activations"] = trace.activation_bytes(job.cfg.checkpoint_activations)
     memory["activations_other"] = trace.activation_bytes(not job.cfg.checkpoint_activations)
@@ -125,6 +133,7 @@ def companion(zero: ZeroConfig, ranks_per_node: int) -> ZeroConfig | None:
         other.zero_quantized_weights = other.zero_quantized_gradients = False
         other.zero_hpz_partition_size = 1
         other.zeropp_loco_param = None
+        other.zero_quantized_weight_deltas = False
     else:
         other.zero_quantized_weights = other.zero_quantized_gradients = True
         other.zero_hpz_partition_size = ranks_per_node
@@ -213,10 +222,10 @@ def format_plan(job: Job, cluster: Cluster, trace: ModelTrace, plans: list[Confi
     rows = [("weights (16-bit shard + persistent)" if plans[0].zero.stage == 3 else "weights (whole, 16-bit)",
              "weights"), ("hpZ secondary partition", "hpz_secondary"), ("gradients (fp32, whole)" if plans[0].zero.stage == 0 else "gradients (fp32 partition)", "gradients"),
             ("optimizer (fp32 master + Adam)", "optimizer"), ("qgZ error feedback (fp32, 1/L)", "error_feedback"),
+            ("INT4 weight deltas (recon + INT4, 1/N)", "weight_deltas"),
             ("gradient bucket buffers", "gradient_buckets"),
             ("gathered-weight buffers", "gathered_weights")]
-    if not any(p.memory["error_feedback"] for p in plans):
-        rows = [r for r in rows if r[1] != "error_feedback"]
+    rows = [r for r in rows if r[1] not in ("error_feedback", "weight_deltas") or any(p.memory[r[1]] for p in plans)]
     ckpt = "on" if cfg.checkpoint_activations else "off"
     for name, key in rows:
         out(f"   {name:<41}" + "".join(f"{_gib(p.memory[key]):>{width}}" for p in plans))
@@ -241,10 +250,12 @@ def format_plan(job: Job, cluster: Cluster, trace: ModelTrace, plans: list[Confi
         + "".join(f"{_gib(sum(p.formula.values())):>{width}}" for p in plans))
     opt = job.optimizer
     moments = optimizer_moments(opt)
-    total = checkpoint_bytes(trace.num_parameters, moments)
+    # qgZ's error feedback is saved too (zeropp/error_feedback.py), sharded as it lives
+    total = checkpoint_bytes(trace.num_parameters, moments) + max(p.memory["error_feedback"] for p in plans) * job.world
+    error = " and qgZ's error feedback" if any(p.memory["error_feedback"] for p in plans) else ""
     out(f"   checkpoint (--save; training/checkpoint.py): {total / 2**30:.1f} GiB per save, "
-        f"{total / job.world / 2**30:.2f} GiB written by each GPU (its fp32 masters and {moments} optimizer "
-        f"moment(s); no GPU gathers the model)")
+        f"{total / job.world / 2**30:.2f} GiB written by each GPU (its fp32 masters, {moments} optimizer "
+        f"moment(s){error}; no GPU gathers the model)")
 
     out("")
     out("-- Communication per iteration per GPU (MB sent, mean over ranks; NCCL ring charging)")

@@ -8,7 +8,7 @@ import pytest
 from bench.slow_link_auto import AutoUnavailable, chosen, make_prepare
 from bench.slow_link_goals import derive, goals, row_table
 from bench.slow_link_report import rate_name
-from bench.zero_systems import num_params, zero_section
+from bench.system_catalog import num_params, zero_section
 
 A = {"num_layers": 2, "hidden": 32, "heads": 4, "vocab": 96, "seq": 16, "micro_batch": 1, "seed": 1,
      "ranks_per_node": 2}

@@ -5,7 +5,7 @@
   and its model-state bytes equal memory_report()'s measurement: ZeRO-3
   (weights held from forward to backward), ZeRO-3 with reuse 0, ZeRO++
   (qwZ, hpZ 2, qgZ) with activation checkpointing and gradient accumulation,
-  and stages 0 (torch DDP, fp32 and bf16), 1 and 2.
+  the same with INT4 weight deltas and qgZ's error feedback, and stages 0 (torch DDP, fp32 and bf16), 1 and 2.
 - The 18B plan prints in seconds; cluster-file mistakes are one line, exit 2.
 """
 import subprocess
@@ -35,6 +35,11 @@ CASES = {
     "zero3-reuse0": ({**BASE, "stage3_max_reuse_distance": 0}, "bf16", False, 1),
     "zeropp": ({**BASE, "stage3_max_reuse_distance": 0, "zero_quantized_weights": True,
                 "zero_hpz_partition_size": 2, "zero_quantized_gradients": True}, "bf16", True, 2),
+    # and beyond: INT4 weight deltas (biases whole: zero at the start, they go in full until they grow)
+    # and qgZ's error feedback
+    "zeropp-deltas": ({**BASE, "stage3_param_persistence_threshold": 200, "stage3_max_reuse_distance": 0,
+                       "zero_quantized_weights": True, "zero_hpz_partition_size": 2, "zero_quantized_gradients": True,
+                       "zero_quantized_weight_deltas": True, "zeropp_loco_param": {}}, "bf16", True, 2),
     # Stage 0 (torch DDP): everything whole; 16-bit syncs every micro-step, fp32 the last only.
     "zero0-bf16": ({"stage": 0}, "bf16", False, 2),
     "zero0-fp32": ({"stage": 0}, "fp32", True, 2),
@@ -87,8 +92,8 @@ def planned(name):
         m = model_state_bytes(shard_layout(trace, WORLD, r, z.stage, z.stage3_param_persistence_threshold,
                                            z.zero_hpz_partition_size), z.stage, w, "adamw", 0.0,
                               z.zero_hpz_partition_size > 1)
-        memory.append({"parameters": m["weights"] + m["hpz_secondary"], "gradients": m["gradients"],
-                       "optimizer": m["optimizer"]})
+        memory.append({"parameters": m["weights"] + m["hpz_secondary"] + plan.memory["weight_deltas"],
+                       "gradients": m["gradients"] + plan.memory["error_feedback"], "optimizer": m["optimizer"]})
     return plan, memory
 
 

@@ -68,6 +68,22 @@ def test_resume_continues_exactly(corpus, tmp_path):
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)
 
 
+def test_exit_interval_stops_saves_and_resumes_exactly(corpus, tmp_path, capsys):
+    """Megatron's --exit-interval: stop after iteration 4 of 8 with a checkpoint (no --save-interval),
+    the same data order as a run to 8 (--train-iters unchanged); resuming ends where 8 straight does."""
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    train.main(flags(corpus, straight, 8))
+    capsys.readouterr()
+    train.main(flags(corpus, split, 8, ["--exit-interval", "4"]))
+    out = capsys.readouterr().out
+    assert "--exit-interval reached: stopped after iteration 4; checkpoint" in out, out
+    assert "iteration        6/" not in out
+    train.main(flags(corpus, split, 8, ["--load", str(split / "ckpt")]))
+    a, b = final_weights(straight / "ckpt"), final_weights(split / "ckpt")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)
+
+
 @pytest.mark.parametrize("precision, scale", [(["--fp16", "--initial-loss-scale", "1024"], "loss scale: 1024.0"),
                                               (["--bf16"], "loss scale: 1.0")])
 def test_16bit_training(corpus, tmp_path, capsys, precision, scale):

@@ -286,7 +286,7 @@ def test_qwz_qgz_and_all_three_train_like_zero3():
 
 
 # --------------------------------------------------------------------------------------
-# Awkward parameter sizes, under each switch and all three
+# Awkward parameter sizes, under each switch, all three and with INT4 weight deltas
 # --------------------------------------------------------------------------------------
 SIZES = [1, 2, 3, 5, 7, 13, 97, 1009]
 
@@ -342,7 +342,8 @@ def awkward_run(rank, world_size, zero, ranks_per_node):
 
 def awkward_all(rank, world_size, ranks_per_node):
     return {name: awkward_run(rank, world_size, zero, ranks_per_node)
-            for name, zero in (("zero3", {}), ("qwz", QWZ), ("hpz", HPZ), ("qgz", QGZ), ("all3", ALL3))}
+            for name, zero in (("zero3", {}), ("qwz", QWZ), ("hpz", HPZ), ("qgz", QGZ), ("all3", ALL3),
+                               ("deltas", {**ALL3, "zero_quantized_weight_deltas": True}))}
 
 
 def awkward_fp64():
@@ -382,7 +383,7 @@ def test_awkward_parameter_sizes_under_every_switch(world_size, ranks_per_node):
                 assert_within_roundoff(base[k], ref[k], exact[k], k)
             moved = (base[k] - initial[k]).abs().max().item()
             assert moved > 0, k
-            for name in ("qwz", "qgz", "all3"):
+            for name in ("qwz", "qgz", "all3", "deltas"):
                 got = per_rank[name][1][k]
                 assert torch.isfinite(got).all()
                 # INT4 errs by up to half a step of 1/7 of a block's largest value per

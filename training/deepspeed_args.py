@@ -47,6 +47,8 @@ def merge_deepspeed_config(args, explicit: set[str]) -> DeepSpeedConfig:
         else:
             merge(dest, f"zero_optimization.{key}", zero, key)
     merge("zero_reduce_bucket_size", "zero_optimization.reduce_bucket_size", zero, "reduce_bucket_size")
+    merge("zero_quantized_weight_deltas", "zero_optimization.zero_quantized_weight_deltas", zero,
+          "zero_quantized_weight_deltas")
     if args.zero_loco and zero.zeropp_loco_param is None:   # the JSON's own parameters, if any, stay
         zero.zeropp_loco_param = LocoConfig()
     merge("fp16", "fp16.enabled", ds.fp16, "enabled")

@@ -180,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--zero-quantized-gradients", action="store_true", default=None)
     g.add_argument("--zero-loco", action="store_true", default=None,
                    help="qgZ with error feedback (zeropp_loco_param with err_beta 0.8, reset_T 1024)")
+    g.add_argument("--zero-quantized-weight-deltas", action="store_true", default=None,
+                   help="send weights across nodes as INT4 differences from the copy hpZ keeps in each node "
+                        "(zero_quantized_weight_deltas; needs --zero-hpz-size)")
     g.add_argument("--zero-reduce-bucket-size", type=_int, default=None)
     g.add_argument("--zeropp", type=_zeropp_mode, default=None, metavar="auto",
                    help="auto: set qwZ, hpZ and qgZ to \"auto\" (measure the links at start-up, let the "
@@ -241,6 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
     g.add_argument("--save-interval", type=_int, default=None)
+    g.add_argument("--exit-interval", type=_int, default=None,
+                   help="stop (saving a checkpoint with --save) after an iteration divisible by this, as Megatron")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--keep-last", type=_int, default=None,

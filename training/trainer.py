@@ -23,7 +23,7 @@ import torch
 from data.sampler import build_data_loader
 from parallel.comm import Communicator
 from parallel.launch import print_rank0
-from training.checkpoint import Progress
+from training.checkpoint import Progress, iteration_dir
 from training.signals import StopRequest
 from zeropp.memory import memory_report
 
@@ -107,7 +107,7 @@ class EarlyStop:
     iteration: int
     checkpoint: str | None            # None without --save
     save_dir: str | None
-    signal_name: str | None = None    # SIGTERM or SIGINT; None: the loss diverged
+    signal_name: str | None = None    # SIGTERM, SIGINT or --exit-interval; None: the loss diverged
     bad_streak: int = 0
     max_nan_iters: int | None = None
 
@@ -115,7 +115,8 @@ class EarlyStop:
         """The signal's line, or TrainingDiverged."""
         path = self.checkpoint
         if self.signal_name:
-            print_rank0(f"> {self.signal_name} received: stopped after iteration {self.iteration}; " + (
+            why = "reached" if self.signal_name.startswith("--") else "received"
+            print_rank0(f"> {self.signal_name} {why}: stopped after iteration {self.iteration}; " + (
                 f"checkpoint {path}; resume with --load {self.save_dir}" if path else "nothing saved (no --save)"))
             return
         raise TrainingDiverged(
@@ -152,7 +153,8 @@ class Trainer:
         self.comm.reset_stats()
         self.engine.train()
         first_iteration = self.iteration
-        diverged = signalled = False
+        diverged = signalled = exiting = False
+        exit_interval = self.args.exit_interval
         while self.iteration < self.args.train_iters:
             step = self.train_step(log_memory=self.iteration == first_iteration + 1)
             self.window.add(step)
@@ -163,9 +165,13 @@ class Trainer:
             if diverged or signalled:
                 break
             self.evaluate_and_save_on_interval()
+            exiting = bool(exit_interval) and self.iteration % exit_interval == 0 \
+                and self.iteration < self.args.train_iters
+            if exiting:
+                break
         stop.restore()
-        if diverged or signalled:
-            return self.stop_early(stop.name if signalled else None)
+        if diverged or signalled or exiting:
+            return self.stop_early(stop.name if signalled else "--exit-interval" if exiting else None)
         self.finish()
         return None
 
@@ -227,8 +233,14 @@ class Trainer:
 
     # -- the end ---------------------------------------------------------------------------------
     def stop_early(self, signal_name: str | None) -> EarlyStop:
-        """Save the last good state (waiting for the files) on a signal or a diverging loss."""
-        path = self.save(wait=True) if self.checkpointer is not None else None
+        """Save the last good state (waiting for the files) on a signal, --exit-interval or a
+        diverging loss (unless --save-interval just saved this iteration)."""
+        path = None
+        if self.checkpointer is not None and self.save_due():   # --save-interval saved this iteration
+            self.checkpointer.finish()
+            path = iteration_dir(self.args.save, self.iteration)
+        elif self.checkpointer is not None:
+            path = self.save(wait=True)
         return EarlyStop(self.iteration, path, self.args.save, signal_name, self.nonfinite.bad_streak,
                          self.args.max_nan_iters)
 

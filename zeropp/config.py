@@ -66,6 +66,10 @@ class ZeroConfig:
     zero_quantized_gradients: bool | str = False
     # qgZ with error feedback (--zero-loco); None = off.
     zeropp_loco_param: LocoConfig | None = None
+    # INT4 weight deltas across nodes (--zero-quantized-weight-deltas, zeropp/weight_deltas.py;
+    # needs hpZ), with a full gather of every weight each refresh_interval optimizer steps.
+    zero_quantized_weight_deltas: bool = False
+    zero_quantized_weight_deltas_refresh_interval: int = 100
     # This product's keys (DeepSpeed fixes these): elements per fp32 scale (zeropp/quant.py).
     zero_quantized_weights_block_size: int = 256      # qwZ, INT8
     zero_quantized_gradients_block_size: int = 128    # qgZ, INT4
@@ -116,6 +120,15 @@ class ZeroConfig:
                 raise ConfigError(f"{where}.zeropp_loco_param (--zero-loco) is error feedback for qgZ's "
                                   f"quantized gradients: set zero_quantized_gradients true "
                                   f"(--zero-quantized-gradients), got {self.zero_quantized_gradients!r}")
+        if self.zero_quantized_weight_deltas is True:
+            zpp.append("zero_quantized_weight_deltas")
+            if self.zero_hpz_partition_size != AUTO and self.zero_hpz_partition_size <= 1:
+                raise ConfigError(f"{where}.zero_quantized_weight_deltas (--zero-quantized-weight-deltas) sends "
+                                  f"weights as differences from the copy hpZ keeps in each node: set "
+                                  f"zero_hpz_partition_size (--zero-hpz-size) to the ranks per node")
+        if self.zero_quantized_weight_deltas_refresh_interval < 1:
+            raise ConfigError(f"{where}.zero_quantized_weight_deltas_refresh_interval must be >= 1 (optimizer "
+                              f"steps between full gathers), got {self.zero_quantized_weight_deltas_refresh_interval}")
         if zpp and self.stage != 3:
             raise ConfigError(f"{where}: {', '.join(zpp)} (ZeRO++) need stage 3, "
                               f"but stage is {self.stage}")
@@ -123,6 +136,9 @@ class ZeroConfig:
     def validate_topology(self, ranks_per_node: int, world_size: int):
         """Checks that need the job's shape (called when the engine starts)."""
         h = self.zero_hpz_partition_size
+        if self.zero_quantized_weight_deltas and h != AUTO and h <= 1:   # auto picked no hpZ
+            raise ConfigError("zero_quantized_weight_deltas (--zero-quantized-weight-deltas) needs hpZ, but "
+                              "zero_hpz_partition_size is 1: set it (--zero-hpz-size) to the ranks per node")
         if h != AUTO and h > 1 and (ranks_per_node % h or h > world_size):
             raise ConfigError(
                 f"zero_hpz_partition_size (--zero-hpz-size) {h} must divide the ranks per node "

@@ -44,6 +44,8 @@ class SecondaryPartition:
     """This rank's slices of the partitioned weights in its node group, and
     which of them hold the current step's values."""
 
+    writes_weights = False
+
     def __init__(self, partition: Partition, comm, weights: list, dtype: torch.dtype, device):
         """`weights`: the partitioned Stage3Params, each already `place`d."""
         self.partition = partition

@@ -39,6 +39,8 @@ ZeRO++ (REFERENCE.md section 2), each switch on its own:
   group; a weight it holds is gathered from it, inside the node.
 - qgZ (`zero_quantized_gradients`): gradient buckets go through
   `HierarchicalQuantizedReduce` instead of a reduce-scatter.
+- INT4 weight deltas (`zero_quantized_weight_deltas`, with hpZ): a weight gathered
+  again from the primary partition goes as `WeightDeltas` (zeropp/weight_deltas.py).
 
 Stage 3 needs every rank to run the same modules in forward (as DeepSpeed and
 FSDP do); what reaches the loss may differ.
@@ -58,7 +60,9 @@ from zeropp.quant import scratch_bound, scratch_bytes
 from zeropp.quantized_collectives import HierarchicalQuantizedReduce, QuantizedShardGather
 from zeropp.schedule import GatherSchedule, TraceRecorder, backward_order, checkpoint_region, reuse_set, without
 from zeropp.sharded import ShardedEngineBase
-from zeropp.stage3_param import BucketGather, GatheredWeights, PrimaryWeights, Stage3Param, WeightState
+from zeropp.stage3_param import (BucketGather, GatheredWeights, GatherOnRead, PrimaryWeights, SavedWeightView,
+                                 Stage3Param, WeightState)
+from zeropp.weight_deltas import WeightDeltas
 
 __all__ = ["Stage3Engine", "Stage3Param", "WeightState"]
 
@@ -119,12 +123,19 @@ class Stage3Engine(ShardedEngineBase):
         if self._secondary_layout is not None:
             self.secondary_partition = SecondaryPartition(self._secondary_layout, self.comm, part,
                                                           self.dtype, self.device)
-        self.primary = PrimaryWeights(self.partition, self.param_flat, self._weight_gather or self.gather,
-                                      self.secondary_partition)
-        # qwZ: evaluation gathers the exact weights (those a checkpoint saves), leaving hpZ's
+        keeper = self.secondary_partition   # where weights from the primary partition are kept
+        self.deltas = None
+        if self.zero.zero_quantized_weight_deltas and keeper is not None:
+            topo, h = self.comm.topology, keeper.size
+            across = Partition(group=topo.build_strided_group(h), size=self.world // h, rank=self.rank // h)
+            within = Partition(group=topo.build_subgroup(h), size=h, rank=self.rank % h)
+            self.deltas = keeper = WeightDeltas(self.partition, self.comm, part, self.param_flat, keeper,
+                                                self.zero.zero_quantized_weight_deltas_refresh_interval, across, within)
+        self.primary = PrimaryWeights(self.partition, self.param_flat, self._weight_gather or self.gather, keeper)
+        # qwZ, deltas: evaluation gathers the exact weights (those a checkpoint saves), leaving hpZ's
         # secondary copy, which holds the quantized ones training computes with, alone.
-        self._exact_primary = (PrimaryWeights(self.partition, self.param_flat, self.gather, None)
-                               if self._weight_gather is not None else None)
+        self._exact_primary = (PrimaryWeights(self.partition, self.param_flat, self.gather)
+                               if self._weight_gather is not None or self.deltas is not None else None)
 
     def _adopt(self, s: Stage3Param, full_fp32: torch.Tensor):
         if s.persistent:
@@ -141,7 +152,7 @@ class Stage3Engine(ShardedEngineBase):
     def _install_hooks(self, module):
         self._mod_weights = {}
         for m in module.modules():
-            m._parameters = _GatherOnRead(self, m._parameters)
+            m._parameters = GatherOnRead(self, m._parameters)
             direct = [self.shard_of[id(p)] for p in m.parameters(recurse=False) if id(p) in self.shard_of]
             direct = [s for s in direct if not s.persistent]
             if direct:
@@ -152,8 +163,8 @@ class Stage3Engine(ShardedEngineBase):
     # -- the order of requests ------------------------------------------------------
     def _issue(self, params: list[Stage3Param]):
         """Start gathering the released weights among `params`: one collective
-        from the secondary partition (hpZ) for those it holds, one from the
-        primary partition for the rest."""
+        from the secondary partition (hpZ) for those it holds, one of INT4 deltas
+        for those that may go so, one from the primary partition for the rest."""
         todo = [s for s in params if not s.persistent and s.state is WeightState.RELEASED]
         if not todo:
             return
@@ -161,13 +172,13 @@ class Stage3Engine(ShardedEngineBase):
         if self._exact_primary is not None and not self.module.training:
             BucketGather(todo, self._exact_primary, phase, self.gather_pool)
             return
-        sec = self.secondary_partition
-        primary = [s for s in todo if sec is None or not sec.holds(s)]
+        sec, deltas = self.secondary_partition, self.deltas
         secondary = [s for s in todo if sec is not None and sec.holds(s)]
-        if primary:
-            BucketGather(primary, self.primary, phase, self.gather_pool)
-        if secondary:
-            BucketGather(secondary, sec, phase, self.gather_pool)
+        as_delta = [s for s in todo if deltas is not None and deltas.ready(s) and s not in secondary]
+        primary = [s for s in todo if s not in secondary and s not in as_delta]
+        for source, weights in ((self.primary, primary), (deltas, as_delta), (sec, secondary)):
+            if weights:
+                BucketGather(weights, source, phase, self.gather_pool)
 
     def _issue_next(self, sched: GatherSchedule):
         self._issue([self.shards[i] for i in sched.buckets[sched.issued]])
@@ -277,10 +288,10 @@ class Stage3Engine(ShardedEngineBase):
         if s is None:
             return x
         self._recorder.saved(s.index)
-        return _SavedWeightView(s, x)
+        return SavedWeightView(s, x)
 
     def _unpack(self, obj):
-        if type(obj) is _SavedWeightView:
+        if type(obj) is SavedWeightView:
             self._request([obj.weight])
             return obj.tensor
         return obj
@@ -313,12 +324,15 @@ class Stage3Engine(ShardedEngineBase):
         self._held.discard(s.index)
 
     # -- Engine hooks ------------------------------------------------------------------
-    def _weights_changed(self):
+    def _weights_changed(self):   # loaded: hpZ's copies are stale, the deltas have no base
         if self.secondary_partition is not None:
             self.secondary_partition.invalidate()
+        if self.deltas is not None:
+            self.deltas.forget()
 
     def _publish_weights(self):
-        self._weights_changed()   # the secondary partition holds the weights of before
+        if self.secondary_partition is not None:
+            self.secondary_partition.invalidate()   # it holds the weights of before
         with torch.no_grad():
             if self.master_flat is not None:  # 16-bit: round the updated masters into the shards
                 for s in self.shards:
@@ -326,12 +340,16 @@ class Stage3Engine(ShardedEngineBase):
                         self._weight_slice(s).copy_(s.master)
             self._gather_weights([s for s in self.shards if s.persistent], self._weight_slice,
                                  lambda s, full: s.param.data.view(-1).copy_(full), self.dtype, "optimizer")
+            if self.deltas is not None:
+                self.deltas.prepare()
 
     def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
         live = [s.param.data for s in self.shards if s.persistent or s.state is WeightState.LIVE]
         secondary = [self.secondary_partition.flat] if self.secondary_partition is not None else []
         feedback = list(self.error_feedback.buffers.values()) if self.error_feedback is not None else []
-        return {"parameters": [self.param_flat] + secondary + live, "gradients": [self.grad_flat] + feedback,
+        deltas = [self.deltas.recon, self.deltas.flat] if self.deltas is not None else []
+        return {"parameters": [self.param_flat] + secondary + deltas + live,
+                "gradients": [self.grad_flat] + feedback,
                 "optimizer": self._optimizer_tensors()}
 
     def peak_buffers(self) -> dict:
@@ -341,7 +359,7 @@ class Stage3Engine(ShardedEngineBase):
                  "gather_buffers_peak": self.gather_pool.peak_bytes,
                  "gather_buffers_bound": self._gather_buffers_bound()}
         zero = self.zero
-        if zero.zero_quantized_weights or zero.zero_quantized_gradients:
+        if zero.zero_quantized_weights or zero.zero_quantized_gradients or self.deltas is not None:
             # the torch quantization path's chunk temporaries, kept for reuse (none on CUDA)
             block = max(zero.zero_quantized_weights_block_size, zero.zero_quantized_gradients_block_size)
             peaks["quantizer_scratch_peak"] = scratch_bytes(self.device)
@@ -356,7 +374,8 @@ class Stage3Engine(ShardedEngineBase):
         (evaluation, or without ZeRO++) its [N, total] rows and the input when not adjacent,
         b (1 + 1/N); hpZ's over the h ranks of its group b (1 + 1/h); qwZ, which delivers
         row by row into the weights, its input and one row, 2b/N, and the INT8 wire,
-        received (1 + 4/block bytes) and sent (1/N of that)."""
+        received (1 + 4/block bytes) and sent (1/N of that); the weight deltas' gather, what
+        WeightDeltas.inflight_bytes_per_element says."""
         zero, n, b = self.zero, self.world, self._placeholder.element_size()
         largest_module = max((sum(s.chunk for s in ws) * n for ws in self._mod_weights.values()), default=0)
         largest_weight = max((s.chunk * n for s in self.shards if not s.persistent), default=0)
@@ -368,31 +387,6 @@ class Stage3Engine(ShardedEngineBase):
         if self._weight_gather is not None:
             wire = (1 + 4 / zero.zero_quantized_weights_block_size) * (1 + 1 / n)
             per_elem = max(per_elem, 2 * b / n + wire)
-        return int(elems * per_elem) + 4096
-
-
-class _SavedWeightView:
-    """What the pack hook stores for a saved view of a gathered weight."""
-    __slots__ = ("weight", "tensor")
-
-    def __init__(self, weight: Stage3Param, tensor: torch.Tensor):
-        self.weight, self.tensor = weight, tensor
-
-
-class _GatherOnRead(dict):
-    """A module's `_parameters`: reading a released weight during a phase gathers it."""
-
-    def __init__(self, engine: Stage3Engine, items):
-        super().__init__(items)
-        self._engine = engine
-
-    def __getitem__(self, key):
-        p = dict.__getitem__(self, key)
-        eng = self._engine
-        if eng._phase is not None and p is not None:
-            s = eng.shard_of.get(id(p))
-            if s is not None and not s.persistent and s.state is not WeightState.LIVE:
-                if eng._phase == "forward":
-                    eng._read_outside.add(s.index)
-                eng._request([s])
-        return p
+        if self.deltas is not None:
+            per_elem = max(per_elem, self.deltas.inflight_bytes_per_element(b))
+        return int(elems * per_elem) + (self.deltas.dequant_buffer_bytes() if self.deltas else 0) + 4096

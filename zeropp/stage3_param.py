@@ -19,7 +19,9 @@ States (each method asserts the one it starts from):
 primary partition (`PrimaryWeights`: over all ranks, exact or qwZ) or hpZ's
 secondary one (zeropp/hpz.py). Parameters of at most
 `stage3_param_persistence_threshold` elements are persistent: whole on every
-rank, none of this applies to them.
+rank, none of this applies to them. `GatherOnRead` and `SavedWeightView` are how
+the engine (zeropp/stage3.py) sees a weight read outside its module or saved
+for backward.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ import torch
 from parallel.comm import Work
 from zeropp.buffer_pool import BufferPool
 from zeropp.collectives import ShardGather
-from zeropp.hpz import SecondaryPartition, SecondarySlice, secondary_slice
+from zeropp.hpz import SecondarySlice, secondary_slice
 from zeropp.init import replace_data
 from zeropp.partition import Partition, ShardedParam
 
@@ -151,12 +153,13 @@ class Stage3Param(ShardedParam):
 class PrimaryWeights:
     """The primary partition as a weight source: each rank's shard of every
     partitioned weight, gathered over all ranks with `gather` (exact, or qwZ's
-    INT8 gather). With hpZ, every weight that arrives is also kept in the
-    secondary partition."""
+    INT8 gather). Every weight that arrives is handed to `keeper.keep` when given:
+    hpZ's secondary partition, or the weight deltas (which keep it there too)."""
 
-    def __init__(self, partition: Partition, flat: torch.Tensor, gather: ShardGather,
-                 secondary: SecondaryPartition | None):
-        self.partition, self.flat, self.gather, self.secondary = partition, flat, gather, secondary
+    writes_weights = False
+
+    def __init__(self, partition: Partition, flat: torch.Tensor, gather: ShardGather, keeper=None):
+        self.partition, self.flat, self.gather, self.keeper = partition, flat, gather, keeper
 
     def chunk(self, s: Stage3Param) -> int:
         return s.chunk
@@ -168,13 +171,13 @@ class PrimaryWeights:
         return self.gather.start(inp, self.partition, phase, out=out, pool=pool)
 
     def arrived(self, s: Stage3Param, full: torch.Tensor):
-        if self.secondary is not None:
-            self.secondary.keep(s, full)
+        if self.keeper is not None:
+            self.keeper.keep(s, full)
 
 
 class BucketGather:
-    """One all-gather bringing RELEASED weights from `source` (PrimaryWeights
-    or SecondaryPartition); they are GATHERING until `wait()`. Its input (when
+    """One all-gather bringing RELEASED weights from `source` (PrimaryWeights,
+    SecondaryPartition or WeightDeltas); they are GATHERING until `wait()`. Its input (when
     the slices are not adjacent) and its [N, total] rows come from `pool` and
     go back once the weights are out of them."""
 
@@ -194,10 +197,13 @@ class BucketGather:
         else:
             inp = torch.cat(slices, out=pool.take(total, flat.dtype))
             self._taken.append(inp)
-        # One unpadded weight is gathered straight into its own storage; a gather that
-        # delivers row by row (qwZ) writes each row's pieces into the weights; else rows.
+        # The weight deltas write into the weights themselves; one unpadded weight is gathered
+        # straight into its own storage; a gather that delivers row by row (qwZ) writes each
+        # row's pieces into the weights; else rows.
         first = weights[0]
-        if len(weights) == 1 and first.numel == chunks[0] * n:
+        if source.writes_weights:
+            out = None
+        elif len(weights) == 1 and first.numel == chunks[0] * n:
             out = first.full.view(n, chunks[0])
         elif source.gather.delivers_rows:
             out = self._deliver
@@ -230,3 +236,30 @@ class BucketGather:
             off += c
         for t in self._taken:
             self.pool.give(t)
+
+
+class SavedWeightView:
+    """What the pack hook stores for a saved view of a gathered weight."""
+    __slots__ = ("weight", "tensor")
+
+    def __init__(self, weight: Stage3Param, tensor: torch.Tensor):
+        self.weight, self.tensor = weight, tensor
+
+
+class GatherOnRead(dict):
+    """A module's `_parameters`: reading a released weight during a phase gathers it."""
+
+    def __init__(self, engine, items):
+        super().__init__(items)
+        self._engine = engine
+
+    def __getitem__(self, key):
+        p = dict.__getitem__(self, key)
+        eng = self._engine
+        if eng._phase is not None and p is not None:
+            s = eng.shard_of.get(id(p))
+            if s is not None and not s.persistent and s.state is not WeightState.LIVE:
+                if eng._phase == "forward":
+                    eng._read_outside.add(s.index)
+                eng._request([s])
+        return p

@@ -1,0 +1,242 @@
+"""INT4 weight deltas (`zero_quantized_weight_deltas`, needs hpZ): the cross-node
+part of stage 3's forward gather carries only what changed since the weights
+every node already holds.
+
+With hpZ, each node keeps in its secondary partition (zeropp/hpz.py) the weights
+of the last gather from the primary partition, spread over the node's ranks.
+Each rank keeps `recon`: its own primary chunk as every rank reconstructed it
+at that gather. After each optimizer step (`prepare`), each rank quantizes
+delta = new chunk - recon to INT4 (blocks of 128 aligned to the chunk, one fp32
+scale each: 0.53 bytes per element, against qwZ's 1.02 and bf16's 2). The next
+primary gather of a weight then
+  1. all-gathers the INT4 deltas across nodes, among the ranks at my index in
+     their hpZ group (one per node when h = ranks per node): each delta crosses
+     to each other node once, (N-1) S bytes per rank, where a ring over the
+     world sends N (W-1) S / W on average (S: one rank's deltas; ~2x for two nodes),
+  2. all-gathers inside my hpZ group what each member received and its slice
+     of the previous weights from the secondary partition (one collective),
+  3. adds each dequantized delta (fp32) to the previous weights and rounds to
+     the compute dtype.
+Both hops have process groups of their own, and every rank starts second hops
+in the order the gathers were issued (the same on every rank), so they never
+interleave differently with other collectives of a group.
+Every rank computes the same values, the sender included, and the arrival sets
+`recon` to this rank's chunk of them: the next delta is taken against what the
+receivers hold, so quantization errors never pile up.
+
+Error bound. INT4 rounds each element to within half a step, step = max|delta|/7
+over its block. A weight is sent as a delta only while, in every block, that
+step is at most the INT8 step of its new values (max|w|/127, qwZ's), so a
+gathered weight is within max|w|/254 of the exact one plus half an ulp of the
+compute dtype (the rounding of the sum): qwZ's bound, whatever the history.
+
+Refresh: a full gather (qwZ's INT8, or exact) instead of the delta, for a weight
+  - without a base: its first gather, and every gather after a load (`forget`);
+  - every `refresh_interval` optimizer steps (all weights);
+  - whose delta is not small: in some block the INT4 step exceeds the INT8 step
+    of its new values, or is not finite. Each owner checks its chunk and one
+    all-reduce (MAX) of a flag per weight after the step makes it agreed.
+Evaluation gathers exact weights and leaves all of this alone (stage3.py).
+"""
+from __future__ import annotations
+
+import collections
+
+import torch
+
+from parallel.comm import Work
+from zeropp.buffer_pool import BufferPool
+from zeropp.hpz import SecondaryPartition
+from zeropp.partition import Partition
+from zeropp.quant import DEFAULT_BLOCK_SIZE, QMAX, Quantized, dequantize, quantize, wire_nbytes
+
+BLOCK_SIZE = DEFAULT_BLOCK_SIZE[4]
+DEQUANT_ELEMENTS = 1 << 22   # fp32 elements dequantized at once (16 MB): a weight's members in groups
+
+
+class WeightDeltas:
+    """A weight source for `zeropp.stage3_param.BucketGather` (the primary partition's
+    weights, sent as INT4 deltas), and the state it needs: `recon`, the INT4 deltas
+    prepared after each step, and which weights may go as deltas."""
+
+    writes_weights = True   # BucketGather: start() writes the gathered values into the weights
+
+    def __init__(self, partition: Partition, comm, weights: list, param_flat: torch.Tensor,
+                 secondary: SecondaryPartition, refresh_interval: int, across: Partition, within: Partition):
+        """`weights`: the partitioned Stage3Params, bound to `param_flat`. `across`: the ranks at my
+        index in their hpZ groups (the first hop); `within`: my hpZ group (the second), groups
+        of their own."""
+        self.partition, self.comm, self.secondary = partition, comm, secondary
+        self.across, self.within = across, within
+        self.refresh_interval = refresh_interval
+        self.weights = weights
+        self.recon = torch.zeros_like(param_flat)
+        self._recon: dict[int, torch.Tensor] = {}
+        self._wire_bytes = {s.index: wire_nbytes(s.chunk, 4, BLOCK_SIZE) for s in weights}
+        self.flat = torch.zeros(sum(self._wire_bytes.values()), dtype=torch.uint8, device=param_flat.device)
+        self._wire: dict[int, torch.Tensor] = {}
+        off = 0
+        for s in weights:
+            start = s.shard.data_ptr() - param_flat.data_ptr()
+            self._recon[s.index] = self.recon[start // param_flat.element_size():][:s.chunk]
+            self._wire[s.index] = self.flat[off:off + self._wire_bytes[s.index]]
+            off += self._wire_bytes[s.index]
+        self._based: set[int] = set()     # weights whose recon (and the nodes' copies) are a base
+        self._refresh: set[int] = set()   # weights to gather in full this step
+        self._queue: collections.deque[_TwoHopGather] = collections.deque()   # second hops not started
+        self.steps = 0
+        self.arrivals = self.sent = 0     # weights gathered from the primary partition / as deltas
+
+    # -- after the optimizer step, before the next gathers ---------------------------
+    def prepare(self):
+        """Quantize every based weight's delta; agree on which weights go in full (one
+        all-reduce, one device-to-host copy)."""
+        self.steps += 1
+        if not self.weights:   # every weight persistent: nothing is gathered
+            return
+        everything = self.steps % self.refresh_interval == 0
+        full = torch.ones((), dtype=torch.bool, device=self.flat.device)
+        flags = torch.stack([full if everything or s.index not in self._based else ~self._small_delta(s)
+                             for s in self.weights]).to(torch.int32)
+        if not everything and self._based:
+            self.comm.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, phase="optimizer")
+        self._refresh = {s.index for s, f in zip(self.weights, flags.tolist()) if f}
+
+    def _small_delta(self, s) -> torch.Tensor:
+        """Quantize my chunk's delta into its wire slice; whether it is small (a bool on the device)."""
+        new = s.shard.float()
+        q = quantize(new - self._recon[s.index].float(), 4, BLOCK_SIZE, out=self._view(s, self._wire[s.index]))
+        nb = q.scales.numel()
+        amax = torch.nn.functional.pad(new, (0, nb * BLOCK_SIZE - new.numel())).view(nb, -1).abs().amax(1)
+        return (q.scales <= amax / QMAX[8]).all()   # NaN compares False: not small
+
+    def forget(self):
+        """The weights were loaded: no base anywhere, every weight's next gather is full."""
+        self._based.clear()
+        self._refresh.clear()
+
+    def ready(self, s) -> bool:
+        """`s` can be gathered as a delta (the same answer on every rank)."""
+        return s.index in self._based and s.index not in self._refresh
+
+    def keep(self, s, full: torch.Tensor):
+        """`s` arrived whole from the primary partition (in full or as a delta): the node keeps
+        it as hpZ does, and my chunk of it is what the next delta is taken against."""
+        self.secondary.keep(s, full)
+        self.arrivals += 1
+        self._recon[s.index][:s.valid].copy_(full.view(-1)[s.lo:s.hi])
+        self._based.add(s.index)
+
+    # -- a weight source ---------------------------------------------------------------
+    @staticmethod
+    def _view(s, wire: torch.Tensor) -> Quantized:
+        return Quantized.from_bytes(wire, s.chunk, 4, BLOCK_SIZE)
+
+    def chunk(self, s) -> int:
+        return self._wire_bytes[s.index]
+
+    def slice(self, s) -> torch.Tensor:
+        return self._wire[s.index]
+
+    def start(self, weights: list, inp: torch.Tensor, phase: str, out, pool: BufferPool) -> Work:
+        """`inp`: my INT4 deltas of `weights`, end to end."""
+        sec, h = self.secondary, self.within.size
+        base = [sec.slice(s) for s in weights]   # my slices of the previous weights: hop 2 carries them
+        hops = _TwoHopGather(self.comm, inp, base, self.across, self.within, phase, pool)
+        self._queue.append(hops)
+        self.comm.charge_plain("all_gather", self.partition.group,
+                               sum(s.chunk for s in weights) * sec.flat.element_size())
+        self.sent += len(weights)
+
+        def finish():
+            while self._queue[0] is not hops:   # second hops in issue order, the same on every rank
+                self._queue.popleft().start_second()
+            self._queue.popleft()
+            deltas, previous = hops.wait()   # [h, W/h, bytes]: the row of rank j = g h + i is [i, g]; [h, slices]
+            off = 0
+            for s, b in zip(weights, base):   # member i's slice of the previous weights, row by row
+                c, flat = b.numel(), s.full.view(-1)
+                for i in range(h):
+                    lo, hi = i * c, min((i + 1) * c, s.numel)
+                    if hi > lo:
+                        flat[lo:hi].copy_(previous[i, off:off + hi - lo])
+                off += c
+            members = torch.arange(self.partition.size, device=inp.device)
+            row = pool.take(self._dequant_elements(weights), torch.float32)
+            off = 0
+            for s in weights:   # members' deltas of one weight, a group of them at a time
+                nbytes, flat = self._wire_bytes[s.index], s.full.view(-1)
+                group, holding = self._members_at_once(s), -(-s.numel // s.chunk)   # members with elements
+                for j in range(0, holding, group):
+                    m = members[j:min(j + group, holding)]
+                    wire = deltas[m % h, m // h, off:off + nbytes]   # a copy, contiguous
+                    delta = dequantize(Quantized.from_bytes(wire, s.chunk, 4, BLOCK_SIZE), torch.float32,
+                                       out=row[:len(m) * s.chunk].view(len(m), s.chunk)).view(-1)
+                    piece = flat[j * s.chunk:min((j + len(m)) * s.chunk, s.numel)]
+                    piece.add_(delta[:piece.numel()])   # the sum in fp32, rounded once to the weight's dtype
+                off += nbytes
+            pool.give(row)
+            hops.give_back()
+            return None
+        return Work(hops.first, then=finish)
+
+    def _members_at_once(self, s) -> int:
+        return max(1, min(self.partition.size, DEQUANT_ELEMENTS // s.chunk))
+
+    def _dequant_elements(self, weights) -> int:
+        return max(self._members_at_once(s) * s.chunk for s in weights)
+
+    def dequant_buffer_bytes(self) -> int:
+        """The fp32 buffer a gather dequantizes into (one gather finishes at a time)."""
+        return 4 * self._dequant_elements(self.weights) if self.weights else 0
+
+    def arrived(self, s, full: torch.Tensor):
+        self.keep(s, full)
+
+    def inflight_bytes_per_element(self, elem_bytes: int) -> float:
+        """Gather-pool bytes per gathered element: the previous weights sent (b/h) and received
+        (b), the INT4 wire (per element: the most of any weight, a small chunk pads to a whole
+        block) sent (1/W), received by the first hop (1/h) and the second (1), and copied a
+        group of members at a time (at most 1), besides `dequant_buffer_bytes` (and up to 3
+        bytes of padding a row, in the bound's constant)."""
+        w, h = self.partition.size, self.secondary.size
+        wire = max((self._wire_bytes[s.index] / s.chunk for s in self.weights), default=0)
+        return elem_bytes * (1 + 1 / h) + wire * (2 + 1 / h + 1 / w)
+
+
+class _TwoHopGather:
+    """Two all-gathers: `inp` over `across` (the ranks at my index in their groups), then, over
+    `within` (my group), what that brought with my `base` tensors beside it. The second starts
+    on `start_second()` (or `wait()`), once the first is done."""
+
+    def __init__(self, comm, inp: torch.Tensor, base: list[torch.Tensor], across: Partition, within: Partition,
+                 phase: str, pool: BufferPool):
+        self.comm, self.within, self.phase, self.pool = comm, within, phase, pool
+        self.base_dtype, self.base_numel = base[0].dtype, sum(b.numel() for b in base)
+        first = across.size * inp.numel()   # bytes (a multiple of 4: whole INT4 wires)
+        width = first + -(-self.base_numel * base[0].element_size() // 4) * 4   # rows stay 4-byte aligned
+        self.send = pool.take(width, torch.uint8)
+        torch.cat([b.view(torch.uint8) for b in base], out=self.send[first:first + self.base_numel * base[0].element_size()])
+        self.first = comm.all_gather(self.send[:first], inp, group=across.group, async_op=True, phase=phase,
+                                     plain=False)
+        self.rows = pool.take(within.size * width, torch.uint8).view(within.size, width)
+        self.shape = (within.size, across.size, inp.numel())
+        self.second: Work | None = None
+
+    def start_second(self):
+        if self.second is None:
+            self.first.wait()
+            self.second = self.comm.all_gather(self.rows.view(-1), self.send, group=self.within.group,
+                                               async_op=True, phase=self.phase, plain=False)
+
+    def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The [h, W/h, bytes] rows of the first hop and the [h, base elements] of the base."""
+        self.start_second()
+        self.second.wait()
+        first = self.shape[1] * self.shape[2]
+        base = self.rows[:, first:first + self.base_numel * self.base_dtype.itemsize].view(self.base_dtype)
+        return self.rows[:, :first].view(self.shape), base
+
+    def give_back(self):
+        self.pool.give(self.send)
+        self.pool.give(self.rows)
