@@ -119,7 +119,7 @@ def run_resumed(name: str, a, flags: list[str], scratch: Path, timeout: float) -
     hpz = ["--zero-hpz-size", str(a.resume_ranks_per_node)]
     r2 = run_one(name + " (2nd half)", command(second, flags + hpz, scratch) + ["--load", str(scratch / "checkpoints")],
                  scratch.parent / (scratch.name + "_2.log"), timeout)
-    r2["train"] = r1["train"] + r2["train"]
+    r2["train"] = r1["train"] + [t for t in r2["train"] if t["iteration"] >= half + a.log_interval]   # whole windows
     r2["validation"] = [v for v in r1["validation"] if v["iteration"] <= half] + r2["validation"]
     r2.update(error=r1["error"] or r2["error"], wall_s=r1["wall_s"] + r2["wall_s"], resumed_at=half,
               command=r1["command"] + " ; " + r2["command"])
