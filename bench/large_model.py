@@ -229,7 +229,7 @@ def main():
     p.add_argument("--checkpoint", metavar="DIR", default=None,
                    help="after training, save a sharded checkpoint to DIR and load it into a fresh engine")
     p.add_argument("--systems", metavar="LIST",
-                   help="zero3,zeropp[,zeropp-all]: the bounded-memory check (bench/memory_bound.py), each system in "
+                   help="zero3,zeropp[,zeropp-deltas,zeropp-all]: the bounded-memory check (bench/memory_bound.py), each system in "
                         "fresh ranks; JSON to bench/results/large_model_bound.json")
     p.add_argument("--trace-allocations", action="store_true",
                    help="with --systems: profile the last step's tensor allocations (zeropp.memory."

@@ -62,8 +62,9 @@ from zeropp.memory import AllocationTrace, buffer_bounds, memory_report
 DEFAULTS = dict(num_layers=12, hidden=1536, heads=16, vocab=50257, seq=32, micro_batch=1, world=8,
                 ranks_per_node=4, steps=3, dtype="bf16", optimizer="sgd", bucket=3e7, max_live=1.5e8)
 RSS_LIMIT = 1.15       # peak rise / (states + bounds + activations)
-NAMES = {"zero3": "ZeRO-3", "zeropp": "ZeRO++ (qwZ + hpZ + qgZ)",
+NAMES = {"zero3": "ZeRO-3", "zeropp": "ZeRO++ (qwZ + hpZ + qgZ)", "zeropp-deltas": "ZeRO++ + INT4 weight deltas",
          "zeropp-all": "ZeRO++ + LoCo + INT4 weight deltas"}
+BEYOND = {"zeropp-deltas": ("deltas",), "zeropp-all": ("loco", "deltas")}
 ZEROPP_SLACK = 0.10    # ZeRO++ rise <= ZeRO-3 rise + hpZ secondary + this x ZeRO-3 rise
 MB = 2**20
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -122,9 +123,9 @@ def model_config(a) -> GPTConfig:
                      checkpoint_activations=a.checkpoint_activations)
 
 
-def ds_config(a, zeropp_on: bool, beyond: bool = False) -> zeropp.DeepSpeedConfig:
+def ds_config(a, zeropp_on: bool, beyond: tuple = ()) -> zeropp.DeepSpeedConfig:
     """Stage 3 with --bucket, --max-live, reuse distance 0; ZeRO++ adds all three techniques,
-    `beyond` qgZ's error feedback and INT4 weight deltas on top."""
+    `beyond` "deltas" (INT4 weight deltas) and "loco" (qgZ's error feedback) on top."""
     raw = {"zero_optimization": {"stage": 3, "reduce_bucket_size": a.bucket,
                                  "stage3_prefetch_bucket_size": a.bucket,
                                  "stage3_max_live_parameters": a.max_live,
@@ -132,8 +133,10 @@ def ds_config(a, zeropp_on: bool, beyond: bool = False) -> zeropp.DeepSpeedConfi
     if zeropp_on:  # qwZ, hpZ over each emulated node, qgZ
         raw["zero_optimization"].update(zero_quantized_weights=True, zero_quantized_gradients=True,
                                         zero_hpz_partition_size=a.ranks_per_node)
-    if beyond:
-        raw["zero_optimization"].update(zeropp_loco_param={}, zero_quantized_weight_deltas=True)
+    if "deltas" in beyond:
+        raw["zero_optimization"]["zero_quantized_weight_deltas"] = True
+    if "loco" in beyond:
+        raw["zero_optimization"]["zeropp_loco_param"] = {}
     if a.dtype != "fp32":
         raw[a.dtype] = {"enabled": True}
     return zeropp.DeepSpeedConfig.from_dict(raw)
@@ -168,7 +171,7 @@ def activation_probe(rank, world, a) -> dict:
 
 def bound_rank(rank, world, a, system: str) -> dict:
     ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)
-    cfg, ds = model_config(a), ds_config(a, system != "zero3", beyond=system == "zeropp-all")
+    cfg, ds = model_config(a), ds_config(a, system != "zero3", beyond=BEYOND.get(system, ()))
     comm = Communicator(topology_from_env(a.ranks_per_node))
     gc.collect()
     base, base_split = rss_mb("VmRSS"), rss_split()
@@ -303,12 +306,12 @@ def run(a) -> dict:
         print_allocations(ranks)
         out["systems"][name] = {"ranks": ranks, "pass": all(r["judge"]["rss_pass"] and r["judge"]["buffers_pass"]
                                                             for r in ranks)}
-    for name in ("zeropp", "zeropp-all"):
+    for name in NAMES.keys() - {"zero3"}:
         if "zero3" in out["systems"] and name in out["systems"]:
-            key = "zeropp_over_zero3" if name == "zeropp" else "zeropp_all_over_zero3"
+            key = name.replace("-", "_") + "_over_zero3"
             out[key] = compare(out["systems"]["zero3"]["ranks"], out["systems"][name]["ranks"], NAMES[name])
     out["pass"] = (all(s["pass"] for s in out["systems"].values())
-                   and all(r["pass"] for k in ("zeropp_over_zero3", "zeropp_all_over_zero3") for r in out.get(k, [])))
+                   and all(r["pass"] for k in out if k.endswith("_over_zero3") for r in out[k]))
     print(f"bounded memory (issue 17 goal 4): {'PASS' if out['pass'] else 'FAIL'}")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=2))
