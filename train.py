@@ -24,7 +24,7 @@ from data.sampler import build_data_loader
 from data.stats import unigram_entropy
 from model import GPT, flops_per_iteration, num_parameters
 from parallel.comm import Communicator
-from parallel.launch import init_distributed, print_rank0, report_error_to_torchrun
+from parallel.launch import init_distributed, print_rank0, report_error_to_torchrun, report_user_error
 from parallel.link_probe import LinkProbeError
 from parallel.topology import topology_from_env
 from planner.auto import resolve as resolve_auto
@@ -179,9 +179,11 @@ def run(argv=None) -> int:
         # Checkpoint, divergence and link-probe errors: a clear line, exit 1.
         rank = int(os.environ.get("RANK", "0"))
         line = f"error: {' '.join(str(e).splitlines())}"
-        if rank == 0 or not isinstance(e, zeropp.ConfigError):  # a checkpoint error may be one rank's own
-            print(f"[rank {rank}] {line}" if rank else line, file=sys.stderr, flush=True)
         report_error_to_torchrun(line)   # torchrun's failure summary shows this line
+        if isinstance(e, zeropp.ConfigError):
+            report_user_error(line, rank)
+        else:  # a checkpoint error may be one rank's own
+            print(f"[rank {rank}] {line}" if rank else line, file=sys.stderr, flush=True)
         if dist.is_initialized():
             dist.destroy_process_group()
         return 2 if isinstance(e, zeropp.ConfigError) else 1

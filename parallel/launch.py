@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from datetime import timedelta
 
@@ -42,6 +43,44 @@ def report_error_to_torchrun(line: str):
                                                                    "timestamp": str(int(time.time()))}}}, f)
     except OSError:
         pass   # the summary then shows torchrun's generic text: the line is on stderr anyway
+
+
+USER_ERROR_KEY = "train/user_error_reported"
+
+
+def report_user_error(line: str, rank: int, wait_s: float = 60.0):
+    """Print a user error once per job. Every rank finds the same error; rank 0 prints it.
+    torchrun stops every worker as soon as one exits, so a quiet rank that exited first could
+    kill rank 0 before it printed: under torchrun the others wait on the agent's store (it
+    lives as long as the job) until rank 0 says it has reported this line. A rank that hears
+    nothing, or another line, within `wait_s` prints its own (an error only it found). Under
+    other launchers the other ranks stay quiet."""
+    if rank == 0:
+        print(line, file=sys.stderr, flush=True)
+    store = _agent_store(wait_s)
+    if rank == 0:
+        if store is not None:
+            store.set(USER_ERROR_KEY, line)
+        return
+    if store is not None:
+        try:
+            store.wait([USER_ERROR_KEY], timedelta(seconds=wait_s))
+            if store.get(USER_ERROR_KEY).decode() == line:
+                return
+        except RuntimeError:   # DistStoreError: rank 0 never reported
+            pass
+        print(f"[rank {rank}] {line}", file=sys.stderr, flush=True)
+
+
+def _agent_store(timeout_s: float):
+    """torchrun's own key-value store (its agent hosts it for the job's life), or None."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    try:
+        return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                             timeout=timedelta(seconds=timeout_s))
+    except (KeyError, ValueError, RuntimeError):
+        return None
 
 
 def rank() -> int:

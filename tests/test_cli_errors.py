@@ -272,3 +272,17 @@ class TestRealCommand:
         # torchrun's failure summary carries the one line (its own exit status is 1)
         assert "traceback : error: argument --lr: must be >= 0, got -1" in proc.stderr
         assert "To enable traceback" not in proc.stderr and proc.returncode == 1
+
+    def test_torchrun_slow_rank0_still_prints(self, corpus, tmp_path):
+        """torchrun stops every worker once one exits: rank 1, quiet and quicker, must not
+        kill rank 0 before it has printed (seen in CI on two busy cores)."""
+        slow = tmp_path / "slow_rank0.py"
+        slow.write_text(f"import os, sys, time\nsys.path.insert(0, {str(ROOT)!r})\n"
+                        "if os.environ['RANK'] == '0':\n    time.sleep(3)\n"
+                        "import train\ntrain.exit_now(train.run(sys.argv[1:]))\n")
+        torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+        proc = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", str(slow),
+                               *good(corpus, "--lr", "-1")], capture_output=True, text=True, timeout=180, cwd=ROOT)
+        ours = [line for line in proc.stderr.splitlines() if "error: argument" in line and "traceback" not in line]
+        assert ours == ["error: argument --lr: must be >= 0, got -1"], proc.stderr
+        assert "SIGTERM" not in proc.stderr   # rank 0 ended by itself
