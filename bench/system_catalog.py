@@ -13,10 +13,11 @@ import torch
 # "auto": all three "auto", resolved by build_system(prepare=...) (bench/slow_link_auto.py).
 ZEROPP = {"zeropp-qwz": ("qwz",), "zeropp-hpz": ("hpz",), "zeropp-qgz": ("qgz",),
           "zeropp": ("qwz", "hpz", "qgz"), "deepspeed-z3-hpz": ("hpz",), "auto": ("auto",),
-          "zeropp-deltas": ("qwz", "hpz", "qgz", "deltas"), "zeropp-loco-deltas": ("qwz", "hpz", "qgz", "loco", "deltas")}
+          "zeropp-loco": ("qwz", "hpz", "qgz", "loco"), "zeropp-deltas": ("qwz", "hpz", "qgz", "deltas"),
+          "zeropp-loco-deltas": ("qwz", "hpz", "qgz", "loco", "deltas")}
 OURS = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "zero3-reuse0": 3,
-        "zeropp-qwz": 3, "zeropp-hpz": 3, "zeropp-qgz": 3, "zeropp": 3, "auto": 3, "zeropp-deltas": 3,
-        "zeropp-loco-deltas": 3}
+        "zeropp-qwz": 3, "zeropp-hpz": 3, "zeropp-qgz": 3, "zeropp": 3, "auto": 3, "zeropp-loco": 3,
+        "zeropp-deltas": 3, "zeropp-loco-deltas": 3}
 DEEPSPEED = {"deepspeed-z1": 1, "deepspeed-z2": 2, "deepspeed-z3": 3, "deepspeed-z3-reuse0": 3,
              "deepspeed-z3-hpz": 3}
 FSDP2 = ("fsdp2", "fsdp2-hpz")
@@ -24,7 +25,7 @@ FSDP2 = ("fsdp2", "fsdp2-hpz")
 ALL_SYSTEMS = ["ddp", "zero1", "zero2", "zero3", "zero3-reuse0", "fsdp2", "deepspeed-z1", "deepspeed-z2",
                "deepspeed-z3", "deepspeed-z3-reuse0"]
 SLOW_LINK_SYSTEMS = ["zero3-reuse0", "zero3", "zeropp-qwz", "zeropp-hpz", "zeropp-qgz", "zeropp", "auto",
-                     "zeropp-deltas", "zeropp-loco-deltas", "fsdp2",
+                     "zeropp-loco", "zeropp-deltas", "zeropp-loco-deltas", "fsdp2",
                      "fsdp2-hpz", "deepspeed-z3-reuse0", "deepspeed-z3-hpz"]
 DEFAULT_SYSTEMS = ["ddp", "zero1", "zero2", "zero3", "zero3-reuse0", "fsdp2", "deepspeed-z3"]
 WORLD1_SYSTEMS = ["plain", "ddp", "zero3"]
@@ -37,13 +38,14 @@ LABELS = {"ddp": "ours stage 0 (DDPEngine)", "zero1": "ours ZeRO-1", "zero2": "o
           "zeropp-qgz": "ours ZeRO-3 + qgZ", "zeropp": "ours ZeRO++ (qwZ+hpZ+qgZ)",
           "auto": "ours ZeRO++ auto (planner.auto)", "fsdp2-hpz": "PyTorch FSDP2 (reshard to node)",
           "deepspeed-z3-hpz": "DeepSpeed ZeRO-3 + hpZ (reuse 0)",
-          "zeropp-deltas": "ours ZeRO++ + INT4 weight deltas", "zeropp-loco-deltas": "ours ZeRO++ + LoCo + deltas"}
+          "zeropp-loco": "ours ZeRO++ + LoCo", "zeropp-deltas": "ours ZeRO++ + INT4 weight deltas",
+          "zeropp-loco-deltas": "ours ZeRO++ + LoCo + deltas"}
 PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's default stage3_param_persistence_threshold (1e5)
 # The "reuse 0" rows: weights released after forward, gathered again in backward (reuse distance 0),
 # prefetch bucket 1/REUSE0_PREFETCH_FRACTION of the model; a["bucket_fraction"] (bench/slow_link.py):
 # prefetch and reduce buckets 1/that, also for ours with held weights ("zero3").
 REUSE0 = ("zero3-reuse0", "deepspeed-z3-reuse0", "zeropp-qwz", "zeropp-hpz", "zeropp-qgz", "zeropp",
-          "deepspeed-z3-hpz", "auto", "zeropp-deltas", "zeropp-loco-deltas")
+          "deepspeed-z3-hpz", "auto", "zeropp-loco", "zeropp-deltas", "zeropp-loco-deltas")
 REUSE0_PREFETCH_FRACTION = 4
 OPTIM = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
 

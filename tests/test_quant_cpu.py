@@ -108,6 +108,35 @@ def test_into_wire_rows_and_the_middle_hop_from_strided_rows():
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 129, 1000])
+def test_dequantize_add_gives_the_torch_paths_bits_on_strided_rows(dtype, n):
+    """out += dequantize(q) (INT4 weight deltas' receivers): the rows of q are strided views of
+    a receive buffer, the rows of out every other row of a weight; the sum is the fp32 sum
+    rounded once, as a 16-bit out.add_(fp32) gives it."""
+    k, bs = 3, 64
+    parts = [quant.quantize(_rand(n, torch.float32, seed=s) * 1e-2, 4, bs, backend="torch") for s in range(k)]
+    parts[1].scales[0] = float("nan")     # a non-finite block stays NaN in the sum
+    wire = Quantized.from_bytes(torch.stack([p.to_bytes() for p in parts]), n, 4, bs)
+    base = _rand(2 * k * n, dtype, seed=99).view(k, 2, n)
+    results = {}
+    for backend in ("torch", "cpu"):
+        out = base.clone()
+        got = quant.dequantize_add(wire, out[:, 1], backend=backend)
+        assert got.data_ptr() == out[:, 1].data_ptr() and torch.equal(out[:, 0], base[:, 0])   # only its rows
+        results[backend] = out
+    _same_bits(results["torch"], results["cpu"])
+    expect = base.clone()
+    expect[:, 1].add_(quant.dequantize(Quantized.stack(parts), torch.float32, backend="torch"))
+    _same_bits(expect, results["cpu"])
+    short = base[0, 0, :n - 1].clone()    # one part's first n - 1 elements (a weight's last, short chunk)
+    quant.dequantize_add(parts[0].row(0, n - 1), short, backend="cpu")
+    _same_bits(base[0, 0, :n - 1].clone().add_(quant.dequantize(parts[0], torch.float32)[:n - 1]), short)
+    with pytest.raises(ValueError, match="dequantize_add: out must have shape"):
+        quant.dequantize_add(wire, base[:, 1, :n - 1])
+
+
+@needs_kernels
 def test_auto_uses_the_kernels_on_cpu_unless_told_otherwise(monkeypatch):
     calls = []
     real = quant_cpu.quantize

@@ -60,19 +60,9 @@ from zeropp import quant_cpu
 from zeropp.quant_format import (DEFAULT_BLOCK_SIZE, QMAX, Quantized, check_block_size, num_blocks,
                                  wire_nbytes)
 
-__all__ = [
-    "Quantized",
-    "DEFAULT_BLOCK_SIZE",
-    "QMAX",
-    "quantize",
-    "dequantize",
-    "dequantize_reduce_requantize",
-    "dequantize_reduce",
-    "wire_nbytes",
-    "triton_available",
-    "scratch_bytes",
-    "scratch_bound",
-]
+__all__ = ["Quantized", "DEFAULT_BLOCK_SIZE", "QMAX", "quantize", "dequantize", "dequantize_add",
+           "dequantize_reduce_requantize", "dequantize_reduce", "wire_nbytes", "triton_available",
+           "scratch_bytes", "scratch_bound"]
 
 
 
@@ -330,6 +320,22 @@ def dequantize(q: Quantized, dtype: torch.dtype = torch.float32, backend: str = 
         return quant_cpu.dequantize(q, dtype, out=out)
     _dequant_into(q, out)
     return out
+
+
+def dequantize_add(q: Quantized, out: torch.Tensor, backend: str = "auto",
+                   scratch: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``out += dequantize(q)``: the sum in fp32, rounded once to ``out``'s dtype (a 16-bit
+    ``out.add_(fp32)`` gives the same bits, ~15x slower on CPU). ``out``: ``[numel]``, or
+    ``[k, numel]`` for a stacked ``q`` with rows that may be strided. One pass on CPU;
+    elsewhere a dequantization into ``scratch`` (fp32, at least ``out.numel()``) then the add."""
+    if out.shape != (*q.data.shape[:-1], q.numel) or out.stride(-1) != 1:
+        raise ValueError(f"dequantize_add: out must have shape {(*q.data.shape[:-1], q.numel)} with "
+                         f"contiguous rows, got {tuple(out.shape)}")
+    if _pick_backend(backend, q.data.device, q.block_size, out.dtype) == "cpu":
+        return quant_cpu.dequantize_add(q, out)
+    scratch = torch.empty(out.numel(), device=out.device) if scratch is None else scratch[:out.numel()]
+    delta = dequantize(q, torch.float32, backend, out=scratch.view(out.shape))
+    return out.copy_(delta.add_(out))
 
 
 def dequantize_reduce_requantize(parts: Union[Quantized, Sequence[Quantized]], bits_out: int = 4,

@@ -79,7 +79,8 @@ def _load():
         return False
     i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
     lib.zq_quantize.argtypes = [ptr, i32, i64, i32, i64, ptr, ptr]
-    lib.zq_dequantize.argtypes = [ptr, i64, ptr, i64, i64, i64, i32, i64, i32, f32, ptr, i32, i32, ptr, ptr]
+    lib.zq_dequantize.argtypes = [ptr, i64, ptr, i64, i64, i64, i32, i64, i32, f32, ptr, i32, i64, i32, i32,
+                                  ptr, ptr]
     lib.zq_max_block.restype = i32
     return lib
 
@@ -122,16 +123,18 @@ def quantize(x: torch.Tensor, bits: int, block_size: int, out: Optional[Quantize
 
 
 def _run(st: Quantized, reduce: bool, factor: float, out: Optional[torch.Tensor],
-         requant: Optional[Quantized] = None):
-    """st: a stacked Quantized whose rows may be strided views (wire buffers)."""
+         requant: Optional[Quantized] = None, accumulate: bool = False):
+    """st: a stacked Quantized whose rows may be strided views (wire buffers); out: [k, numel]
+    (or [numel]) whose rows may be strided too."""
     _check_block(st.block_size)
     data, scales = st.data, st.scales
-    if data.stride(-1) != 1 or scales.stride(-1) != 1:
-        raise ValueError("each part's data and scales must be contiguous")
+    if data.stride(-1) != 1 or scales.stride(-1) != 1 or (out is not None and out.stride(-1) != 1):
+        raise ValueError("each part's data and scales, and each row of out, must be contiguous")
+    out_stride = out.stride(0) if out is not None and out.dim() == 2 else st.numel
     _LIB.zq_dequantize(data.data_ptr(), data.stride(0) * data.element_size(), scales.data_ptr(), scales.stride(0),
                        len(st), st.numel, st.bits, st.block_size, int(reduce), factor,
                        out.data_ptr() if out is not None else None, _dtype_code(out) if out is not None else 0,
-                       requant.bits if requant is not None else 0,
+                       out_stride, int(accumulate), requant.bits if requant is not None else 0,
                        requant.data.data_ptr() if requant is not None else None,
                        requant.scales.data_ptr() if requant is not None else None)
 
@@ -144,6 +147,11 @@ def _stacked(q: Quantized) -> Quantized:
 
 def dequantize(q: Quantized, dtype: torch.dtype, out: torch.Tensor) -> torch.Tensor:
     _run(_stacked(q), False, 1.0, out)
+    return out
+
+
+def dequantize_add(q: Quantized, out: torch.Tensor) -> torch.Tensor:
+    _run(_stacked(q), False, 1.0, out, accumulate=True)
     return out
 
 

@@ -48,7 +48,7 @@ from parallel.comm import Work
 from zeropp.buffer_pool import BufferPool
 from zeropp.hpz import SecondaryPartition
 from zeropp.partition import Partition
-from zeropp.quant import DEFAULT_BLOCK_SIZE, QMAX, Quantized, dequantize, quantize, wire_nbytes
+from zeropp.quant import DEFAULT_BLOCK_SIZE, QMAX, Quantized, dequantize_add, quantize, wire_nbytes
 
 BLOCK_SIZE = DEFAULT_BLOCK_SIZE[4]
 DEQUANT_ELEMENTS = 1 << 22   # fp32 elements dequantized at once (16 MB): a weight's members in groups
@@ -161,24 +161,32 @@ class WeightDeltas:
                     if hi > lo:
                         flat[lo:hi].copy_(previous[i, off:off + hi - lo])
                 off += c
-            members = torch.arange(self.partition.size, device=inp.device)
-            row = pool.take(self._dequant_elements(weights), torch.float32)
+            row = pool.take(self._dequant_elements(weights), torch.float32)   # scratch off the CPU path
             off = 0
-            for s in weights:   # members' deltas of one weight, a group of them at a time
-                nbytes, flat = self._wire_bytes[s.index], s.full.view(-1)
-                group, holding = self._members_at_once(s), -(-s.numel // s.chunk)   # members with elements
-                for j in range(0, holding, group):
-                    m = members[j:min(j + group, holding)]
-                    wire = deltas[m % h, m // h, off:off + nbytes]   # a copy, contiguous
-                    delta = dequantize(Quantized.from_bytes(wire, s.chunk, 4, BLOCK_SIZE), torch.float32,
-                                       out=row[:len(m) * s.chunk].view(len(m), s.chunk)).view(-1)
-                    piece = flat[j * s.chunk:min((j + len(m)) * s.chunk, s.numel)]
-                    piece.add_(delta[:piece.numel()])   # the sum in fp32, rounded once to the weight's dtype
-                off += nbytes
+            for s in weights:
+                self._add_deltas(s, deltas[..., off:off + self._wire_bytes[s.index]], row)
+                off += self._wire_bytes[s.index]
             pool.give(row)
             hops.give_back()
             return None
         return Work(hops.first, then=finish)
+
+    def _add_deltas(self, s, wires: torch.Tensor, scratch: torch.Tensor):
+        """Add every member's dequantized delta to `s.full` (which holds the previous weights).
+        `wires`: [h, W/h, bytes], member g h + i's INT4 at [i, g]; for each index i, members
+        0 .. R h - 1 (R whole rounds of h chunks) are strided rows of both, a group at a time."""
+        c, h, flat = s.chunk, self.within.size, s.full.view(-1)
+        rounds = s.numel // c // h
+        by_index = flat[:rounds * h * c].view(rounds, h, c)
+        group = self._members_at_once(s)
+        for i in range(h):
+            for g in range(0, rounds, group):
+                q = Quantized.from_bytes(wires[i, g:g + group], c, 4, BLOCK_SIZE)
+                dequantize_add(q, by_index[g:g + group, i], scratch=scratch)
+        for m in range(rounds * h, -(-s.numel // c)):   # the rest, one member at a time (the last may be short)
+            piece = flat[m * c:min((m + 1) * c, s.numel)]
+            dequantize_add(Quantized.from_bytes(wires[m % h, m // h], c, 4, BLOCK_SIZE).row(0, piece.numel()),
+                           piece, scratch=scratch)
 
     def _members_at_once(self, s) -> int:
         return max(1, min(self.partition.size, DEQUANT_ELEMENTS // s.chunk))

@@ -130,20 +130,25 @@ void zq_quantize(const void *x, int dtype, int64_t numel, int bits, int64_t bs, 
 /* k stacked parts (part p's data at data + p * data_stride bytes, its scales at
  * scales + p * scale_stride floats), numel elements each: part p dequantized, or, with
  * reduce, the sum over the parts times factor (skipped when factor is 1), into out
- * (dtype; [k, numel] or [numel] contiguous). requant_bits > 0: the sum is quantized
+ * (dtype; row r at out + r * out_stride elements). accumulate: each row is added to what
+ * out holds (read as fp32, the sum rounded once). requant_bits > 0: the sum is quantized
  * again instead, into qdata / qscales (same block size). */
 void zq_dequantize(const uint8_t *data, int64_t data_stride, const float *scales, int64_t scale_stride,
                    int64_t k, int64_t numel, int bits, int64_t bs, int reduce, float factor,
-                   void *out, int dtype, int requant_bits, void *qdata, float *qscales) {
+                   void *out, int dtype, int64_t out_stride, int accumulate,
+                   int requant_bits, void *qdata, float *qscales) {
     float acc[MAX_BLOCK];
     int64_t nb = numel > 0 ? (numel + bs - 1) / bs : 1;
     int64_t rows = reduce ? 1 : k, parts = reduce ? k : 1;
     int64_t per_block = requant_bits == 8 ? bs : bs / 2;
     for (int64_t r = 0; r < rows; r++) {
         for (int64_t b = 0; b < nb; b++) {
+            int64_t first = b * bs, count = numel - first < bs ? numel - first : bs;
+            if (accumulate) load_block(out, dtype, r * out_stride + first, count > 0 ? count : 0, bs, acc);
             for (int64_t p = 0; p < parts; p++) {
                 int64_t row = r + p;
-                dequant_block(data + row * data_stride, scales + row * scale_stride, bits, bs, b, acc, p == 0);
+                dequant_block(data + row * data_stride, scales + row * scale_stride, bits, bs, b, acc,
+                              p == 0 && !accumulate);
             }
             if (requant_bits) {
                 quantize_block(acc, bs, requant_bits, (uint8_t *)qdata + b * per_block, qscales + b);
@@ -151,8 +156,7 @@ void zq_dequantize(const uint8_t *data, int64_t data_stride, const float *scales
             }
             if (factor != 1.0f)
                 for (int64_t i = 0; i < bs; i++) acc[i] *= factor;
-            int64_t first = b * bs, count = numel - first < bs ? numel - first : bs;
-            if (count > 0) store_values(acc, dtype, count, out, r * numel + first);
+            if (count > 0) store_values(acc, dtype, count, out, r * out_stride + first);
         }
     }
 }
