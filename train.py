@@ -125,6 +125,7 @@ def zeropp_label(zero) -> str:
                                      ("hpZ", zero.zero_hpz_partition_size > 1),
                                      ("qgZ", zero.zero_quantized_gradients),
                                      ("LoCo", zero.zeropp_loco_param is not None),
+                                     ("Hadamard", zero.zero_hadamard_gradients),
                                      ("INT4 weight deltas", zero.zero_quantized_weight_deltas)) if enabled]
     return f"ZeRO-3 + ZeRO++ ({', '.join(on)})" if on else f"ZeRO stage {zero.stage}"
 

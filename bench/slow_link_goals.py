@@ -155,7 +155,7 @@ def goals(rows, rates, labels, rate_name):
                      if by[(s, r)].get("phase_bound_ms")}
             if phase:
                 res.setdefault("step_over_phase_bound", {})[s] = phase
-                out.append(f"  beside it, step / per-phase bound (max(fwd compute, fwd link) + max(bwd compute, "
+                out.append("  beside it, step / per-phase bound (max(fwd compute, fwd link) + max(bwd compute, "
                            f"bwd link) + optimizer link, link split by counted bytes per phase): "
                            + ", ".join(f"{v:.2f} at {rate_name(r)}" for r, v in phase.items()))
     for ours, other in PAIRS:

@@ -91,6 +91,9 @@ def iteration_collectives(shards, trace, zero: ZeroConfig, world: int, ranks_per
     qw_block, qg_block = zero.zero_quantized_weights_block_size, zero.zero_quantized_gradients_block_size
 
     deltas = hpz and zero.zero_quantized_weight_deltas
+    # zero_hadamard_gradients (zeropp/hadamard.py): qgZ's rows rotated before INT4 and the sum rotated
+    # back: the same bytes; its elements are costed as (de)quantization work
+    hadamard = int(zero.stage == 3 and bool(zero.zero_quantized_gradients) and zero.zero_hadamard_gradients)
     partitioned = [s for s in shards if not s.persistent] if deltas else []
 
     def gather(bucket, phase, m, secondary):
@@ -149,10 +152,12 @@ def iteration_collectives(shards, trace, zero: ZeroConfig, world: int, ranks_per
                                    micro_step=m))
                 if nodes > 1:
                     add(Collective("grad_reduce", "all_to_all", "inter", nodes * wire_nbytes(padded, 4, qg_block),
-                                   quant_elements=3 * nodes * padded, quant_bits=4, micro_step=m))
+                                   quant_elements=(3 * nodes + hadamard * (nodes + 1)) * padded, quant_bits=4,
+                                   micro_step=m))
             elif zero.stage == 3 and zero.zero_quantized_gradients:
                 padded = -(-total // qg_block) * qg_block
                 q = (2 * world + nodes) * padded   # quantize W rows, dequantize-requantize them, dequantize N
+                q += hadamard * (world + 1) * padded   # the transform of the W rows, its inverse on the sum
                 if local > 1:
                     add(Collective("grad_reduce", "all_to_all", "intra",
                                    local * wire_nbytes(nodes * padded, 4, qg_block), quant_elements=q, quant_bits=4,

@@ -68,6 +68,7 @@ def label(zero: ZeroConfig) -> str:
                                      (f"hpZ {zero.zero_hpz_partition_size}", zero.zero_hpz_partition_size > 1),
                                      ("qgZ", zero.zero_quantized_gradients),
                                      ("LoCo", zero.zeropp_loco_param is not None),
+                                     ("Hadamard", zero.zero_hadamard_gradients),
                                      ("INT4 weight deltas", zero.zero_quantized_weight_deltas)) if enabled]
     return f"ZeRO++ ({', '.join(on)})" if on else "ZeRO-3"
 
@@ -103,6 +104,10 @@ def plan_config(job: Job, zero: ZeroConfig, trace: ModelTrace, cluster: Cluster 
     loco = zero.stage == 3 and zero.zero_quantized_gradients and zero.zeropp_loco_param is not None and world > rpn
     # qgZ's error feedback: fp32 [N, bucket's chunks] per gradient bucket (zeropp/error_feedback.py)
     memory["error_feedback"] = 4 * (world // rpn) * sum(s.chunk for s in shards) if loco else 0
+    if loco and zero.zero_hadamard_gradients:   # rotated rows: each bucket's padded to whole blocks
+        bs, chunk = zero.zero_quantized_gradients_block_size, {s.index: s.chunk for s in shards}
+        memory["error_feedback"] = 4 * (world // rpn) * sum(-(-sum(chunk[i] for i in b) // bs) * bs
+                                                            for b in step.gradient_buckets)
     formula["error_feedback"] = 4 / rpn * trace.num_parameters if loco else 0
     deltas = hpz_on and zero.zero_quantized_weight_deltas   # zeropp/weight_deltas.py: recon and INT4 deltas
     memory["weight_deltas"] = sum(s.chunk * w + wire_nbytes(s.chunk, 4, DELTA_BLOCK)
@@ -133,6 +138,7 @@ def companion(zero: ZeroConfig, ranks_per_node: int) -> ZeroConfig | None:
         other.zero_quantized_weights = other.zero_quantized_gradients = False
         other.zero_hpz_partition_size = 1
         other.zeropp_loco_param = None
+        other.zero_hadamard_gradients = False
         other.zero_quantized_weight_deltas = False
     else:
         other.zero_quantized_weights = other.zero_quantized_gradients = True

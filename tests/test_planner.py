@@ -40,6 +40,10 @@ CASES = {
     "zeropp-deltas": ({**BASE, "stage3_param_persistence_threshold": 200, "stage3_max_reuse_distance": 0,
                        "zero_quantized_weights": True, "zero_hpz_partition_size": 2, "zero_quantized_gradients": True,
                        "zero_quantized_weight_deltas": True, "zeropp_loco_param": {}}, "bf16", True, 2),
+    # Hadamard smoothing of qgZ's blocks: the same bytes; LoCo's buffers padded to whole blocks
+    "zeropp-hadamard": ({**BASE, "stage3_max_reuse_distance": 0, "zero_quantized_weights": True,
+                         "zero_hpz_partition_size": 2, "zero_quantized_gradients": True, "zeropp_loco_param": {},
+                         "zero_hadamard_gradients": True}, "bf16", False, 1),
     # Stage 0 (torch DDP): everything whole; 16-bit syncs every micro-step, fp32 the last only.
     "zero0-bf16": ({"stage": 0}, "bf16", False, 2),
     "zero0-fp32": ({"stage": 0}, "fp32", True, 2),

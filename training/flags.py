@@ -183,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--zero-quantized-weight-deltas", action="store_true", default=None,
                    help="send weights across nodes as INT4 differences from the copy hpZ keeps in each node "
                         "(zero_quantized_weight_deltas; needs --zero-hpz-size)")
+    g.add_argument("--zero-hadamard-gradients", action="store_true", default=None,
+                   help="rotate qgZ's INT4 gradient blocks by a Walsh-Hadamard transform before quantizing "
+                        "(zero_hadamard_gradients; needs --zero-quantized-gradients)")
     g.add_argument("--zero-reduce-bucket-size", type=_int, default=None)
     g.add_argument("--zeropp", type=_zeropp_mode, default=None, metavar="auto",
                    help="auto: set qwZ, hpZ and qgZ to \"auto\" (measure the links at start-up, let the "

@@ -70,6 +70,9 @@ class ZeroConfig:
     # needs hpZ), with a full gather of every weight each refresh_interval optimizer steps.
     zero_quantized_weight_deltas: bool = False
     zero_quantized_weight_deltas_refresh_interval: int = 100
+    # qgZ rotates each gradient block by a Walsh-Hadamard transform before INT4 quantization
+    # (--zero-hadamard-gradients, zeropp/hadamard.py; block = zero_quantized_gradients_block_size).
+    zero_hadamard_gradients: bool = False
     # This product's keys (DeepSpeed fixes these): elements per fp32 scale (zeropp/quant.py).
     zero_quantized_weights_block_size: int = 256      # qwZ, INT8
     zero_quantized_gradients_block_size: int = 128    # qgZ, INT4
@@ -119,6 +122,12 @@ class ZeroConfig:
             if self.zero_quantized_gradients is not True:
                 raise ConfigError(f"{where}.zeropp_loco_param (--zero-loco) is error feedback for qgZ's "
                                   f"quantized gradients: set zero_quantized_gradients true "
+                                  f"(--zero-quantized-gradients), got {self.zero_quantized_gradients!r}")
+        if self.zero_hadamard_gradients is True:
+            zpp.append("zero_hadamard_gradients")
+            if self.zero_quantized_gradients is not True:
+                raise ConfigError(f"{where}.zero_hadamard_gradients (--zero-hadamard-gradients) smooths qgZ's "
+                                  f"INT4 gradient blocks: set zero_quantized_gradients true "
                                   f"(--zero-quantized-gradients), got {self.zero_quantized_gradients!r}")
         if self.zero_quantized_weight_deltas is True:
             zpp.append("zero_quantized_weight_deltas")

@@ -12,11 +12,15 @@ not sent is sent later, so the sum of what the optimizer receives over steps
 tracks the sum of the true gradients (tests/test_zeropp_loco.py: over 20
 reductions of the same rows, 0.1 x a step's error against 20 x).
 
+With Hadamard smoothing (`zero_hadamard_gradients`) the rows are sent rotated
+(zeropp/hadamard.py), each padded to whole blocks of B, so the buffers are [N, P
+padded to B] in the rotated domain; `hadamard` (B, 0 = off) is part of the layout.
+
 Checkpoints: each buffer is a sharded tensor of W x N x P elements (rank r's
 buffer is its r-th chunk), and the layout (ranks, nodes, each bucket's shape)
 and the reduction counts go to the metadata. A load with the same layout
-restores them exactly; any other layout (world size, node shape, buckets)
-cannot place them, so they start from zero and the load says so.
+restores them exactly; any other layout (world size, node shape, buckets, with or
+without the rotation) cannot place them, so they start from zero and the load says so.
 """
 from __future__ import annotations
 
@@ -37,12 +41,17 @@ class ErrorFeedback:
         self.reductions: dict[int, int] = {}
         self.shapes: dict[int, tuple[int, int]] = {}   # every bucket's buffer shape (`expect`)
         self.layout: dict = {}
+        self.hadamard = 0   # the rotation's block size when the rows are rotated (set by qgZ), 0: none
 
     def expect(self, shapes: dict[int, tuple[int, int]], world: int, nodes: int, device):
         """The buckets to come (index -> [N, P]) and the job's shape: what a checkpoint records.
         On one node nothing is quantized, so there is no error to keep."""
+        if self.hadamard:   # rotated rows: P padded to whole blocks
+            shapes = {k: (n, -(-p // self.hadamard) * self.hadamard) for k, (n, p) in shapes.items()}
         self.shapes, self.device = (dict(shapes) if nodes > 1 else {}), device
         self.layout = {"world": world, "nodes": nodes, "shapes": {str(k): list(v) for k, v in shapes.items()}}
+        if self.hadamard:   # absent when off: checkpoints saved before the switch existed still fit
+            self.layout["hadamard"] = self.hadamard
 
     def _buffer(self, key: int, shape) -> torch.Tensor:
         err = self.buffers.get(key)
@@ -92,6 +101,12 @@ class ErrorFeedback:
         if not saved:
             return "the checkpoint has no qgZ error feedback (saved without zeropp_loco_param): it starts from zero"
         was, now = saved["layout"], self.layout
+        if was.get("hadamard", 0) != now.get("hadamard", 0):
+            def rotated(layout):
+                b = layout.get("hadamard", 0)
+                return f"rotated by Hadamard blocks of {b}" if b else "not rotated"
+            return (f"qgZ's error feedback starts from zero: saved {rotated(was)} (zero_hadamard_gradients), "
+                    f"now {rotated(now)} (its buffers hold the rows in that domain)")
         return (f"qgZ's error feedback starts from zero: saved on {was['world']} ranks in {was['nodes']} nodes "
                 f"with {len(was['shapes'])} gradient buckets, now {now['world']} ranks in {now['nodes']} nodes "
                 f"with {len(now['shapes'])} (its buffers follow that layout)")

@@ -18,6 +18,13 @@
   one: inside the node the rows are reduce-scattered exactly (in the
   communication dtype, on the fast link), so the error lives in 1/L of the
   bucket per rank.
+- with `hadamard` (`zero_hadamard_gradients`, zeropp/hadamard.py), each row,
+  zero-padded to whole quantization blocks, is rotated block by block by a
+  Walsh-Hadamard transform before its first INT4 quantization (an outlier is
+  spread over its block, so the block's scale no longer crushes the rest);
+  being linear, the sums stay rotated through every hop (and the error
+  feedback lives in the rotated domain), and the final sum is rotated back
+  once (dequantized into a pooled fp32 row, inverse, copied into the result).
 
 Each charges the communicator's plain equivalent with the collective it
 replaces (parallel/comm.py), so a run reports what ZeRO-3 would have sent.
@@ -36,9 +43,11 @@ from parallel.comm import Work
 from zeropp.buffer_pool import BufferPool
 from zeropp.collectives import ShardGather, ShardReduce
 from zeropp.error_feedback import ErrorFeedback
+from zeropp.hadamard import check_hadamard_block, hadamard
 from zeropp.partition import Partition
 from zeropp.quant import (DEFAULT_BLOCK_SIZE, Quantized, dequantize, dequantize_reduce,
                           dequantize_reduce_requantize, quantize, wire_nbytes)
+from zeropp.quant_format import num_blocks
 
 
 def _take_wire(pool: BufferPool, rows: int, numel: int, bits: int,
@@ -150,12 +159,19 @@ class HierarchicalQuantizedReduce(ShardReduce):
     One node: step 2 then 5. One rank per node: step 1, 4 and 5.
     Asynchronously, steps 3-4 run as soon as step 2 is done (`progress()`,
     which the gradient reducer calls as gradients come in), step 5 in wait().
+    `hadamard`: step 1 quantizes each padded row rotated, step 5 rotates the sum back.
     """
 
-    def __init__(self, comm, block_size: int = DEFAULT_BLOCK_SIZE[4], error_feedback: ErrorFeedback | None = None):
+    def __init__(self, comm, block_size: int = DEFAULT_BLOCK_SIZE[4], error_feedback: ErrorFeedback | None = None,
+                 hadamard: bool = False):
         super().__init__(comm)
         self.block_size = block_size
         self.error_feedback = error_feedback
+        self.hadamard = hadamard
+        if hadamard:
+            check_hadamard_block(block_size)
+            if error_feedback is not None:   # its buffers hold rotated rows
+                error_feedback.hadamard = block_size
         topo = comm.topology
         self.nodes, self.local = topo.num_nodes, topo.ranks_per_node
         self.intra_group, self.inter_group = topo.intra_node_group, topo.inter_node_group
@@ -165,14 +181,45 @@ class HierarchicalQuantizedReduce(ShardReduce):
 
     def inflight_bytes(self, bucket_elems: int) -> int:
         # the INT4 wire of the first hop, sent and received; the second hop's two buffers
-        # (1/L of it each, or all of it with L = 1) are taken once the first hop's send is back
+        # (1/L of it each, or all of it with L = 1) are taken once the first hop's send is back.
+        # Hadamard: one fp32 row (1/W of the padded bucket) beside them, to rotate each row
+        # before it is quantized, and the sum back once the last hop is in
+        padded = self._padded(bucket_elems)
+        row = 4 * -(-padded // (self.nodes * self.local)) if self.hadamard else 0
         if self.error_feedback is None:
-            return 2 * wire_nbytes(self._padded(bucket_elems), 4, self.block_size)
+            return 2 * wire_nbytes(padded, 4, self.block_size) + row
         # with error feedback, at most (all counted as if alive at once, at 4 bytes an element):
         # the exact first hop's reordered rows (the bucket) and its result (1/L of it), then x
-        # (1/L) and one row (1/W <= 1/N), and the second hop's INT4 wire, sent and received
-        padded = self._padded(bucket_elems)
-        return 4 * padded * (1 + 2 / self.local + 1 / self.nodes) + 2 * wire_nbytes(padded, 4, self.block_size)
+        # (1/L) and one row (1/W <= 1/N), and the second hop's INT4 wire, sent and received;
+        # Hadamard: the rotated node sums (1/L) beside x
+        sums = (3 if self.hadamard else 2) / self.local
+        return 4 * padded * (1 + sums + 1 / self.nodes) + 2 * wire_nbytes(padded, 4, self.block_size)
+
+    def _row_numel(self, total: int) -> int:
+        """Elements of a wire row: `total`, or, rotated, `total` padded to whole blocks (the
+        transform fills the padding); the same wire size either way."""
+        return num_blocks(total, self.block_size) * self.block_size if self.hadamard else total
+
+    def _quantize_row(self, row: torch.Tensor, dest: Quantized, rotated: torch.Tensor | None):
+        """INT4 `row` into `dest`; with Hadamard, rotated in `rotated` (fp32, whole blocks) first."""
+        if rotated is None:
+            quantize(row, 4, self.block_size, out=dest)
+            return
+        rotated[:row.numel()].copy_(row)
+        rotated[row.numel():].zero_()
+        quantize(hadamard(rotated, self.block_size), 4, self.block_size, out=dest)
+
+    def _sum_into(self, recv: torch.Tensor, out: torch.Tensor, total: int, pool: BufferPool):
+        """Step 5: the received rows [k, nbytes] dequantized and summed into `out`; with
+        Hadamard through a pooled fp32 row, rotated back."""
+        if not self.hadamard:
+            dequantize_reduce(Quantized.from_bytes(recv, total, 4, self.block_size), out.dtype, out=out)
+            return
+        n = self._row_numel(total)
+        acc = pool.take(n, torch.float32)
+        dequantize_reduce(Quantized.from_bytes(recv, n, 4, self.block_size), torch.float32, out=acc)
+        out.copy_(hadamard(acc, self.block_size, inverse=True)[:total])
+        pool.give(acc)
 
     def start(self, rows: torch.Tensor, out: torch.Tensor, partition: Partition, phase: str,
               async_op: bool = True, pool: BufferPool | None = None, key: int = 0):
@@ -187,16 +234,21 @@ class HierarchicalQuantizedReduce(ShardReduce):
         by_node = rows.view(nodes, local, total)
         if self.error_feedback is not None:
             return self._start_compensated(by_node, out, phase, async_op, pool, key)
+        n = self._row_numel(total)
+
+        def quantize_rows(pairs):   # (row, its INT4 destination); Hadamard: one fp32 row to rotate in
+            rotated = pool.take(n, torch.float32) if self.hadamard else None
+            for row, dest in pairs:
+                self._quantize_row(row, dest, rotated)
+            if rotated is not None:
+                pool.give(rotated)
+
         if local == 1:   # 4-5 only: row a to node a
-            def fill_rows(dests: list[Quantized]):
-                for a, dest in enumerate(dests):
-                    quantize(by_node[a, 0], 4, bs, out=dest)
-            return self._inter_hop(fill_rows, out, total, phase, async_op, pool)
+            return self._inter_hop(lambda dests: quantize_rows(zip(by_node[:, 0], dests)), out, total, phase,
+                                   async_op, pool)
         # 1. slot b*N + a <- row a*L + b, each padded to whole blocks (zeros), in INT4
         send, per_dest = _take_wire(pool, local, nodes * padded, 4, bs)
-        for b, dest in enumerate(per_dest):
-            for a in range(nodes):
-                quantize(by_node[a, b], 4, bs, out=dest.row(a, total))
+        quantize_rows((by_node[a, b], per_dest[b].row(a, n)) for b in range(local) for a in range(nodes))
         recv = pool.take(send.numel(), torch.uint8).view_as(send)
         # 2. inside the node
         first = self.comm.all_to_all(recv.view(-1), send.view(-1), group=self.intra_group,
@@ -204,8 +256,8 @@ class HierarchicalQuantizedReduce(ShardReduce):
 
         if nodes == 1:  # 5. the node's sum is the result (padding blocks: same wire size)
             def finish():
-                dequantize_reduce(Quantized.from_bytes(recv, total, 4, bs), out.dtype, out=out)
                 pool.give(send)
+                self._sum_into(recv, out, total, pool)
                 pool.give(recv)
                 return out
             return Work(first, then=finish)
@@ -216,7 +268,7 @@ class HierarchicalQuantizedReduce(ShardReduce):
 
             def fill(dests: list[Quantized]):   # row a of the node's sum, for node a
                 for a, dest in enumerate(dests):
-                    dequantize_reduce_requantize(received.row(a, total), 4, bs, out=dest)
+                    dequantize_reduce_requantize(received.row(a, n), 4, bs, out=dest)
             work = self._inter_hop(fill, out, total, phase, async_op, pool)
             pool.give(recv)
             return work
@@ -231,6 +283,19 @@ class HierarchicalQuantizedReduce(ShardReduce):
         reduce-scatter is the whole reduction (nothing crosses a node)."""
         nodes, local, total = by_node.shape
         ef = self.error_feedback
+
+        def send_across(dests: list[Quantized]):   # with Hadamard, the node sums rotated
+            if not self.hadamard:
+                ef.send(key, node_sum, dests, pool)
+                return
+            n = self._row_numel(total)
+            rotated = pool.take(nodes * n, torch.float32).view(nodes, n)
+            rotated[:, :total].copy_(node_sum)
+            rotated[:, total:].zero_()
+            hadamard(rotated.view(-1), self.block_size)
+            ef.send(key, rotated, dests, pool)
+            pool.give(rotated)
+
         if local == 1:
             node_sum, first = by_node[:, 0], None
         else:
@@ -250,8 +315,7 @@ class HierarchicalQuantizedReduce(ShardReduce):
         def second() -> Work:
             if first is not None:
                 pool.give(send)
-            work = self._inter_hop(lambda dests: ef.send(key, node_sum, dests, pool), out, total, phase,
-                                   async_op, pool)
+            work = self._inter_hop(send_across, out, total, phase, async_op, pool)
             if first is not None:
                 pool.give(node_sum)
             return work
@@ -262,18 +326,18 @@ class HierarchicalQuantizedReduce(ShardReduce):
 
     def _inter_hop(self, fill: Callable[[list[Quantized]], None], out: torch.Tensor, total: int, phase: str,
                    async_op: bool, pool: BufferPool) -> Work:
-        """4-5: `fill(dests)` writes the INT4 row for node a (`total` elements) into `dests[a]`,
-        its slot of the wire buffer."""
+        """4-5: `fill(dests)` writes the INT4 row for node a (`total` elements; rotated, `total`
+        padded to whole blocks) into `dests[a]`, its slot of the wire buffer."""
         nodes, bs = self.nodes, self.block_size
-        send, per_node = _take_wire(pool, nodes, total, 4, bs)
+        send, per_node = _take_wire(pool, nodes, self._row_numel(total), 4, bs)
         fill(per_node)
         recv = pool.take(send.numel(), torch.uint8).view_as(send)
         work = self.comm.all_to_all(recv.view(-1), send.view(-1), group=self.inter_group, phase=phase,
                                     async_op=async_op, plain=False)
 
         def finish():  # rows of `total` have the wire size of `padded`: the padding is whole blocks
-            dequantize_reduce(Quantized.from_bytes(recv, total, 4, bs), out.dtype, out=out)
             pool.give(send)
+            self._sum_into(recv, out, total, pool)
             pool.give(recv)
             return out
         return Work(work, then=finish)

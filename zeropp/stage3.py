@@ -103,7 +103,8 @@ class Stage3Engine(ShardedEngineBase):
         if self.zero.zero_quantized_gradients:
             loco = self.zero.zeropp_loco_param
             feedback = ErrorFeedback(loco.err_beta, loco.reset_T) if loco is not None else None
-            return HierarchicalQuantizedReduce(self.comm, self.zero.zero_quantized_gradients_block_size, feedback)
+            return HierarchicalQuantizedReduce(self.comm, self.zero.zero_quantized_gradients_block_size, feedback,
+                                               self.zero.zero_hadamard_gradients)
         return super()._gradient_reduce()
 
     def _allocate_partitions(self):
