@@ -144,11 +144,12 @@ def iteration_collectives(shards, trace, zero: ZeroConfig, world: int, ranks_per
         for b in grad_buckets:
             total = sum(s.chunk for s in b)
             if zero.stage == 3 and zero.zero_quantized_gradients and zero.zeropp_loco_param is not None:
-                # error feedback (zeropp/error_feedback.py): an exact reduce-scatter inside the node, then
-                # INT4 across with the carried error: quantize and dequantize N rows, dequantize N parts
+                # error feedback (zeropp/error_feedback.py): an exact all-to-all inside the node (summed
+                # in fp32), then INT4 across with the carried error: quantize and dequantize N rows,
+                # dequantize N parts
                 padded = -(-total // qg_block) * qg_block
                 if local > 1:
-                    add(Collective("grad_reduce", "reduce_scatter", "intra", nodes * total * grad_bytes,
+                    add(Collective("grad_reduce", "all_to_all", "intra", local * nodes * total * grad_bytes,
                                    micro_step=m))
                 if nodes > 1:
                     add(Collective("grad_reduce", "all_to_all", "inter", nodes * wire_nbytes(padded, 4, qg_block),

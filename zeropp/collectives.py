@@ -56,9 +56,9 @@ class ShardReduce:
     def __init__(self, comm):
         self.comm = comm
 
-    def inflight_bytes(self, bucket_elems: int) -> int:
+    def inflight_bytes(self, bucket_elems: int, elem_bytes: int = 4) -> int:
         """Pooled bytes of a bucket's reduction while in flight, besides the bucket's
-        own rows and result (none here)."""
+        own rows and result (none here); `elem_bytes`: the communication dtype's."""
         return 0
 
     def start(self, rows: torch.Tensor, out: torch.Tensor, partition: Partition, phase: str,

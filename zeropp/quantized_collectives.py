@@ -15,9 +15,9 @@
 - with `ErrorFeedback` (zeropp/error_feedback.py, `zeropp_loco_param`), qgZ
   carries the quantization error of what a rank sent across nodes into its
   next reduction of the same bucket. The one lossy hop is then the inter-node
-  one: inside the node the rows are reduce-scattered exactly (in the
-  communication dtype, on the fast link), so the error lives in 1/L of the
-  bucket per rank.
+  one: inside the node the rows go exactly (an all-to-all in the
+  communication dtype, on the fast link, summed in fp32), so the error lives
+  in 1/L of the bucket per rank.
 - with `hadamard` (`zero_hadamard_gradients`, zeropp/hadamard.py), each row,
   zero-padded to whole quantization blocks, is rotated block by block by a
   Walsh-Hadamard transform before its first INT4 quantization (an outlier is
@@ -179,7 +179,7 @@ class HierarchicalQuantizedReduce(ShardReduce):
     def _padded(self, bucket_elems: int) -> int:
         return bucket_elems + self.block_size * self.nodes * self.local   # each row to whole blocks
 
-    def inflight_bytes(self, bucket_elems: int) -> int:
+    def inflight_bytes(self, bucket_elems: int, elem_bytes: int = 4) -> int:
         # the INT4 wire of the first hop, sent and received; the second hop's two buffers
         # (1/L of it each, or all of it with L = 1) are taken once the first hop's send is back.
         # Hadamard: one fp32 row (1/W of the padded bucket) beside them, to rotate each row
@@ -188,12 +188,13 @@ class HierarchicalQuantizedReduce(ShardReduce):
         row = 4 * -(-padded // (self.nodes * self.local)) if self.hadamard else 0
         if self.error_feedback is None:
             return 2 * wire_nbytes(padded, 4, self.block_size) + row
-        # with error feedback, at most (all counted as if alive at once, at 4 bytes an element):
-        # the exact first hop's reordered rows (the bucket) and its result (1/L of it), then x
-        # (1/L) and one row (1/W <= 1/N), and the second hop's INT4 wire, sent and received;
-        # Hadamard: the rotated node sums (1/L) beside x
+        # with error feedback, at most (all counted as if alive at once): the exact first hop's
+        # reordered rows and what it received (the bucket each, `elem_bytes` an element), then
+        # in fp32 the node sums (1/L of it), x (1/L) and one row (1/W <= 1/N), and the second
+        # hop's INT4 wire, sent and received; Hadamard: the rotated node sums (1/L) beside x
         sums = (3 if self.hadamard else 2) / self.local
-        return 4 * padded * (1 + sums + 1 / self.nodes) + 2 * wire_nbytes(padded, 4, self.block_size)
+        return (2 * elem_bytes * padded + 4 * padded * (sums + 1 / self.nodes)
+                + 2 * wire_nbytes(padded, 4, self.block_size))
 
     def _row_numel(self, total: int) -> int:
         """Elements of a wire row: `total`, or, rotated, `total` padded to whole blocks (the
@@ -277,10 +278,12 @@ class HierarchicalQuantizedReduce(ShardReduce):
 
     def _start_compensated(self, by_node: torch.Tensor, out: torch.Tensor, phase: str, async_op: bool,
                            pool: BufferPool, key: int) -> Work:
-        """qgZ with error feedback: inside the node an exact reduce-scatter of the reordered rows
-        (slot b*N + a <- row a*L + b), then the node's sums for owners of local index b go
-        across nodes in INT4 with the carried error (`ErrorFeedback.send`). One node: the exact
-        reduce-scatter is the whole reduction (nothing crosses a node)."""
+        """qgZ with error feedback: inside the node the reordered rows (slot b*N + a <- row a*L + b)
+        go exactly, in the communication dtype, by an all-to-all, and each rank sums the L rows
+        it received in fp32: a reduce-scatter's bytes without its 16-bit sum (and gloo runs a
+        reduce-scatter as an all-reduce: twice the bytes). Then the node's sums for owners of
+        local index b go across nodes in INT4 with the carried error (`ErrorFeedback.send`).
+        One node: the exact sum is the whole reduction (nothing crosses a node)."""
         nodes, local, total = by_node.shape
         ef = self.error_feedback
 
@@ -301,20 +304,31 @@ class HierarchicalQuantizedReduce(ShardReduce):
         else:
             send = pool.take(local * nodes * total, by_node.dtype).view(local, nodes, total)
             send.copy_(by_node.transpose(0, 1))
-            node_sum = pool.take(nodes * total, by_node.dtype).view(nodes, total)
-            first = self.comm.reduce_scatter(node_sum.view(-1), send.view(-1), group=self.intra_group,
-                                             async_op=async_op, phase=phase, plain=False)
+            recv = pool.take(send.numel(), by_node.dtype).view_as(send)
+            node_sum = pool.take(nodes * total, torch.float32).view(nodes, total)
+            first = self.comm.all_to_all(recv.view(-1), send.view(-1), group=self.intra_group,
+                                         async_op=async_op, phase=phase, plain=False)
+
+        def sum_in_node():   # once the first hop is done: the L received rows summed in fp32, in order
+            pool.give(send)
+            node_sum.copy_(recv[0])
+            for part in recv[1:]:
+                node_sum.add_(part)   # (torch.sum(dtype=float32) of 16-bit rows is ~5x slower on CPU)
+            pool.give(recv)
+
         if nodes == 1:
             def finish():
+                if first is None:   # one rank: its own rows are the sum
+                    return out.copy_(node_sum[0])
+                sum_in_node()
                 out.copy_(node_sum[0])
-                pool.give(send)
                 pool.give(node_sum)
                 return out
             return Work(first, then=finish)
 
         def second() -> Work:
             if first is not None:
-                pool.give(send)
+                sum_in_node()
             work = self._inter_hop(send_across, out, total, phase, async_op, pool)
             if first is not None:
                 pool.give(node_sum)

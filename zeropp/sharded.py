@@ -253,6 +253,6 @@ class ShardedEngineBase(Engine):
         bucket = max(self.zero.reduce_bucket_size, largest)
         # the bucket being filled plus those in flight, each [N, c] rows, a [c] result and
         # the reduction's own buffers (qgZ's wire)
-        per_bucket = bucket * (1 + 1 / self.world) * b + self.reduce.inflight_bytes(bucket)
+        per_bucket = bucket * (1 + 1 / self.world) * b + self.reduce.inflight_bytes(bucket, b)
         inflight = r.max_inflight if r.overlap else 0
         return int((inflight + 1) * per_bucket)
