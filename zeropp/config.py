@@ -119,15 +119,15 @@ class ZeroConfig:
             zpp.append("zero_hpz_partition_size")
         if self.zeropp_loco_param is not None:
             self.zeropp_loco_param.validate(f"{where}.zeropp_loco_param")
-            if self.zero_quantized_gradients is not True:
-                raise ConfigError(f"{where}.zeropp_loco_param (--zero-loco) is error feedback for qgZ's "
-                                  f"quantized gradients: set zero_quantized_gradients true "
-                                  f"(--zero-quantized-gradients), got {self.zero_quantized_gradients!r}")
         if self.zero_hadamard_gradients is True:
             zpp.append("zero_hadamard_gradients")
-            if self.zero_quantized_gradients is not True:
-                raise ConfigError(f"{where}.zero_hadamard_gradients (--zero-hadamard-gradients) smooths qgZ's "
-                                  f"INT4 gradient blocks: set zero_quantized_gradients true "
+        for key, flag, what, on in (  # qgZ's options need qgZ itself
+                ("zeropp_loco_param", "--zero-loco", "is error feedback for qgZ's quantized gradients",
+                 self.zeropp_loco_param is not None),
+                ("zero_hadamard_gradients", "--zero-hadamard-gradients", "smooths qgZ's INT4 gradient blocks",
+                 self.zero_hadamard_gradients is True)):
+            if on and self.zero_quantized_gradients is not True:
+                raise ConfigError(f"{where}.{key} ({flag}) {what}: set zero_quantized_gradients true "
                                   f"(--zero-quantized-gradients), got {self.zero_quantized_gradients!r}")
         if self.zero_quantized_weight_deltas is True:
             zpp.append("zero_quantized_weight_deltas")
