@@ -9,7 +9,7 @@ import textwrap
 import pytest
 import torch
 
-from zeropp import quant, quant_cpu
+from zeropp import kernel_cache, quant, quant_cpu
 from zeropp.quant import Quantized
 
 SIZES = [1, 7, 127, 128, 129, 1000, 70001]
@@ -198,8 +198,12 @@ def test_ranks_building_at_once_build_one_library(tmp_path):
     assert len(list(tmp_path.glob("*.so"))) == 1 and not list(tmp_path.glob("*.tmp"))
 
 
-@needs_kernels
-def test_the_cache_key_follows_the_source_and_the_processor(monkeypatch):
-    a = quant_cpu._library_path("cc")
-    monkeypatch.setattr(quant_cpu, "_cpu_features", lambda: "flags: another processor")
-    assert quant_cpu._library_path("cc") != a
+def test_the_cache_key_follows_the_source_the_flags_and_the_processor(monkeypatch, tmp_path):
+    def key(source=quant_cpu._SOURCE, flags=quant_cpu._FLAGS):
+        return kernel_cache.key_of(kernel_cache.key_inputs(source, flags, "true"))
+    a = key()
+    edited = tmp_path / "quant_cpu.c"
+    edited.write_bytes(quant_cpu._SOURCE.read_bytes() + b"\n")
+    assert key(source=edited) != a and key(flags=quant_cpu._FLAGS[1:]) != a and key() == a
+    monkeypatch.setattr(kernel_cache, "cpu_features", lambda: "flags: another processor")
+    assert key() != a

@@ -4,19 +4,17 @@ The torch path makes a dozen passes over every element (amax, amin, divide, clam
 round, cast, pack, ...); on CPU ranks that arithmetic was most of ZeRO++'s cost on a
 fast link. ``csrc/quant_cpu.c`` does each block in one pass, in fp32, in L1. It is
 built with the system C compiler (``$CC``, else ``cc``) the first time it is needed, into
-``$ZEROPP_CACHE_DIR`` (default ``~/.cache/zeropp``) under a name that hashes the source,
-the flags, the compiler and this CPU's features, so a cache shared between machines never
-runs code built for another processor. Concurrent ranks build it once (a file lock) and
-load it with ctypes; calls release the GIL. No compiler, or a failed build: `available()`
-is False and zeropp.quant says why once, then uses the torch path.
+zeropp.kernel_cache (``$ZEROPP_CACHE_DIR``, default ``~/.cache/zeropp``), once per source,
+flags, compiler and CPU, so a cache shared between machines never runs code built for another
+processor; the cache checks each library's sha256 before loading it, rebuilds a bad one and
+refuses a directory other users can write (a ConfigError). Concurrent ranks build it once and
+load it with ctypes; calls release the GIL. No compiler, or a failed build: `available()` is
+False and zeropp.quant says why once, then uses the torch path.
 """
 from __future__ import annotations
 
 import ctypes
-import fcntl
-import hashlib
 import os
-import platform
 import subprocess
 import warnings
 from pathlib import Path
@@ -24,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from zeropp import kernel_cache
 from zeropp.quant_format import Quantized
 
 _SOURCE = Path(__file__).with_name("csrc") / "quant_cpu.c"
@@ -33,47 +32,10 @@ _LIB = None          # ctypes library, False once a build failed
 _WHY_NOT = ""        # why the library is not available
 
 
-def _cpu_features() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _library_path(compiler: str) -> Path:
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([_SOURCE.read_text(), " ".join(_FLAGS), version,
-                                    _cpu_features()]).encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("ZEROPP_CACHE_DIR") or Path.home() / ".cache" / "zeropp")
-    return cache / f"quant_cpu-{key}.so"
-
-
-def _build(compiler: str) -> Path:
-    path = _library_path(compiler)
-    if path.exists():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)     # one rank compiles, the others wait and load
-        if not path.exists():
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            res = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(tmp), "-lm"],
-                                 capture_output=True, text=True, timeout=300)
-            if res.returncode != 0:
-                tmp.unlink(missing_ok=True)
-                raise RuntimeError(f"{compiler} failed: {res.stderr.strip()[-500:]}")
-            os.replace(tmp, path)
-    return path
-
-
 def _load():
     global _WHY_NOT
-    compiler = os.environ.get("CC", "cc")
-    try:
-        lib = ctypes.CDLL(str(_build(compiler)))
+    try:   # a ConfigError (a cache others can write) is the user's to fix: it propagates
+        lib = kernel_cache.load("quant_cpu", _SOURCE, _FLAGS, os.environ.get("CC", "cc"), libs=["-lm"])
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         _WHY_NOT = f"the CPU quantization kernels could not be built ({e})"
         return False
