@@ -102,13 +102,14 @@ def plan_config(job: Job, zero: ZeroConfig, trace: ModelTrace, cluster: Cluster 
     k = (8 if opt.type != "sgd" else (4 if opt.momentum else 0)) + (4 if w != 4 else 0)
     formula = formula_bytes(trace.num_parameters, zero.stage, world, dtype, hpz, k)
     loco = zero.stage == 3 and zero.zero_quantized_gradients and zero.zeropp_loco_param is not None and world > rpn
-    # qgZ's error feedback: fp32 [N, bucket's chunks] per gradient bucket (zeropp/error_feedback.py)
-    memory["error_feedback"] = 4 * (world // rpn) * sum(s.chunk for s in shards) if loco else 0
+    # qgZ's error feedback: fp32 [N, bucket's chunks] per gradient bucket, committed and pending
+    # (zeropp/error_feedback.py)
+    memory["error_feedback"] = 8 * (world // rpn) * sum(s.chunk for s in shards) if loco else 0
     if loco and zero.zero_hadamard_gradients:   # rotated rows: each bucket's padded to whole blocks
         bs, chunk = zero.zero_quantized_gradients_block_size, {s.index: s.chunk for s in shards}
-        memory["error_feedback"] = 4 * (world // rpn) * sum(-(-sum(chunk[i] for i in b) // bs) * bs
+        memory["error_feedback"] = 8 * (world // rpn) * sum(-(-sum(chunk[i] for i in b) // bs) * bs
                                                             for b in step.gradient_buckets)
-    formula["error_feedback"] = 4 / rpn * trace.num_parameters if loco else 0
+    formula["error_feedback"] = 8 / rpn * trace.num_parameters if loco else 0
     deltas = hpz_on and zero.zero_quantized_weight_deltas   # zeropp/weight_deltas.py: recon and INT4 deltas
     memory["weight_deltas"] = sum(s.chunk * w + wire_nbytes(s.chunk, 4, DELTA_BLOCK)
                                   for s in shards if not s.persistent) if deltas else 0
@@ -227,7 +228,7 @@ def format_plan(job: Job, cluster: Cluster, trace: ModelTrace, plans: list[Confi
     out(f"-- Memory per GPU (GiB, rank 0){'':11}{head}")
     rows = [("weights (16-bit shard + persistent)" if plans[0].zero.stage == 3 else "weights (whole, 16-bit)",
              "weights"), ("hpZ secondary partition", "hpz_secondary"), ("gradients (fp32, whole)" if plans[0].zero.stage == 0 else "gradients (fp32 partition)", "gradients"),
-            ("optimizer (fp32 master + Adam)", "optimizer"), ("qgZ error feedback (fp32, 1/L)", "error_feedback"),
+            ("optimizer (fp32 master + Adam)", "optimizer"), ("qgZ error feedback (fp32, 2 x 1/L)", "error_feedback"),
             ("INT4 weight deltas (recon + INT4, 1/N)", "weight_deltas"),
             ("gradient bucket buffers", "gradient_buckets"),
             ("gathered-weight buffers", "gathered_weights")]
@@ -257,7 +258,7 @@ def format_plan(job: Job, cluster: Cluster, trace: ModelTrace, plans: list[Confi
     opt = job.optimizer
     moments = optimizer_moments(opt)
     # qgZ's error feedback is saved too (zeropp/error_feedback.py), sharded as it lives
-    total = checkpoint_bytes(trace.num_parameters, moments) + max(p.memory["error_feedback"] for p in plans) * job.world
+    total = checkpoint_bytes(trace.num_parameters, moments) + max(p.memory["error_feedback"] for p in plans) // 2 * job.world
     error = " and qgZ's error feedback" if any(p.memory["error_feedback"] for p in plans) else ""
     out(f"   checkpoint (--save; training/checkpoint.py): {total / 2**30:.1f} GiB per save, "
         f"{total / job.world / 2**30:.2f} GiB written by each GPU (its fp32 masters, {moments} optimizer "

@@ -244,7 +244,7 @@ def test_deltas_train_like_zero3_send_int4_across_nodes_and_count_their_memory()
 
 
 # --------------------------------------------------------------------------------------
-# checkpoints: nothing of the deltas is saved; a load gathers every weight in full first
+# checkpoints: the reference weights are saved per weight, so a load goes on with deltas
 # --------------------------------------------------------------------------------------
 def deltas_engine(world, ranks_per_node, seed=0):
     from model import GPT, GPTConfig
@@ -282,14 +282,18 @@ def deltas_load(rank, world, path, ranks_per_node):
 
 
 @pytest.mark.parametrize("world, ranks_per_node", [(4, 2), (8, 4)], ids=["same layout", "2x4 ranks"])
-def test_a_load_refreshes_every_weight_then_deltas_go_on(tmp_path, world, ranks_per_node):
+def test_a_load_goes_on_with_deltas(tmp_path, world, ranks_per_node):
     """Saved on 2 x 2 ranks after 4 steps, loaded on the same layout or on 2 x 4 (another world
-    size and hpZ group): the first forward after the load gathers every weight in full (no node
-    holds a base the senders agree on), deltas resume after, and training goes on as it would have."""
+    size and hpZ group): the reference weights come back (resharded by DCP), the nodes' copies are
+    rebuilt from them, and the first forward after the load already sends deltas. On the same
+    layout the losses are the uninterrupted run's bit for bit; on the other, within the
+    reduction-order noise of bf16."""
     path = str(tmp_path / "save")
     saved = run_distributed(deltas_save, 4, (path,))
     uninterrupted = saved[0][1]
     assert saved[0][0] > 0
     for first, later, losses in run_distributed(deltas_load, world, (path, ranks_per_node)):
-        assert first == 0 and later > 0
+        assert 0 < first < later
+        if world == 4:
+            assert losses == uninterrupted
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(uninterrupted), rtol=1e-2, atol=0)

@@ -41,6 +41,11 @@ class FlatState:
     sharded: bool
 
 
+# State a checkpoint may carry besides the optimizer's (scalar-state key -> its name in a line)
+CARRIED = {"error_feedback": "qgZ's error feedback (zeropp_loco_param)",
+           "weight_deltas": "INT4 weight deltas' reference weights (zero_quantized_weight_deltas)"}
+
+
 @dataclass
 class StepResult:
     skipped: bool          # an fp16 overflow was found on some rank: no update anywhere
@@ -136,12 +141,17 @@ class Engine:
             if self.clip > 0 and norm > self.clip:
                 coef *= self.clip / (norm + 1e-6)
             self._apply_update(coef)
+        self._end_step(applied=not overflow)
         self._zero_grad()
         self.loss_scaler.update(overflow)
         self.micro_step = 0
         self.global_step += 1
         self.skipped_steps += int(overflow)
         return StepResult(skipped=overflow, grad_norm=norm, loss_scale=scale)
+
+    def _end_step(self, applied: bool):
+        """Hook: commit the state carried from step to step (qgZ's error feedback) when the
+        step was applied; leave it as it was when it was skipped (ARCHITECTURE.md)."""
 
     def set_lr(self, lr: float):
         self.lr = lr
@@ -201,7 +211,9 @@ class Engine:
         self.loss_scaler.load_state_dict(sd["loss_scaler"])
         self.global_step = sd["global_step"]
         self.skipped_steps = sd.get("skipped_steps", 0)   # absent from checkpoints before it was kept
-        return []
+        mine = self.scalar_state()
+        return [f"{what} in the checkpoint is dropped: this job runs without it"
+                for key, what in CARRIED.items() if key in sd and key not in mine]
 
     def uncarried_state(self, saved_scalar_state: dict) -> list[str]:
         """Keys of checkpoint_state(for_load=True) that a checkpoint saved with `saved_scalar_state`

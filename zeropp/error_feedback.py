@@ -16,6 +16,13 @@ With Hadamard smoothing (`zero_hadamard_gradients`) the rows are sent rotated
 (zeropp/hadamard.py), each padded to whole blocks of B, so the buffers are [N, P
 padded to B] in the rotated domain; `hadamard` (B, 0 = off) is part of the layout.
 
+Carried state is committed with the step (ARCHITECTURE.md, "State carried across
+steps"): a reduction writes the new error into a second buffer per bucket, and
+`end_step` swaps it in only when the optimizer step is applied. A skipped step (an
+fp16 overflow on any rank, a non-finite gradient) leaves the error and the counts as
+they were, so one overflow never poisons later steps. This costs a second fp32
+buffer: 8/L bytes per parameter in all.
+
 Checkpoints: each buffer is a sharded tensor of W x N x P elements (rank r's
 buffer is its r-th chunk), and the layout (ranks, nodes, each bucket's shape)
 and the reduction counts go to the metadata. A load with the same layout
@@ -37,8 +44,10 @@ KEY = "error_feedback."   # checkpoint keys: KEY + bucket index
 class ErrorFeedback:
     def __init__(self, beta: float, reset_every: int):
         self.beta, self.reset_every = beta, reset_every
-        self.buffers: dict[int, torch.Tensor] = {}
+        self.buffers: dict[int, torch.Tensor] = {}      # the error after the last applied step
         self.reductions: dict[int, int] = {}
+        self._pending: dict[int, torch.Tensor] = {}     # this step's new error, swapped in by end_step
+        self._pending_reductions: dict[int, int] = {}   # buckets reduced this step -> their new count
         self.shapes: dict[int, tuple[int, int]] = {}   # every bucket's buffer shape (`expect`)
         self.layout: dict = {}
         self.hadamard = 0   # the rotation's block size when the rows are rotated (set by qgZ), 0: none
@@ -53,29 +62,53 @@ class ErrorFeedback:
         if self.hadamard:   # absent when off: checkpoints saved before the switch existed still fit
             self.layout["hadamard"] = self.hadamard
 
-    def _buffer(self, key: int, shape) -> torch.Tensor:
-        err = self.buffers.get(key)
+    def _buffer(self, key: int, shape, store: dict | None = None) -> torch.Tensor:
+        store = self.buffers if store is None else store
+        err = store.get(key)
         if err is None or tuple(err.shape) != tuple(shape):
-            err = self.buffers[key] = torch.zeros(tuple(shape), dtype=torch.float32, device=self.device)
+            err = store[key] = torch.zeros(tuple(shape), dtype=torch.float32, device=self.device)
         return err
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every buffer this keeps (memory reports): the committed errors and the pending ones."""
+        return list(self.buffers.values()) + list(self._pending.values())
+
     def send(self, key: int, rows: torch.Tensor, dests: list[Quantized], pool: BufferPool):
-        """Quantize rows [N, total] plus the carried error into `dests` (INT4 wire rows)."""
+        """Quantize rows [N, total] plus the carried error into `dests` (INT4 wire rows); the new
+        error is pending until end_step. A second reduction of the bucket in the same step
+        (gradient accumulation) carries the pending error on."""
         self.device = rows.device
-        err = self._buffer(key, rows.shape)
-        done = self.reductions.get(key, 0)
+        again = key in self._pending_reductions
+        done = self._pending_reductions[key] if again else self.reductions.get(key, 0)
+        new = self._buffer(key, rows.shape, self._pending)
+        old = new if again else self._buffer(key, rows.shape)
         if done and done % self.reset_every == 0:
-            err.zero_()
-        self.reductions[key] = done + 1
+            new.zero_()
+            old = new
+        self._pending_reductions[key] = done + 1
         x = pool.take(rows.numel(), torch.float32).view(rows.shape)
-        torch.add(rows, err, out=x)
+        torch.add(rows, old, out=x)
         sent = pool.take(rows.shape[1], torch.float32)
         for a, dest in enumerate(dests):
             quantize(x[a], 4, dest.block_size, out=dest)
             x[a].sub_(dequantize(dest, torch.float32, out=sent))    # this quantization's error
-        err.mul_(self.beta).add_(x, alpha=1 - self.beta)
+        torch.mul(old, self.beta, out=new).add_(x, alpha=1 - self.beta)
         pool.give(sent)
         pool.give(x)
+
+    def end_step(self, applied: bool) -> str | None:
+        """The optimizer step ended: commit this step's errors if it was applied, else drop them.
+        An applied step that left a non-finite error commits nothing either (the carried error
+        stays the last finite one) and says so."""
+        touched, self._pending_reductions = self._pending_reductions, {}
+        if not applied or not touched:
+            return None
+        if not bool(torch.stack([torch.isfinite(self._pending[k]).all() for k in touched]).all()):
+            return "qgZ's error feedback came out non-finite; the last finite error is kept"
+        for k in touched:
+            self.buffers[k], self._pending[k] = self._pending[k], self.buffers[k]
+        self.reductions.update(touched)
+        return None
 
     # -- checkpoints ---------------------------------------------------------------------
     def checkpoint_state(self, world: int) -> dict[str, FlatState]:
@@ -92,6 +125,7 @@ class ErrorFeedback:
 
     def load_scalar_state(self, saved: dict | None) -> str | None:
         """After the buffers were loaded (if carried): the counts; else zero everything and say why."""
+        self._pending_reductions = {}
         if self.carried(saved):
             self.reductions = {int(k): v for k, v in saved["reductions"].items()}
             return None

@@ -29,7 +29,8 @@ hpZ (ZeRO++) adds the secondary partition: the 16-bit weights again, split
 over the h ranks of a node group, w/h bytes per parameter on top of stage 3's
 parameters (`hpz_secondary_bytes` is that buffer alone). qgZ's error feedback
 (`zeropp_loco_param`, on more than one node) adds an fp32 error for 1/L of the
-gradients, 4/L bytes per parameter under gradients (`error_feedback_bytes`). INT4
+gradients and, pending until the step is applied, the next one: 8/L bytes per
+parameter under gradients (`error_feedback_bytes`). INT4
 weight deltas (`zero_quantized_weight_deltas`) add the reconstruction of this
 rank's chunk (w/N) and its INT4 delta (0.53/N) under parameters
 (`weight_deltas_bytes`).
@@ -124,9 +125,9 @@ def memory_report(engine) -> dict:
         per["parameters"] += engine.dtype.itemsize / hpz.size
     topo = engine.comm.topology
     feedback = getattr(engine, "error_feedback", None)
-    feedback = feedback.buffers if feedback is not None else {}
+    feedback = feedback.tensors() if feedback is not None else []
     if engine.config.zero_optimization.zeropp_loco_param is not None and topo.num_nodes > 1:
-        per["gradients"] += 4 / topo.ranks_per_node   # qgZ's fp32 error, 1/L of the gradients
+        per["gradients"] += 8 / topo.ranks_per_node   # qgZ's fp32 error, 1/L of the gradients, and the pending one
     deltas = getattr(engine, "deltas", None)   # INT4 weight deltas: recon and the INT4 deltas
     if deltas is not None:
         per["parameters"] += (engine.dtype.itemsize + wire_nbytes(1 << 20, 4, DELTA_BLOCK) / (1 << 20)) / world
@@ -147,7 +148,7 @@ def memory_report(engine) -> dict:
         "buffers": buffers,
         "buffer_bounds_bytes": sum(b["bound"] or 0 for b in buffers.values()),
         "hpz_secondary_bytes": 0 if secondary is None else secondary.untyped_storage().nbytes(),
-        "error_feedback_bytes": sum(b.untyped_storage().nbytes() for b in feedback.values()),
+        "error_feedback_bytes": sum(b.untyped_storage().nbytes() for b in feedback),
         "weight_deltas_bytes": 0 if deltas is None else sum(t.untyped_storage().nbytes()
                                                             for t in (deltas.recon, deltas.flat)),
     }

@@ -165,3 +165,21 @@ def gradient_buckets(chunks: Sequence[int], members: int, bucket_elems: int) -> 
     in reverse weight order (as backward usually produces gradients), each at
     most `bucket_elems` elements of [members, sum of chunks] rows."""
     return bucketize(list(reversed(range(len(chunks)))), lambda i: chunks[i] * members, bucket_elems)
+
+
+TRAINING_FORWARD = ("forward", True, True)   # the trace key (phase, grad enabled, training) of a step
+
+
+def saved_orders(traces: dict, last_backward: list[list[int]] | None) -> dict:
+    """The recorded orders a checkpoint keeps: they are carried state, since qwZ's INT8 blocks
+    span a bucket and the buckets are cut from them, so they decide the bits of the next step."""
+    return {"forward": traces.get(TRAINING_FORWARD), "backward": last_backward}
+
+
+def restore_orders(saved: dict | None, traces: dict, last_backward, partitioned: set[int]):
+    """Put saved_orders() back into `traces` when they are of this model's partitioned weights;
+    returns the backward order to use."""
+    if not saved or not saved.get("forward") or {i for e in saved["forward"] for i in e} != partitioned:
+        return last_backward
+    traces[TRAINING_FORWARD] = saved["forward"]
+    return saved["backward"]

@@ -11,11 +11,13 @@ and when a gradient goes to the reducer (`_on_grad`).
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from zeropp.collectives import GradientReducer, ShardGather, ShardReduce, gather_bucketed
 from zeropp.engine import Engine, FlatState, communication_dtype
-from zeropp.error_feedback import KEY as ERROR_FEEDBACK_KEY, ErrorFeedback
+from zeropp.error_feedback import ErrorFeedback
 from zeropp.init import ParamInit, full_value, materialize_rest, replace_data
 from zeropp.partition import Partition, ShardedParam
 
@@ -141,6 +143,12 @@ class ShardedEngineBase(Engine):
             s.master.grad = None
         self._publish_weights()
 
+    def _end_step(self, applied: bool):
+        for part in self._carried_parts().values():
+            note = part.end_step(applied)
+            if note:
+                warnings.warn(f"step {self.global_step + 1}, rank {self.rank}: {note}")
+
     def _publish_weights(self):
         raise NotImplementedError
 
@@ -205,8 +213,8 @@ class ShardedEngineBase(Engine):
                     local = self._moment(s.master, key, for_load) if s.valid else empty
                     out[f"optim.{key}.{s.name}"] = FlatState(local, s.numel, sharded=True)
             out["optim.step"] = self._step_entry([s.master for s in self.shards if s.valid])
-            if self.error_feedback is not None:
-                out.update(self.error_feedback.checkpoint_state(self.world))
+            for part in self._carried_parts().values():
+                out.update(part.checkpoint_state(self.world))
         return out
 
     @property
@@ -214,24 +222,34 @@ class ShardedEngineBase(Engine):
         """qgZ's error feedback (zeropp_loco_param), when the gradient reduction keeps one."""
         return getattr(self.reduce, "error_feedback", None)
 
+    def _carried_parts(self) -> dict:
+        """State carried from step to step besides the optimizer's, by its scalar-state key. Each
+        part commits at `end_step(applied)` (ARCHITECTURE.md: "State carried across steps"),
+        saves `checkpoint_state(world)` and `scalar_state()`, and on a load either takes them
+        back (`carried(saved)`) or resets and says so (`load_scalar_state(saved)` -> a line)."""
+        ef = self.error_feedback
+        return {"error_feedback": ef} if ef is not None else {}
+
     def scalar_state(self) -> dict:
         out = super().scalar_state()
-        if self.error_feedback is not None:
-            out["error_feedback"] = self.error_feedback.scalar_state()
+        for key, part in self._carried_parts().items():
+            out[key] = part.scalar_state()
         return out
 
     def load_scalar_state(self, sd: dict) -> list[str]:
         notes = super().load_scalar_state(sd)
-        if self.error_feedback is not None:
-            note = self.error_feedback.load_scalar_state(sd.get("error_feedback"))
+        parts = self._carried_parts()
+        for key, part in parts.items():
+            note = part.load_scalar_state(sd.get(key))
             notes += [note] if note else []
         return notes
 
     def uncarried_state(self, saved_scalar_state: dict) -> list[str]:
-        ef = self.error_feedback
-        if ef is None or ef.carried(saved_scalar_state.get("error_feedback")):
-            return []
-        return [f"{ERROR_FEEDBACK_KEY}{k}" for k in ef.shapes]
+        out = []
+        for key, part in self._carried_parts().items():
+            if not part.carried(saved_scalar_state.get(key)):
+                out += list(part.checkpoint_state(self.world))
+        return out
 
     def checkpoint_loaded(self, state: dict):
         self._publish_weights()   # masters -> 16-bit weights, gathered where this stage keeps them whole

@@ -49,6 +49,12 @@ class DDPEngine(Engine):
             self.ddp = nn.parallel.DistributedDataParallel(
                 module, device_ids=[device.index] if device.type == "cuda" else None,
                 bucket_cap_mb=DDP_BUCKET_MB, find_unused_parameters=False)
+            # DDP re-buckets once, after its first step, by gradient arrival order; a ring
+            # all-reduce's sums depend on where an element sits in its bucket, so a job resumed
+            # from a checkpoint (first step: the old layout) would not continue the uninterrupted
+            # job bit for bit. Settle the layout now (parameter order), for good.
+            self.ddp.reducer._push_all_rebuilt_params()
+            self.ddp.reducer._rebuild_buckets()
             pre, post = config.gradient_scale_factors(comm.topology.world_size)
             self.ddp.register_comm_hook(_ReduceState(comm, communication_dtype(config), pre, post),
                                         _counted_allreduce_hook)

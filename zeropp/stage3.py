@@ -1,9 +1,7 @@
 """ZeRO stage 3: the 16-bit weights are partitioned too.
 
-The engine keeps the hooks and the order of requests; a weight's states
-(RELEASED, GATHERING, LIVE) and the gather of a bucket of weights are in
-zeropp/stage3_param.py, the schedules in zeropp/schedule.py, hpZ's secondary
-partition in zeropp/hpz.py.
+The engine keeps the hooks and the order of requests; a weight's states and a
+bucket's gather are in zeropp/stage3_param.py, the schedules in schedule.py.
 
 When weights are gathered:
 - forward: a pre-hook on every module with direct parameters requests them, a
@@ -30,20 +28,19 @@ When weights are gathered:
   forward to backward (DeepSpeed's default 1e9 holds every weight of a small
   model; 0 re-gathers everything in backward).
 
-ZeRO++ (REFERENCE.md section 2), each switch on its own:
+ZeRO++ (arXiv 2306.10209), each switch on its own:
 - qwZ (`zero_quantized_weights`): the primary partition gathers through
   `QuantizedShardGather` (INT8 blocks) in training; fp32 masters stay exact, and
   evaluation (`engine.eval()`) gathers them exactly, so a validation loss is
   the loss of the weights a checkpoint saves.
-- hpZ (`zero_hpz_partition_size` h): a `SecondaryPartition` over the node
-  group; a weight it holds is gathered from it, inside the node.
+- hpZ (`zero_hpz_partition_size` h): a `SecondaryPartition` (hpz.py) over the
+  node group; a weight it holds is gathered from it, inside the node.
 - qgZ (`zero_quantized_gradients`): gradient buckets go through
   `HierarchicalQuantizedReduce` instead of a reduce-scatter.
 - INT4 weight deltas (`zero_quantized_weight_deltas`, with hpZ): a weight gathered
   again from the primary partition goes as `WeightDeltas` (zeropp/weight_deltas.py).
 
-Stage 3 needs every rank to run the same modules in forward (as DeepSpeed and
-FSDP do); what reaches the loss may differ.
+Every rank must run the same modules in forward (as with DeepSpeed and FSDP).
 """
 from __future__ import annotations
 
@@ -58,7 +55,8 @@ from zeropp.hpz import SecondaryPartition
 from zeropp.partition import Partition
 from zeropp.quant import scratch_bound, scratch_bytes
 from zeropp.quantized_collectives import HierarchicalQuantizedReduce, QuantizedShardGather
-from zeropp.schedule import GatherSchedule, TraceRecorder, backward_order, checkpoint_region, reuse_set, without
+from zeropp.schedule import (GatherSchedule, TraceRecorder, backward_order, checkpoint_region, restore_orders,
+                             reuse_set, saved_orders, without)
 from zeropp.sharded import ShardedEngineBase
 from zeropp.stage3_param import (BucketGather, GatheredWeights, GatherOnRead, PrimaryWeights, SavedWeightView,
                                  Stage3Param, WeightState)
@@ -341,13 +339,22 @@ class Stage3Engine(ShardedEngineBase):
                         self._weight_slice(s).copy_(s.master)
             self._gather_weights([s for s in self.shards if s.persistent], self._weight_slice,
                                  lambda s, full: s.param.data.view(-1).copy_(full), self.dtype, "optimizer")
-            if self.deltas is not None:
-                self.deltas.prepare()
+
+    def scalar_state(self) -> dict:   # the recorded orders too (schedule.saved_orders says why)
+        return {**super().scalar_state(), "schedule": saved_orders(self._traces, self._last_backward_events)}
+
+    def load_scalar_state(self, sd: dict) -> list[str]:
+        self._last_backward_events = restore_orders(sd.get("schedule"), self._traces, self._last_backward_events,
+                                                    {s.index for s in self.shards if not s.persistent})
+        return super().load_scalar_state(sd)
+
+    def _carried_parts(self) -> dict:   # the deltas prepare themselves at end_step
+        return {**super()._carried_parts(), **({"weight_deltas": self.deltas} if self.deltas is not None else {})}
 
     def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
         live = [s.param.data for s in self.shards if s.persistent or s.state is WeightState.LIVE]
         secondary = [self.secondary_partition.flat] if self.secondary_partition is not None else []
-        feedback = list(self.error_feedback.buffers.values()) if self.error_feedback is not None else []
+        feedback = self.error_feedback.tensors() if self.error_feedback is not None else []
         deltas = [self.deltas.recon, self.deltas.flat] if self.deltas is not None else []
         return {"parameters": [self.param_flat] + secondary + deltas + live,
                 "gradients": [self.grad_flat] + feedback,

@@ -37,6 +37,14 @@ Refresh: a full gather (qwZ's INT8, or exact) instead of the delta, for a weight
     of its new values, or is not finite. Each owner checks its chunk and one
     all-reduce (MAX) of a flag per weight after the step makes it agreed.
 Evaluation gathers exact weights and leaves all of this alone (stage3.py).
+
+Carried state (ARCHITECTURE.md): `prepare` runs only after an applied step
+(`end_step`); a skipped step leaves the deltas, `recon` and the count alone.
+Checkpoints hold `recon` per weight (sharded as the masters are, so DCP reshards
+it) and the step count and based weights; a load rebuilds the nodes' copies from
+`recon` (one exact gather) and prepares the same deltas again, so a resume on the
+same layout continues bit for bit. Saved without deltas, or in another dtype:
+every weight's first gather after the load is a full one, and the load says so.
 """
 from __future__ import annotations
 
@@ -46,12 +54,15 @@ import torch
 
 from parallel.comm import Work
 from zeropp.buffer_pool import BufferPool
+from zeropp.collectives import ShardGather, gather_bucketed
+from zeropp.engine import FlatState
 from zeropp.hpz import SecondaryPartition
 from zeropp.partition import Partition
 from zeropp.quant import DEFAULT_BLOCK_SIZE, QMAX, Quantized, dequantize_add, quantize, wire_nbytes
 
 BLOCK_SIZE = DEFAULT_BLOCK_SIZE[4]
 DEQUANT_ELEMENTS = 1 << 22   # fp32 elements dequantized at once (16 MB): a weight's members in groups
+KEY = "weight_deltas.recon."   # checkpoint keys: KEY + weight name
 
 
 class WeightDeltas:
@@ -88,10 +99,17 @@ class WeightDeltas:
         self.arrivals = self.sent = 0     # weights gathered from the primary partition / as deltas
 
     # -- after the optimizer step, before the next gathers ---------------------------
-    def prepare(self):
+    def end_step(self, applied: bool) -> str | None:
+        """The optimizer step ended: after an applied one, the next deltas (a skipped one changed
+        no weight, so the prepared deltas still hold)."""
+        if applied:
+            self.prepare()
+        return None
+
+    def prepare(self, advance: bool = True):
         """Quantize every based weight's delta; agree on which weights go in full (one
-        all-reduce, one device-to-host copy)."""
-        self.steps += 1
+        all-reduce, one device-to-host copy). `advance`: count an optimizer step."""
+        self.steps += int(advance)
         if not self.weights:   # every weight persistent: nothing is gathered
             return
         everything = self.steps % self.refresh_interval == 0
@@ -108,7 +126,8 @@ class WeightDeltas:
         q = quantize(new - self._recon[s.index].float(), 4, BLOCK_SIZE, out=self._view(s, self._wire[s.index]))
         nb = q.scales.numel()
         amax = torch.nn.functional.pad(new, (0, nb * BLOCK_SIZE - new.numel())).view(nb, -1).abs().amax(1)
-        return (q.scales <= amax / QMAX[8]).all()   # NaN compares False: not small
+        # NaN compares False; an infinite scale would pass as inf <= inf: not small either way
+        return torch.isfinite(q.scales).all() & (q.scales <= amax / QMAX[8]).all()
 
     def forget(self):
         """The weights were loaded: no base anywhere, every weight's next gather is full."""
@@ -126,6 +145,38 @@ class WeightDeltas:
         self.arrivals += 1
         self._recon[s.index][:s.valid].copy_(full.view(-1)[s.lo:s.hi])
         self._based.add(s.index)
+
+    # -- checkpoints -------------------------------------------------------------------
+    def checkpoint_state(self, world: int) -> dict[str, FlatState]:
+        """Each weight's reconstruction, this rank's chunk of it (the masters' layout)."""
+        return {KEY + s.name: FlatState(self._recon[s.index][:s.valid], s.numel, sharded=True) for s in self.weights}
+
+    def scalar_state(self) -> dict:
+        return {"steps": self.steps, "dtype": str(self.recon.dtype),
+                "based": sorted(s.name for s in self.weights if s.index in self._based)}
+
+    def carried(self, saved: dict | None) -> bool:
+        return bool(saved) and saved.get("dtype") == str(self.recon.dtype)
+
+    def load_scalar_state(self, saved: dict | None) -> str | None:
+        """After `recon` was loaded (if carried): the nodes' copies rebuilt from it and the deltas
+        prepared again, as they were after the saved step; else say that gathers start in full."""
+        if not self.carried(saved):
+            self.forget()
+            why = (f"saved in {saved.get('dtype')}, now {self.recon.dtype}" if saved
+                   else "saved without zero_quantized_weight_deltas")
+            return (f"INT4 weight deltas start without reference weights ({why}): each weight's first "
+                    f"gather after the load is a full one")
+        self.steps = saved["steps"]
+        names = set(saved["based"])
+        based = [s for s in self.weights if s.name in names]
+        gather_bucketed(ShardGather(self.comm), based, lambda s: self._recon[s.index][:s.valid],
+                        self.secondary.keep, self.partition, self.recon.dtype, self.recon.device,
+                        DEQUANT_ELEMENTS, "other")
+        self.secondary.invalidate()   # as after a step: the copies are the base, not the weights
+        self._based = {s.index for s in based}
+        self.prepare(advance=False)
+        return None
 
     # -- a weight source ---------------------------------------------------------------
     @staticmethod

@@ -1,0 +1,196 @@
+"""The fault matrix: every ZeRO stage x ZeRO++ switch combination that the config
+validator accepts, run through the faults a long job meets.
+
+    python -m bench.fault_matrix                  # the full matrix, table + JSON
+    python -m bench.fault_matrix --quick          # the share the default test suite runs
+
+The combinations are generated, never listed: every value of every switch key
+(stage, qwZ, hpZ size, qgZ, LoCo, Hadamard, INT4 weight deltas) is crossed and
+kept when `DeepSpeedConfig` and `validate_topology` accept it on the layout
+(4 ranks as 2 nodes x 2; also 2 x 1 and 1 x 4). Each accepted combination runs,
+on a tiny GPT, these faults (one column each):
+
+- overflow: fp16 (static loss scale), an infinite loss on one rank at step K.
+  Every rank skips the step and the run continues as if the step never came:
+  the final state equals that of a run without it, bit for bit.
+- nan: the same with a NaN loss in bf16.
+- resume: fp32, save at step K (training/checkpoint.py, real files), go on;
+  a fresh engine loads it and goes on: the two end bit-identical.
+- reshard: that checkpoint loaded on another node count (1 node x 4 ranks):
+  the run continues (finite, applied steps), and every state that is reset
+  is named in one line, no other.
+- world: the same on half the ranks, one a node, hpZ off there.
+- toggle: that checkpoint loaded with each switch flipped that the validator
+  accepts flipped: the same.
+- auto: the ZeRO++ switches set to "auto", resolved by the planner on a fast
+  and on a slow link with the other switches as set: the choice is accepted
+  by the validator and trains.
+After every step, every rank's replicated state (loss scale, counters, the
+carried state's scalars, replicated tensors) must be the same.
+"""
+import argparse
+import itertools
+import json
+import os
+import tempfile
+import time
+
+import torch
+
+from bench.fault_cells import (FAULTS, SHORT, SWITCH_VALUES, accepted, check_auto, check_load_elsewhere,
+                               check_resume, check_skip, name)
+from parallel.spawn import run_distributed
+
+
+def combinations(world: int = 4, ranks_per_node: int = 2) -> list[dict]:
+    """Every switch combination the validator accepts on `world` ranks in nodes of `ranks_per_node`."""
+    keys = list(SWITCH_VALUES)
+    out = []
+    for values in itertools.product(*(SWITCH_VALUES[k] for k in keys)):
+        zero = {k: v for k, v in zip(keys, values) if v is not None}
+        if accepted(zero, world, ranks_per_node):
+            out.append(zero)
+    return out
+
+
+def quick(combos: list[dict]) -> list[dict]:
+    """The default suite's share: each stage plain, each switch alone, and every switch at once
+    (chosen by rule from the generated list)."""
+    def on(z):
+        return [k for k in SHORT if z.get(k) not in (None, False)] + (["hpz"] if z["zero_hpz_partition_size"] > 1 else [])
+    most = max(len(on(z)) for z in combos)
+    out = [z for z in combos if len(on(z)) == 0 or len(on(z)) == most]
+    for switch in list(SHORT) + ["hpz"]:   # the fewest switches that include this one
+        with_it = [z for z in combos if switch in on(z)]
+        if with_it:
+            out.append(min(with_it, key=lambda z: len(on(z))))
+    unique = {name(z): z for z in out}
+    return list(unique.values())
+
+
+def toggles(zero: dict, world: int, ranks_per_node: int) -> list[dict]:
+    """`zero` with one switch flipped, each that the validator accepts flipped."""
+    out = []
+    for key, values in SWITCH_VALUES.items():
+        if key == "stage":
+            continue
+        for v in values:
+            other = {k: x for k, x in {**zero, key: v}.items() if x is not None}
+            if v != zero.get(key) and accepted(other, world, ranks_per_node) and other not in out:
+                out.append(other)
+    return out
+
+
+def run_cell(fn, *args) -> dict:
+    start = time.perf_counter()
+    try:
+        problem = fn(*args)
+    except Exception as e:   # a cell's crash is its verdict, not the matrix's end
+        problem = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return {"ok": not problem, "why": problem, "seconds": time.perf_counter() - start}
+
+
+def rank_main(rank, world_size, combos: list[dict], faults: tuple[str, ...], ranks_per_node: int, tmp: str):
+    """Every cell of the matrix for `combos` on this layout (collective: every rank runs it)."""
+    torch.use_deterministic_algorithms(False)
+    table = {}
+    for i, zero in enumerate(combos):
+        row = {}
+        path = os.path.join(tmp, f"c{i}")
+        if "overflow" in faults:
+            row["overflow"] = run_cell(check_skip, zero, "fp16", float("inf"), ranks_per_node)
+        if "nan" in faults:
+            row["nan"] = run_cell(check_skip, zero, "bf16", float("nan"), ranks_per_node)
+        if "resume" in faults or "reshard" in faults or "toggle" in faults:
+            row["resume"] = run_cell(check_resume, zero, path, ranks_per_node)
+        layout = (world_size, world_size // ranks_per_node)
+        if "reshard" in faults:   # another node count: all ranks in one node, or one rank a node
+            rpn = world_size if layout[1] > 1 else 1
+            row["reshard"] = (run_cell(check_load_elsewhere, zero, layout, zero, path, rpn)
+                              if accepted(zero, world_size, rpn) else {"ok": True, "why": "n/a", "seconds": 0})
+        if "toggle" in faults:
+            cells = [run_cell(check_load_elsewhere, zero, layout, other, path, ranks_per_node)
+                     for other in toggles(zero, world_size, ranks_per_node)]
+            row["toggle"] = {"ok": all(c["ok"] for c in cells), "why": "; ".join(c["why"] for c in cells if c["why"]),
+                             "seconds": sum(c["seconds"] for c in cells), "count": len(cells)}
+        if "auto" in faults and zero["stage"] == 3:
+            row["auto"] = run_cell(check_auto, zero, ranks_per_node)
+        table[name(zero)] = row
+    return table
+
+
+def on_fewer_ranks(rank, world_size, combos: list[dict], tmp: str, saved_layout: tuple[int, int]) -> dict:
+    """Each combination's checkpoint (saved by rank_main on `saved_layout`) loaded on this smaller
+    world, one rank a node, with hpZ off there (and the deltas with it, where the validator says
+    they need it): the "world" column."""
+    table = {}
+    for i, zero in enumerate(combos):
+        there = {**zero, "zero_hpz_partition_size": 1}
+        if not accepted(there, world_size, 1):
+            there.pop("zero_quantized_weight_deltas")
+        table[name(zero)] = {"world": run_cell(check_load_elsewhere, zero, saved_layout, there,
+                                               os.path.join(tmp, f"c{i}"), 1)}
+    return table
+
+
+def run_matrix(combos: list[dict], faults=FAULTS, world: int = 4, ranks_per_node: int = 2,
+               timeout: float = 3000) -> dict:
+    """{combination name: {fault: {"ok", "why", "seconds"}}} for `combos` on this layout; with
+    "world" among the faults, each checkpoint is loaded on half the ranks too."""
+    with tempfile.TemporaryDirectory() as tmp:
+        table = run_distributed(rank_main, world, args=(combos, tuple(faults), ranks_per_node, tmp),
+                                timeout=timeout)[0]
+        if "world" in faults and "resume" in faults and world > 1:
+            fewer = run_distributed(on_fewer_ranks, world // 2, args=(combos, tmp, (world, world // ranks_per_node)),
+                                    timeout=timeout)[0]
+            for combo, row in fewer.items():
+                table[combo].update(row)
+    return table
+
+
+def layouts() -> list[tuple[int, int]]:
+    """(world, ranks per node): the main layout and a few others."""
+    return [(4, 2), (2, 1), (4, 4)]
+
+
+def print_table(title: str, table: dict):
+    print(f"\n{title}")
+    print(f"{'combination':<34}" + "".join(f"{f:>11}" for f in FAULTS) + f"{'seconds':>9}")
+    for combo, row in table.items():
+        cells = "".join(f"{('pass' if row[f]['ok'] else 'FAIL') if f in row else '-':>11}" for f in FAULTS)
+        print(f"{combo:<34}{cells}{sum(c['seconds'] for c in row.values()):9.1f}")
+    for combo, row in table.items():
+        for f, c in row.items():
+            if not c["ok"]:
+                print(f"  {combo} / {f}: {c['why']}")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="the default test suite's share")
+    p.add_argument("--out", default="bench/results/fault_matrix.json")
+    a = p.parse_args(argv)
+    from bench import cpu_model
+    print(f"CPU: {cpu_model()}, torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}")
+    report = {"cpu": cpu_model(), "capability": torch.backends.cpu.get_cpu_capability(), "layouts": {}}
+    for world, rpn in layouts():
+        combos = combinations(world, rpn)
+        if a.quick or (world, rpn) != (4, 2):
+            combos = quick(combos)
+        start = time.perf_counter()
+        table = run_matrix(combos, world=world, ranks_per_node=rpn)
+        title = (f"{world} ranks as {world // rpn} node(s) x {rpn}: {len(combos)} combinations the validator "
+                 f"accepts ({time.perf_counter() - start:.0f} s)")
+        print_table(title, table)
+        report["layouts"][f"{world // rpn}x{rpn}"] = table
+    cells = [c for t in report["layouts"].values() for row in t.values() for c in row.values()]
+    print(f"\n{sum(c['ok'] for c in cells)} of {len(cells)} cells pass")
+    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"wrote {a.out}")
+    return 0 if all(c["ok"] for c in cells) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
