@@ -2,19 +2,24 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from common.errors import ConfigError
 
 
 def parse_number(value: Any, where: str) -> float:
-    """A float from a number or a numeric string; booleans are refused."""
+    """A finite float from a number or a numeric string; booleans are refused, and so are
+    inf, NaN and numbers too large for a float (1e400), which no setting means."""
     if isinstance(value, bool):
         raise ConfigError(f"{where} must be a number, got {value!r}")
     try:
-        return float(value)
-    except (TypeError, ValueError):
+        number = float(value)
+    except (TypeError, ValueError, OverflowError):   # OverflowError: an int beyond a float's range
         raise ConfigError(f"{where} must be a number, got {value!r}") from None
+    if not math.isfinite(number):
+        raise ConfigError(f"{where} must be a finite number, got {value!r}")
+    return number
 
 
 def parse_int(value: Any, where: str) -> int:
