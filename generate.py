@@ -11,10 +11,11 @@ import sys
 
 import torch
 
-from common import ConfigError, parse_int, parse_number
+from common import ConfigError, OneLineParser
 from model import GPT, GPTConfig
 from tools.export_checkpoint import checkpoint_tokenizer, consolidated_state_dict
 from training.checkpoint_files import CheckpointError
+from training.flags import ranged, real, whole
 
 
 def load_model(load_dir: str):
@@ -40,33 +41,15 @@ def generate(model: GPT, ids: list[int], max_new_tokens: int, temperature: float
     return x[0].tolist()
 
 
-def _checked(parse, rule: str, ok):
-    """An argparse type: parse with common's number parsing (finite), then require `ok`."""
-    def convert(text):
-        try:
-            value = parse(text, "value")
-        except ConfigError as e:
-            raise argparse.ArgumentTypeError(str(e).replace("value ", "", 1)) from None
-        if not ok(value):
-            raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
-        return value
-    return convert
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):   # one line, no usage dump
-        raise ConfigError(message)
-
-
 def parse_args(argv=None) -> argparse.Namespace:
-    p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--load", required=True, help="the --save directory of a training run")
     p.add_argument("--prompt", default="In the beginning")
-    p.add_argument("--max-new-tokens", type=_checked(parse_int, ">= 0", lambda v: v >= 0), default=100)
-    p.add_argument("--temperature", type=_checked(parse_number, ">= 0 (0: the likeliest token)", lambda v: v >= 0),
+    p.add_argument("--max-new-tokens", type=ranged(whole, ">= 0", lambda v: v >= 0), default=100)
+    p.add_argument("--temperature", type=ranged(real, ">= 0 (0: the likeliest token)", lambda v: v >= 0),
                    default=0.8)
-    p.add_argument("--top-k", type=_checked(parse_int, ">= 0 (0: no cut)", lambda v: v >= 0), default=40)
-    p.add_argument("--seed", type=_checked(parse_int, "in [0, 2**63)", lambda v: 0 <= v < 2**63), default=1234)
+    p.add_argument("--top-k", type=ranged(whole, ">= 0 (0: no cut)", lambda v: v >= 0), default=40)
+    p.add_argument("--seed", type=ranged(whole, "in [0, 2**63)", lambda v: 0 <= v < 2**63), default=1234)
     args = p.parse_args(argv)
     if not args.prompt.strip():
         raise ConfigError("--prompt is empty; give the text to continue")

@@ -115,8 +115,11 @@ def build_datasets(args):
 
 def print_job(args, topology, cfg, engine, device, vocab_size: int):
     world = topology.world_size
+    label = zeropp_label(args.ds_config.zero_optimization)
+    if world == 1 and label != "ZeRO stage 0":   # one process runs unsharded (zeropp.initialize)
+        label = f"unsharded (one process; {label} acts from 2 ranks on)"
     print_rank0(f"> {world} ranks on {topology.num_nodes} node(s) x {topology.ranks_per_node}, "
-                f"{zeropp_label(args.ds_config.zero_optimization)}, {engine.dtype}, device {device}")
+                f"{label}, {engine.dtype}, device {device}")
     print_rank0(f"> GPT: {num_parameters(cfg):,} parameters, vocab {vocab_size} "
                 f"(padded {cfg.padded_vocab_size}); global batch {args.global_batch_size} = micro "
                 f"{args.micro_batch_size} x {world} ranks x {args.gradient_accumulation_steps} accumulation")

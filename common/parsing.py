@@ -1,6 +1,7 @@
 """Numbers as users write them in flags, YAML and DeepSpeed JSON."""
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from typing import Any
@@ -34,3 +35,11 @@ def refuse_value(where: str, value: Any, ok: Any, why: str):
     """One message shape for 'this key accepts one value only'."""
     raise ConfigError(f"{where}={json.dumps(value)} is not supported: {why}; "
                       f"remove the key or set it to {json.dumps(ok)}")
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors raise ConfigError (one line, no usage dump), so that a command
+    prints `error: ...` and exits 2 as for every other user error."""
+
+    def error(self, message):
+        raise ConfigError(message)

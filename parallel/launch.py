@@ -10,6 +10,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from common import ConfigError
+
 
 def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
@@ -20,7 +22,7 @@ def init_distributed(backend: str | None = None, timeout_minutes: int = 30) -> t
     this rank's device. Without torchrun's variables, run as one process."""
     backend = backend or default_backend()
     if backend == "nccl" and not torch.cuda.is_available():
-        raise ValueError("--distributed-backend nccl needs CUDA GPUs; use gloo on CPU")
+        raise ConfigError("--distributed-backend nccl needs CUDA GPUs; use gloo on CPU")
     if "WORLD_SIZE" in os.environ and not dist.is_initialized():
         dist.init_process_group(backend=backend, timeout=timedelta(minutes=timeout_minutes))
     if torch.cuda.is_available() and backend == "nccl":

@@ -14,7 +14,6 @@ or one safetensors shard (hf), plus the tensor being read.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -22,7 +21,7 @@ import sys
 import torch
 import torch.distributed.checkpoint as dcp
 
-from common import ConfigError, parse_number
+from common import ConfigError, OneLineParser, parse_number
 from data.tokenizer import build_tokenizer
 from training.checkpoint_files import CheckpointError, damaged, read_meta, resolve_checkpoint, verify_checksums
 from training.checkpoint_state import single_process_quiet
@@ -164,21 +163,24 @@ def _export_tokenizer(meta: dict, output: str, checkpoint: str) -> int | None:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p = OneLineParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--load", required=True, help="a --save directory (its latest checkpoint) or an iter_* directory")
     p.add_argument("--format", choices=["torch", "hf"], required=True)
     p.add_argument("--output", required=True, help="a file (torch) or a directory (hf)")
     p.add_argument("--dtype", choices=list(DTYPES), default="fp32")
     p.add_argument("--max-shard-size", default="5", help="GiB per safetensors file (hf)")
-    args = p.parse_args(argv)
     try:
+        args = p.parse_args(argv)
         shard_gib = parse_number(args.max_shard_size, "--max-shard-size")
         if shard_gib <= 0:
             raise ConfigError(f"--max-shard-size must be > 0 (GiB per safetensors file), got {args.max_shard_size}")
         check_output(args.output, args.format)
         if args.format == "torch":
             sd, meta = consolidated_state_dict(args.load, DTYPES[args.dtype])
-            torch.save(sd, args.output)
+            try:
+                torch.save(sd, args.output)
+            except RuntimeError as e:   # torch.save's own write errors (a full disk) are not OSErrors
+                raise OSError(str(e).splitlines()[0]) from None
             print(f"> wrote {len(sd)} tensors of iteration {meta['iteration']} to {args.output}")
         else:
             files = export_hf(args.load, args.output, DTYPES[args.dtype], max(1, int(shard_gib * 2**30)))

@@ -161,7 +161,8 @@ def _dotted_keys(raw: dict, prefix: str = "") -> set[str]:
 def _read_json(path: str) -> dict:
     """The --deepspeed_config file, with a one-line error for a missing, unreadable or non-JSON file."""
     if os.path.exists(path) and not os.path.isfile(path):
-        raise ConfigError(f"--deepspeed_config {path} is a directory, not a JSON file")
+        kind = "a directory" if os.path.isdir(path) else "not a regular file"
+        raise ConfigError(f"--deepspeed_config {path} is {kind}; pass a JSON file")
     try:
         return load_json(path)
     except OSError as e:

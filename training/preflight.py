@@ -28,8 +28,9 @@ def check_inputs(args):
     check_quant_backend()
     if args.load:
         check_load_path(args.load)
-    if args.tensorboard_dir:
-        check_writable_dir(args.tensorboard_dir, "--tensorboard-dir")
+    for flag, path in (("--tensorboard-dir", args.tensorboard_dir), ("--data-cache-path", args.data_cache_path)):
+        if path:
+            check_writable_dir(path, flag)
     prefixes, _ = parse_data_path(args.data_path)
     parse_split(args.split)
     datasets = [IndexedDataset(prefix) for prefix in prefixes]
