@@ -299,7 +299,7 @@ def test_export_shard_size(checkpoint, tmp_path, capsys, value):
 
 @pytest.mark.parametrize("argv, names", [
     (["--top-k", "-3"], ["--top-k", "must be >= 0"]),
-    (["--temperature", "nan"], ["--temperature", "finite"]),
+    (["--temperature", "nan"], ["--temperature", "expected a number, got 'nan'"]),
     (["--temperature", "-1"], ["--temperature", "must be >= 0"]),
     (["--max-new-tokens", "-5"], ["--max-new-tokens"]),
     (["--prompt", ""], ["--prompt is empty"]),
@@ -347,3 +347,38 @@ def test_old_checkpoint_with_a_relative_tokenizer(checkpoint, tmp_path):
     meta["tokenizer_model"] = "sp.model"
     tok = export_checkpoint.checkpoint_tokenizer(meta, str(checkpoint))
     assert os.path.samefile(tok.model_file, checkpoint.parent.parent / "sp.model")
+
+
+# -- found by trying more careless inputs (bench/cli_errors.py lists them all) -----------------
+@pytest.mark.parametrize("make, flag, says", [
+    (lambda t: (t.write_text("x"), str(t))[1], "--data-cache-path", "is a file"),
+    (lambda t: "/dev/null", "--config", "is not a regular file"),
+    (lambda t: "/dev/null", "--deepspeed_config", "is not a regular file"),
+])
+def test_paths_that_are_not_what_they_should_be(corpus, tmp_path, capsys, make, flag, says):
+    fails(good(corpus, flag, make(tmp_path / "f")), capsys, flag, says)
+
+
+def test_nccl_without_a_gpu(corpus, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here")
+    fails(good(corpus, "--distributed-backend", "nccl"), capsys, "--distributed-backend nccl needs CUDA GPUs")
+
+
+@pytest.mark.parametrize("weight", ["nan", "inf"])
+def test_blend_weight_not_finite(corpus, capsys, weight):
+    argv = good(corpus)
+    i = argv.index("--data-path")
+    argv[i + 1:i + 2] = [weight, argv[i + 1], "1", argv[i + 1]]
+    fails(argv, capsys, "--data-path weights must be finite")
+
+
+def test_one_process_says_it_runs_unsharded(corpus, capsys):
+    assert train.run(good(corpus, "--zero-stage", "3", "--zero-hpz-size", "2", "--zero-quantized-weight-deltas")) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "unsharded (one process; ZeRO-3 + ZeRO++ (hpZ, INT4 weight deltas) acts from 2 ranks on)" in first
+
+
+def test_export_dtype_is_one_line(checkpoint, tmp_path, capsys):
+    exits(export_checkpoint.main, ["--load", str(checkpoint), "--format", "torch", "--output", str(tmp_path / "m"),
+                                   "--dtype", "fp8"], capsys, "--dtype", "invalid choice")
