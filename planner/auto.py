@@ -16,7 +16,9 @@ time of each candidate, the choice and why), `predicted` ({label: seconds}) and 
 
 Rules
 - Only switches set to "auto" are chosen; the others stay as set. qwZ and qgZ auto: off or
-  on; hpZ auto: 1 (off) or the ranks per node.
+  on; hpZ auto: 1 (off) or the ranks per node. A candidate the config's own checks refuse
+  with the other switches is never weighed (the INT4 weight deltas need hpZ); none left, or
+  a switch that needs one auto turns off, is a ConfigError.
 - Below stage 3, at world size 1 or on one node, the auto switches are set off without a
   probe, in one line saying why (ZeRO++ needs stage 3; with one node there is no slow link for
   quantization to save and hpZ's copy inside the node would be the primary partition itself).
