@@ -1,17 +1,21 @@
 """Generate text from a saved checkpoint.
 
     python generate.py --load runs/demo/checkpoints --prompt "In the beginning" --max-new-tokens 100
+
+A bad argument or a damaged checkpoint is one line `error: ...` and exit status 2.
 """
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 
-from data.tokenizer import build_tokenizer
+from common import ConfigError, OneLineParser
 from model import GPT, GPTConfig
-from tools.export_checkpoint import consolidated_state_dict
+from tools.export_checkpoint import checkpoint_tokenizer, consolidated_state_dict
 from training.checkpoint_files import CheckpointError
+from training.flags import ranged, real, whole
 
 
 def load_model(load_dir: str):
@@ -20,9 +24,7 @@ def load_model(load_dir: str):
     with torch.device("meta"):
         model = GPT(cfg)
     model.load_state_dict(sd, assign=True)
-    tokenizer = build_tokenizer(meta["tokenizer_type"], tokenizer_model=meta["tokenizer_model"],
-                                vocab_file=meta["vocab_file"], merge_file=meta["merge_file"])
-    return model.eval(), tokenizer, meta
+    return model.eval(), checkpoint_tokenizer(meta, load_dir), meta
 
 
 @torch.no_grad()
@@ -39,25 +41,35 @@ def generate(model: GPT, ids: list[int], max_new_tokens: int, temperature: float
     return x[0].tolist()
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv=None) -> argparse.Namespace:
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--load", required=True, help="the --save directory of a training run")
     p.add_argument("--prompt", default="In the beginning")
-    p.add_argument("--max-new-tokens", type=int, default=100)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=40)
-    p.add_argument("--seed", type=int, default=1234)
-    args = p.parse_args()
-    torch.manual_seed(args.seed)
+    p.add_argument("--max-new-tokens", type=ranged(whole, ">= 0", lambda v: v >= 0), default=100)
+    p.add_argument("--temperature", type=ranged(real, ">= 0 (0: the likeliest token)", lambda v: v >= 0),
+                   default=0.8)
+    p.add_argument("--top-k", type=ranged(whole, ">= 0 (0: no cut)", lambda v: v >= 0), default=40)
+    p.add_argument("--seed", type=ranged(whole, "in [0, 2**63)", lambda v: 0 <= v < 2**63), default=1234)
+    args = p.parse_args(argv)
+    if not args.prompt.strip():
+        raise ConfigError("--prompt is empty; give the text to continue")
+    return args
+
+
+def main(argv=None) -> int:
     try:
+        args = parse_args(argv)
+        torch.manual_seed(args.seed)
         model, tokenizer, meta = load_model(args.load)
-    except CheckpointError as e:
-        p.error(str(e))
+    except (CheckpointError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     ids = generate(model, tokenizer.tokenize(args.prompt), args.max_new_tokens, args.temperature,
                    args.top_k, tokenizer.vocab_size)
     print(f"[checkpoint iteration {meta['iteration']}]")
     print(tokenizer.detokenize(ids))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -24,7 +24,8 @@ from data.sampler import build_data_loader
 from data.stats import unigram_entropy
 from model import GPT, flops_per_iteration, num_parameters
 from parallel.comm import Communicator
-from parallel.launch import init_distributed, print_rank0, report_error_to_torchrun, report_user_error
+from parallel.launch import (init_distributed, mark_worker, print_rank0, report_error_to_torchrun,
+                             report_user_error)
 from parallel.link_probe import LinkProbeError
 from parallel.topology import topology_from_env
 from planner.auto import resolve as resolve_auto
@@ -40,7 +41,11 @@ from training.signals import StopRequest
 from training.trainer import CrossNodeTraffic, Trainer, TrainingDiverged
 
 
+_UNFREED = []
+
+
 def main(argv=None):
+    _UNFREED.clear()   # a caller that runs main() again (tests) frees the last run's objects here
     args = parse_args(argv)
     if args.dry_run:  # the planner: no process group, no memory, no data
         from planner.auto import print_dry_run
@@ -85,6 +90,7 @@ def main(argv=None):
     logger.close()
     if dist.is_initialized():
         dist.destroy_process_group()
+    _UNFREED.append(dict(locals()))   # torch's objects are left to os._exit (see exit_now)
     if early_stop is not None:
         early_stop.report()  # the signal's line (every rank prints it: no group now) or TrainingDiverged
 
@@ -109,8 +115,11 @@ def build_datasets(args):
 
 def print_job(args, topology, cfg, engine, device, vocab_size: int):
     world = topology.world_size
+    label = zeropp_label(args.ds_config.zero_optimization)
+    if world == 1 and label != "ZeRO stage 0":   # one process runs unsharded (zeropp.initialize)
+        label = f"unsharded (one process; {label} acts from 2 ranks on)"
     print_rank0(f"> {world} ranks on {topology.num_nodes} node(s) x {topology.ranks_per_node}, "
-                f"{zeropp_label(args.ds_config.zero_optimization)}, {engine.dtype}, device {device}")
+                f"{label}, {engine.dtype}, device {device}")
     print_rank0(f"> GPT: {num_parameters(cfg):,} parameters, vocab {vocab_size} "
                 f"(padded {cfg.padded_vocab_size}); global batch {args.global_batch_size} = micro "
                 f"{args.micro_batch_size} x {world} ranks x {args.gradient_accumulation_steps} accumulation")
@@ -133,8 +142,11 @@ def zeropp_label(zero) -> str:
 def resume(args, engine, cfg) -> Progress:
     """--load: where to continue from (the start if nothing is there yet)."""
     start = time.time()
-    meta = load_checkpoint(args.load, engine, not args.no_load_optim, not args.no_load_rng,
-                           model_config=dataclasses.asdict(cfg))
+    try:
+        meta = load_checkpoint(args.load, engine, not args.no_load_optim, not args.no_load_rng,
+                               model_config=dataclasses.asdict(cfg))
+    except CheckpointError as e:   # a damaged checkpoint: the line names the intact one to --load (exit 2)
+        raise zeropp.ConfigError(str(e)) from None
     if meta is None:
         print_rank0(f"> no checkpoint in {args.load}; starting from scratch")
         return Progress()
@@ -149,9 +161,15 @@ def checkpoint_meta(args, cfg, model, argv) -> dict:
     """What every checkpoint records besides the weights: the model, tokenizer and command line."""
     return {"model_config": dataclasses.asdict(cfg),
             "param_shapes": {n: list(p.shape) for n, p in model.named_parameters()},
-            "tokenizer_type": args.tokenizer_type, "tokenizer_model": args.tokenizer_model,
-            "vocab_file": args.vocab_file, "merge_file": args.merge_file, "zero_stage": args.zero_stage,
+            # absolute: generate.py and the exporter may run from another directory
+            "tokenizer_type": args.tokenizer_type, "tokenizer_model": absolute(args.tokenizer_model),
+            "vocab_file": absolute(args.vocab_file), "merge_file": absolute(args.merge_file),
+            "zero_stage": args.zero_stage,
             "argv": sys.argv[1:] if argv is None else argv}
+
+
+def absolute(path: str | None) -> str | None:
+    return None if path is None else os.path.abspath(path)
 
 
 def print_summary(args, topology, cross_node: CrossNodeTraffic, engine):
@@ -174,6 +192,7 @@ def run(argv=None) -> int:
     argument errors subclass) becomes one line on stderr and exit status 2, printed by rank 0 only
     (under torchrun every rank finds the same error; the others exit quietly). Any other
     exception is a bug and keeps its traceback."""
+    mark_worker()   # for `python -m parallel.launch`: this worker started
     try:
         main(argv)
     except (zeropp.ConfigError, CheckpointError, TrainingDiverged, LinkProbeError) as e:
@@ -201,6 +220,7 @@ def exit_now(status: int):
     hang (a gloo group freed by a finalizer that holds the GIL). os._exit skips it."""
     sys.stdout.flush()
     sys.stderr.flush()
+    mark_worker(status)
     os._exit(status)
 
 

@@ -9,6 +9,7 @@ seconds. The table gives the exit status and the line printed: for a user error 
 one `error: ...` line (status 2), for an accepted input the last log line's start.
 """
 import argparse
+import json
 import os
 import shutil
 import struct
@@ -191,7 +192,63 @@ def cases(tmp, f):
         (".idx whose pointer table disagrees with the lengths", train + with_value(b, "--data-path", f["pointer"])),
         (".idx with two lengths swapped", train + with_value(b, "--data-path", f["swapped"])),
     ]
-    return out + checkpoint_cases(tmp, b)
+    return out + careless_cases(tmp, b, f) + checkpoint_cases(tmp, b)
+
+
+CLUSTER = ("nodes: 2\ngpus_per_node: 4\ngpu_memory_gb: 32\npeak_flops: 125e12\nintra_node_gbps: 1200\n"
+           "intra_node_latency_us: 5\ninter_node_gbps: 100\ninter_node_latency_us: 10\n")
+
+
+def careless_cases(tmp, b, f):
+    """Numbers that are not finite, switches that would do nothing, paths that are not what they should
+    be, and the planner's --cluster file (tests/test_careless_inputs.py has their tests)."""
+    train, yaml, jsn = ["train.py"], f["yaml"], f["json"]
+    afile = f["yaml"]("not: a directory\n")
+    dry = ["train.py", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "2", "--seq-length", "16",
+           "--lr", "1e-3", "--zero-stage", "3", "--tokenizer-type", "GPT2BPETokenizer", "--dry-run"]
+    cluster = lambda old, new: ["--cluster", yaml(CLUSTER.replace(old, new))]  # noqa: E731
+    zero3 = lambda **z: jsn(json.dumps({"zero_optimization": {"stage": 3, **z}}))  # noqa: E731
+    return [
+        ("--zero-hpz-size inf", train + b + ["--zero-hpz-size", "inf"]),
+        ("--global-batch-size 1e999", train + b + ["--global-batch-size", "1e999"]),
+        ("YAML `zero-hpz-size: .inf`", train + b + ["--config", yaml("zero-hpz-size: .inf\n")]),
+        ('JSON `"reset_T": Infinity` (with --zero-quantized-gradients)',
+         train + b + ["--zero-quantized-gradients", "--deepspeed_config", zero3(zeropp_loco_param={"reset_T": 1e400})]),
+        ('JSON `"gradient_clipping": NaN`', train + b + ["--deepspeed_config", jsn('{"gradient_clipping": NaN}')]),
+        ("--data-path nan A 1 A (blend weight)", train + [a for a in b if a not in ("--data-path", DATA)]
+         + ["--data-path", "nan", DATA, "1", DATA]),
+        ("accepted: JSON zeropp_loco_param + --zero-quantized-gradients",
+         train + b + ["--zero-stage", "3", "--zero-quantized-gradients", "--deepspeed_config", zero3(zeropp_loco_param={})]),
+        ("JSON zero_quantized_gradients_block_size 4",
+         train + b + ["--deepspeed_config", zero3(zero_quantized_gradients=True, zero_quantized_gradients_block_size=4)]),
+        ("JSON zero_quantized_weights_block_size 2",
+         train + b + ["--deepspeed_config", zero3(zero_quantized_weights=True, zero_quantized_weights_block_size=2)]),
+        ("JSON refresh interval without deltas",
+         train + b + ["--deepspeed_config", zero3(zero_quantized_weight_deltas_refresh_interval=10)]),
+        ("ZEROPP_QUANT_BACKEND=fast", ["ENV:ZEROPP_QUANT_BACKEND=fast"] + train + b),
+        ("--distributed-backend nccl without a GPU", train + b + ["--distributed-backend", "nccl"]),
+        ("accepted: --zero-stage 3 --zero-hpz-size 2 deltas on one process (the label says unsharded)",
+         train + b + ["--zero-stage", "3", "--zero-hpz-size", "2", "--zero-quantized-weight-deltas"]),
+        ("--tensorboard-dir is a file", train + b + ["--tensorboard-dir", afile]),
+        ("--tensorboard-dir below a file", train + b + ["--tensorboard-dir", afile + "/tb"]),
+        ("--data-cache-path is a file", with_value(train + b, "--data-cache-path", afile)),
+        ("--save is a file", train + b + ["--save", afile]),
+        ("--load is a file", train + b + ["--load", afile]),
+        ("--config /dev/null", train + b + ["--config", "/dev/null"]),
+        ("dry-run: --cluster is a directory", dry + ["--cluster", tmp]),
+        ("dry-run: --cluster `nodes: 2.5`", dry + cluster("nodes: 2", "nodes: 2.5")),
+        ("dry-run: --cluster `nodes: .nan`", dry + cluster("nodes: 2", "nodes: .nan")),
+        ("accepted: dry-run: --cluster `nodes: 1e1`", dry + cluster("nodes: 2", "nodes: 1e1")),
+        ("dry-run: --cluster `inter_node_latency_us: -5`", dry + cluster("inter_node_latency_us: 10",
+                                                                          "inter_node_latency_us: -5")),
+        ("dry-run: --cluster `inter_node_gbps: .inf`", dry + cluster("inter_node_gbps: 100", "inter_node_gbps: .inf")),
+        ("dry-run: --cluster `peak_flops: .nan`", dry + cluster("peak_flops: 125e12", "peak_flops: .nan")),
+        ("dry-run: deltas with hpZ = the whole node, 1 node", dry + ["--zero-hpz-size", "4",
+                                                                    "--zero-quantized-weight-deltas"]
+         + cluster("nodes: 2", "nodes: 1")),
+        ("dry-run: --zeropp auto with deltas, 1 node", dry + ["--zeropp", "auto", "--zero-quantized-weight-deltas"]
+         + cluster("nodes: 2", "nodes: 1")),
+    ]
 
 
 DAMAGES = [("meta.json", "missing"), ("meta.json", "empty"), ("meta.json", "truncated"), ("meta.json", "flipped"),
@@ -221,7 +278,22 @@ def checkpoint_cases(tmp, b):
     for name, how in DAMAGES:
         path = copy(lambda p, name=name, how=how: _damage(os.path.join(p, "iter_0000002", name), how))
         out.append((f"--load: {name} {how}", resume(path)))
+    generate = ["generate.py", "--load", pristine, "--max-new-tokens", "2"]
+    export = ["-m", "tools.export_checkpoint", "--load", pristine]
     out += [
+        ("generate.py --top-k -3", generate + ["--top-k", "-3"]),
+        ("generate.py --temperature nan", generate + ["--temperature", "nan"]),
+        ('generate.py --prompt ""', generate + ["--prompt", ""]),
+        ("accepted: generate.py from another directory", ["CWD:/"] + generate),
+        ("generate.py --load a file", ["generate.py", "--load", f"{pristine}/latest_checkpointed_iteration.txt"]),
+        ("export --format torch --output a directory", export + ["--format", "torch", "--output", tmp]),
+        ("export --format torch --output in a missing directory", export + ["--format", "torch", "--output",
+                                                                            f"{tmp}/missing/model.pt"]),
+        ("export --format hf --output a file", export + ["--format", "hf", "--output",
+                                                         f"{pristine}/latest_checkpointed_iteration.txt"]),
+        ("export --max-shard-size nan", export + ["--format", "hf", "--output", f"{tmp}/hf2", "--max-shard-size",
+                                                  "nan"]),
+        ("export --dtype fp8", export + ["--format", "torch", "--output", f"{tmp}/m.pt", "--dtype", "fp8"]),
         ("--load: tracker holds `x2`", resume(copy(lambda p: _write(f"{p}/latest_checkpointed_iteration.txt", "x2")))),
         ("--load: tracker names a missing iteration 7",
          resume(copy(lambda p: _write(f"{p}/latest_checkpointed_iteration.txt", "7")))),
@@ -254,7 +326,18 @@ def _damage(path, how):
 
 
 def run(argv):
-    proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, cwd=str(ROOT), timeout=300)
+    """`ENV:K=V` and `CWD:DIR` at the start of argv set the environment and the directory."""
+    env, cwd = dict(os.environ), str(ROOT)
+    while argv and argv[0].split(":")[0] in ("ENV", "CWD"):
+        kind, value = argv[0].split(":", 1)
+        if kind == "ENV":
+            env[value.split("=")[0]] = value.split("=", 1)[1]
+        else:
+            cwd = value
+        argv = argv[1:]
+    if cwd != str(ROOT) and argv[0].endswith(".py"):
+        argv = [str(ROOT / argv[0]), *argv[1:]]
+    proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, cwd=cwd, env=env, timeout=300)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     if "Traceback" in proc.stderr:
         message = "TRACEBACK: " + proc.stderr.strip().splitlines()[-1]
@@ -263,9 +346,9 @@ def run(argv):
     elif proc.returncode:
         message = proc.stderr.strip().splitlines()[-1]  # argparse's own "usage ... error:" of a data tool
     else:
-        logged = [line for line in proc.stdout.splitlines() if " iteration " in line]
+        logged = [line for line in proc.stdout.splitlines() if " iteration " in line and "lm loss" in line]
         message = ("trains; last log line: `" + logged[-1].split("| elapsed")[0].strip() + " ...`"
-                   if logged else (proc.stdout.strip().splitlines() or [""])[-1])
+                   if logged else "exit 0; last line: `" + (proc.stdout.strip().splitlines() or [""])[-1][:80] + "`")
     return proc.returncode, message
 
 

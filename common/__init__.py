@@ -3,6 +3,6 @@ theirs). A user error is a `ConfigError` wherever it is found (flags, config
 files, data, tokenizer, checkpoints, topology); `train.py` prints it as one
 line and exits 2."""
 from common.errors import ConfigError
-from common.parsing import parse_int, parse_number, refuse_value
+from common.parsing import OneLineParser, parse_int, parse_number, refuse_value
 
-__all__ = ["ConfigError", "parse_int", "parse_number", "refuse_value"]
+__all__ = ["ConfigError", "OneLineParser", "parse_int", "parse_number", "refuse_value"]

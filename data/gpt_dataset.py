@@ -249,8 +249,8 @@ def parse_data_path(data_path):
         weights = [float(w) for w in data_path[0::2]]
     except ValueError:
         raise DataError(f"--data-path {' '.join(data_path)!r} has a non-numeric weight; {expected}") from None
-    if any(w < 0 for w in weights) or sum(weights) <= 0:
-        raise DataError(f"--data-path weights must be non-negative and not all 0; {expected}")
+    if any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
+        raise DataError(f"--data-path weights must be finite, non-negative and not all 0; {expected}")
     return list(data_path[1::2]), [w / sum(weights) for w in weights]
 
 

@@ -10,6 +10,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from common import ConfigError
+
 
 def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
@@ -20,7 +22,7 @@ def init_distributed(backend: str | None = None, timeout_minutes: int = 30) -> t
     this rank's device. Without torchrun's variables, run as one process."""
     backend = backend or default_backend()
     if backend == "nccl" and not torch.cuda.is_available():
-        raise ValueError("--distributed-backend nccl needs CUDA GPUs; use gloo on CPU")
+        raise ConfigError("--distributed-backend nccl needs CUDA GPUs; use gloo on CPU")
     if "WORLD_SIZE" in os.environ and not dist.is_initialized():
         dist.init_process_group(backend=backend, timeout=timedelta(minutes=timeout_minutes))
     if torch.cuda.is_available() and backend == "nccl":
@@ -94,3 +96,69 @@ def world_size() -> int:
 def print_rank0(*args, **kwargs):
     if rank() == 0:
         print(*args, flush=True, **kwargs)
+
+
+# -- torchrun's exit status on SIGTERM ------------------------------------------------------
+# torchrun's agent turns a SIGTERM (or SIGINT) into SignalException: it forwards the signal to
+# the workers, waits up to --shutdown-timeout for them, then re-raises, so torchrun exits 1
+# with a traceback even when every worker saved and exited 0. `python -m parallel.launch`
+# (torchrun's arguments; what scripts/lib/launch.sh runs) runs torchrun and asks the workers
+# instead: each marks its start and a clean exit in a directory it is given, and when every
+# worker of this node's last attempt exited 0 the launcher exits 0 too.
+EXIT_MARKS = "ZEROPP_EXIT_MARKS"
+
+
+def mark_worker(status: int | None = None):
+    """A worker's start (status None) or its exit status, for `python -m parallel.launch`;
+    nothing under another launcher."""
+    folder = os.environ.get(EXIT_MARKS)
+    if not folder:
+        return
+    name = f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}.{os.environ.get('LOCAL_RANK', '0')}"
+    try:
+        with open(os.path.join(folder, name + (".started" if status is None else f".exit{status}")), "w") as f:
+            f.write(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    except OSError:
+        pass   # then the launcher reports torchrun's own status
+
+
+def workers_exited_cleanly(folder: str) -> tuple[int, int]:
+    """(workers of the last attempt that exited 0, workers that attempt had on this node)."""
+    marks = os.listdir(folder)
+    started = [m for m in marks if m.endswith(".started")]
+    if not started:
+        return 0, 1
+    last = max(int(m.split(".")[0]) for m in started)
+    with open(os.path.join(folder, next(m for m in started if int(m.split(".")[0]) == last))) as f:
+        expected = int(f.read() or 1)
+    return sum(m.startswith(f"{last}.") and m.endswith(".exit0") for m in marks), expected
+
+
+def torchrun_main(argv: list[str]) -> int:
+    """torchrun with `argv`; exit status 0 after a SIGTERM/SIGINT that every worker survived
+    by saving and exiting 0, torchrun's own otherwise."""
+    import signal
+    import tempfile
+
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    with tempfile.TemporaryDirectory(prefix="zeropp_exit.") as folder:
+        os.environ[EXIT_MARKS] = folder
+        try:
+            torchrun.main(argv)
+        except SignalException as e:
+            if e.sigval not in (signal.SIGTERM, signal.SIGINT):
+                raise
+            clean, expected = workers_exited_cleanly(folder)
+            if clean < expected:
+                print(f"error: torchrun stopped by {e.sigval.name}: {expected - clean} of {expected} workers "
+                      f"on this node did not exit 0 (their lines above say why)", file=sys.stderr, flush=True)
+                return 1
+            print(f"> torchrun stopped by {e.sigval.name}: all {expected} workers on this node exited 0",
+                  file=sys.stderr, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(torchrun_main(sys.argv[1:]))

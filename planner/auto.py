@@ -16,7 +16,9 @@ time of each candidate, the choice and why), `predicted` ({label: seconds}) and 
 
 Rules
 - Only switches set to "auto" are chosen; the others stay as set. qwZ and qgZ auto: off or
-  on; hpZ auto: 1 (off) or the ranks per node.
+  on; hpZ auto: 1 (off) or the ranks per node. A candidate the config's own checks refuse
+  with the other switches is never weighed (the INT4 weight deltas need hpZ); none left, or
+  a switch that needs one auto turns off, is a ConfigError.
 - Below stage 3, at world size 1 or on one node, the auto switches are set off without a
   probe, in one line saying why (ZeRO++ needs stage 3; with one node there is no slow link for
   quantization to save and hpZ's copy inside the node would be the primary partition itself).
@@ -49,6 +51,7 @@ from planner.cluster import Cluster, load_cluster
 from planner.plan import Job, job_from_args, label, plan_config, print_plan
 from planner.probe import Measurements, measure
 from planner.trace import trace_model
+from common import ConfigError
 from zeropp.config import AUTO, DeepSpeedConfig, OptimizerSettings, ZeroConfig
 from zeropp.engine import compute_dtype
 
@@ -74,7 +77,7 @@ def resolve(ds_config: DeepSpeedConfig | dict, model_cfg: GPTConfig, comm, devic
         return Resolution(ds, [], {})
     reason = trivial_reason(zero, topo.world_size, topo.num_nodes)
     if reason:
-        return Resolution(ds, [switch_off(zero, reason)], {})
+        return Resolution(ds, [switch_off(zero, reason, topo.ranks_per_node, topo.world_size)], {})
     dtype = compute_dtype(ds)
     m = measure(model_cfg, dtype, device, micro_batch, seq_length, topo,
                 zero.zero_quantized_weights_block_size, zero.zero_quantized_gradients_block_size)
@@ -102,27 +105,55 @@ def trivial_reason(zero: ZeroConfig, world: int, nodes: int) -> str | None:
     return None
 
 
-def switch_off(zero: ZeroConfig, reason: str) -> str:
-    """Set the auto switches off; the one line that says so."""
-    names = {"zero_quantized_weights": "qwZ", "zero_hpz_partition_size": "hpZ", "zero_quantized_gradients": "qgZ"}
+_NAMES = {"zero_quantized_weights": "qwZ", "zero_hpz_partition_size": "hpZ", "zero_quantized_gradients": "qgZ"}
+
+
+def switch_off(zero: ZeroConfig, reason: str, ranks_per_node: int, world: int) -> str:
+    """Set the auto switches off; the one line that says so. A ConfigError if another switch
+    needs one of them (the INT4 weight deltas need hpZ)."""
     auto = zero.auto_switches()
     for key in auto:
         setattr(zero, key, 1 if key == "zero_hpz_partition_size" else False)
-    return f"> ZeRO++ auto: {', '.join(names[k] for k in auto)} off ({reason}); now {label(zero)}"
+    names = ", ".join(_NAMES[k] for k in auto)
+    if zero.zero_quantized_weight_deltas and "zero_hpz_partition_size" in auto:
+        raise ConfigError(f"zero_quantized_weight_deltas (--zero-quantized-weight-deltas) needs hpZ across nodes, "
+                          f"and --zeropp auto turns hpZ off here ({reason}); drop the deltas")
+    _check(zero, ranks_per_node, world, f"--zeropp auto turns {names} off here ({reason}), but")
+    return f"> ZeRO++ auto: {names} off ({reason}); now {label(zero)}"
 
 
-def candidates(zero: ZeroConfig, ranks_per_node: int) -> list[ZeroConfig]:
-    """Every resolution of the auto switches (the others as set), fewest techniques first."""
+def candidates(zero: ZeroConfig, ranks_per_node: int, world: int) -> list[ZeroConfig]:
+    """Every resolution of the auto switches (the others as set) that the config's own checks
+    accept with the other switches on this shape, fewest techniques first (none: ConfigError)."""
     options = {
         "zero_quantized_weights": [False, True],
         "zero_hpz_partition_size": [1, ranks_per_node] if ranks_per_node > 1 else [1],
         "zero_quantized_gradients": [False, True],
     }
     auto = zero.auto_switches()
-    out = []
+    out, refused = [], []
     for values in itertools.product(*(options[k] for k in auto)):
-        out.append(dataclasses.replace(zero, **dict(zip(auto, values))))
+        candidate = dataclasses.replace(zero, **dict(zip(auto, values)))
+        try:
+            _check(candidate, ranks_per_node, world, "")
+            out.append(candidate)
+        except ConfigError as e:
+            refused.append(str(e))
+    if not out:
+        raise ConfigError(f"--zeropp auto: no choice of {', '.join(_NAMES[k] for k in auto)} works with the "
+                          f"other switches on {world} ranks ({ranks_per_node} per node): {refused[-1]}")
     return sorted(out, key=techniques)
+
+
+def _check(zero: ZeroConfig, ranks_per_node: int, world: int, context: str):
+    """The checks every explicit configuration passes (zeropp/config.py), for a resolved one."""
+    try:
+        zero.validate("zero_optimization")
+        zero.validate_topology(ranks_per_node, world)
+    except ConfigError as e:
+        if not context:
+            raise
+        raise ConfigError(f"{context} {e}") from None
 
 
 def techniques(zero: ZeroConfig) -> int:
@@ -137,7 +168,7 @@ def choose(job: Job, cluster: Cluster) -> tuple[ZeroConfig, dict[str, float], li
     trace = trace_model(job.cfg, compute_dtype(job.ds), job.micro_batch, job.seq_length,
                         zero.stage3_param_persistence_threshold)
     timed = [(c, plan_config(job, c, trace, cluster, ranks=[0]).timing.iteration)
-             for c in candidates(zero, job.ranks_per_node)]
+             for c in candidates(zero, job.ranks_per_node, job.world)]
     fastest = min(t for _, t in timed)
     chosen, t_chosen = min(((c, t) for c, t in timed if t <= fastest * (1 + PREFER_FEWER)),
                            key=lambda ct: (techniques(ct[0]), ct[1]))
@@ -173,7 +204,7 @@ def print_dry_run(args) -> None:
         cluster = load_cluster(args.cluster)
         reason = trivial_reason(zero, cluster.world_size, cluster.nodes)
         if reason:
-            print(switch_off(zero, reason), flush=True)
+            print(switch_off(zero, reason, cluster.gpus_per_node, cluster.world_size), flush=True)
         else:
             job = job_from_args(args, cluster)
             chosen, _, lines = choose(job, cluster)

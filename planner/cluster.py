@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import yaml
 
-from common import ConfigError
+from common import ConfigError, parse_int, parse_number
 
 
 @dataclass
@@ -102,6 +102,10 @@ def load_cluster(path: str | None) -> Cluster:
             raw = yaml.safe_load(f)
     except FileNotFoundError:
         raise ConfigError(f"--cluster: no such file {path}; pick one of configs/clusters/*.yaml") from None
+    except (OSError, UnicodeDecodeError) as e:   # a directory, no permission, a binary file
+        raise ConfigError(f"--cluster {path} cannot be read as a YAML file "
+                          f"({getattr(e, 'strerror', None) or type(e).__name__}); pick one of "
+                          f"configs/clusters/*.yaml") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"--cluster {path} is not valid YAML: {e}".replace("\n", " ")) from None
     if not isinstance(raw, dict):
@@ -118,27 +122,29 @@ def load_cluster(path: str | None) -> Cluster:
     if missing:
         raise ConfigError(f"--cluster {path}: missing key(s) {', '.join(missing)}; add them "
                           f"(see planner/cluster.py)")
-    values = {}
-    for key, value in raw.items():
-        typ = str(fields[key].type)
-        if typ.startswith("str"):
-            values[key] = str(value)
-        elif typ.startswith("bool"):
-            if not isinstance(value, bool):
-                raise ConfigError(f"--cluster {path}: {key} must be true or false, got {value!r}")
-            values[key] = value
-        else:
-            try:
-                number = float(value)  # also "125e12" (YAML reads 125e12 as a string)
-            except (TypeError, ValueError):
-                raise ConfigError(f"--cluster {path}: {key} must be a number, got {value!r}") from None
-            if number <= 0 and key not in ("intra_node_latency_us", "inter_node_latency_us", "reserved_gb",
-                                           "step_overhead_ms"):
-                raise ConfigError(f"--cluster {path}: {key} must be > 0, got {value!r}")
-            values[key] = int(number) if typ.startswith("int") else number
+    values = {key: _value(path, key, str(fields[key].type), value) for key, value in raw.items()}
     cluster = Cluster(**values, name=path)
-    if cluster.nodes != int(raw["nodes"]) or cluster.gpus_per_node != int(raw["gpus_per_node"]):
-        raise ConfigError(f"--cluster {path}: nodes and gpus_per_node must be whole numbers")
     if not 0 < cluster.compute_efficiency <= 1 or not 0 < cluster.link_efficiency <= 1:
         raise ConfigError(f"--cluster {path}: compute_efficiency and link_efficiency are fractions in (0, 1]")
     return cluster
+
+
+# Keys that may be 0 (a latency, a reserve, an overhead); every other number must be > 0.
+_MAY_BE_ZERO = ("intra_node_latency_us", "inter_node_latency_us", "reserved_gb", "step_overhead_ms")
+
+
+def _value(path: str, key: str, typ: str, value):
+    """One key's value, checked: numbers finite (common's parsing, so "125e12" too), counts whole."""
+    where = f"--cluster {path}: {key}"
+    if typ.startswith("str"):
+        return str(value)
+    if typ.startswith("bool"):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where} must be true or false, got {value!r}")
+        return value
+    if value is None and "None" in typ:
+        return None
+    number = parse_int(value, where) if typ.startswith("int") else parse_number(value, where)
+    if number < 0 or (number == 0 and key not in _MAY_BE_ZERO):
+        raise ConfigError(f"{where} must be {'>= 0' if key in _MAY_BE_ZERO else '> 0'}, got {value!r}")
+    return number

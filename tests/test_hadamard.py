@@ -175,7 +175,7 @@ def test_switch_parsed_default_off():
     ({"zero_quantized_gradients": "auto", "zero_hadamard_gradients": True}, "set zero_quantized_gradients true"),
     ({**HADAMARD, "stage": 2}, "zero_hadamard_gradients \\(ZeRO\\+\\+\\) need stage 3"),
     ({**HADAMARD, "zero_quantized_gradients_block_size": 96},
-     "zero_quantized_gradients_block_size must be a power of two >= 2 .*got 96; the default is 128"),
+     "zero_quantized_gradients_block_size must be a power of two >= 8 .*got 96; the default is 128"),
     ({**HADAMARD, "zero_hadamard_gradients": 1}, "zero_hadamard_gradients"),
     ({**QGZ, "zero_hadamard_gradient": True}, "did you mean 'zero_hadamard_gradients'"),
 ])

@@ -14,7 +14,6 @@ or one safetensors shard (hf), plus the tensor being read.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -22,14 +21,18 @@ import sys
 import torch
 import torch.distributed.checkpoint as dcp
 
+from common import ConfigError, OneLineParser, parse_number
+from data.tokenizer import build_tokenizer
 from training.checkpoint_files import CheckpointError, damaged, read_meta, resolve_checkpoint, verify_checksums
 from training.checkpoint_state import single_process_quiet
+from training.preflight import check_load_path, check_writable_dir
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def open_checkpoint(load: str) -> tuple[str, dict]:
     """The checkpoint directory `load` names (a save directory or an iter_* one) and its meta."""
+    check_load_path(load)
     path = resolve_checkpoint(load)
     if path is None:
         raise CheckpointError(f"--load {load}: no checkpoint there (no {os.path.join(load, 'meta.json')} "
@@ -54,6 +57,24 @@ def consolidated_state_dict(load: str, dtype: torch.dtype = torch.float32) -> tu
     """The whole model state dict (on CPU) and the checkpoint's meta."""
     path, meta = open_checkpoint(load)
     return dict(model_tensors(path, meta, dtype)), meta
+
+
+def checkpoint_tokenizer(meta: dict, checkpoint: str):
+    """The tokenizer training used. Checkpoints keep its files' absolute paths; older ones kept
+    them as given, relative to where training ran: tried from here, then from each directory
+    above `checkpoint` (the --save directory usually lies below where training ran)."""
+    files = {}
+    for key in ("tokenizer_model", "vocab_file", "merge_file"):
+        path = meta.get(key)
+        if path and not os.path.isabs(path) and not os.path.exists(path):
+            above = os.path.abspath(checkpoint)
+            while os.path.dirname(above) != above:
+                above = os.path.dirname(above)
+                if os.path.exists(os.path.join(above, path)):
+                    path = os.path.join(above, path)
+                    break
+        files[key] = path
+    return build_tokenizer(meta.get("tokenizer_type"), **files)
 
 
 # -- Hugging Face -------------------------------------------------------------------------
@@ -117,24 +138,21 @@ def export_hf(load: str, output: str, dtype: torch.dtype = torch.float32, max_sh
         total = sum(torch.Size(s).numel() for s in meta["param_shapes"].values()) * itemsize
         with open(os.path.join(output, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-    eod = _export_tokenizer(meta, output)
+    eod = _export_tokenizer(meta, output, path)
     config = hf_config(meta["model_config"], eod)
     config.torch_dtype = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype]
     config.save_pretrained(output)
     return files
 
 
-def _export_tokenizer(meta: dict, output: str) -> int | None:
+def _export_tokenizer(meta: dict, output: str, checkpoint: str) -> int | None:
     """Write the tokenizer next to the weights, as a tokenizer.json that
     `AutoTokenizer.from_pretrained(output)` loads and that gives the training ids
     (data.tokenizer's hf_tokenizer); returns the end-of-document id."""
     from transformers import PreTrainedTokenizerFast
 
-    from data.tokenizer import build_tokenizer
-    kind = meta.get("tokenizer_type")
     try:
-        tok = build_tokenizer(kind, tokenizer_model=meta.get("tokenizer_model"),
-                              vocab_file=meta.get("vocab_file"), merge_file=meta.get("merge_file"))
+        tok = checkpoint_tokenizer(meta, checkpoint)
         hf = tok.hf_tokenizer()
     except (OSError, ValueError) as e:
         print(f"> tokenizer not exported ({e})", file=sys.stderr)
@@ -145,24 +163,53 @@ def _export_tokenizer(meta: dict, output: str) -> int | None:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p = OneLineParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--load", required=True, help="a --save directory (its latest checkpoint) or an iter_* directory")
     p.add_argument("--format", choices=["torch", "hf"], required=True)
     p.add_argument("--output", required=True, help="a file (torch) or a directory (hf)")
     p.add_argument("--dtype", choices=list(DTYPES), default="fp32")
-    p.add_argument("--max-shard-size", type=float, default=5.0, help="GiB per safetensors file (hf)")
-    args = p.parse_args(argv)
+    p.add_argument("--max-shard-size", default="5", help="GiB per safetensors file (hf)")
     try:
+        args = p.parse_args(argv)
+        shard_gib = parse_number(args.max_shard_size, "--max-shard-size")
+        if shard_gib <= 0:
+            raise ConfigError(f"--max-shard-size must be > 0 (GiB per safetensors file), got {args.max_shard_size}")
+        check_output(args.output, args.format)
         if args.format == "torch":
             sd, meta = consolidated_state_dict(args.load, DTYPES[args.dtype])
-            torch.save(sd, args.output)
+            try:
+                torch.save(sd, args.output)
+            except RuntimeError as e:   # torch.save's own write errors (a full disk) are not OSErrors
+                raise OSError(str(e).splitlines()[0]) from None
             print(f"> wrote {len(sd)} tensors of iteration {meta['iteration']} to {args.output}")
         else:
-            files = export_hf(args.load, args.output, DTYPES[args.dtype], int(args.max_shard_size * 2**30))
+            files = export_hf(args.load, args.output, DTYPES[args.dtype], max(1, int(shard_gib * 2**30)))
             print(f"> wrote a GPT2LMHeadModel to {args.output} ({len(files)} safetensors file(s))")
-    except CheckpointError as e:
+    except (CheckpointError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except OSError as e:   # the disk filled up or went away while writing
+        print(f"error: writing --output {args.output} failed ({e.strerror or e})", file=sys.stderr)
+        sys.exit(1)
+
+
+def check_output(output: str, fmt: str):
+    """--output can be written, before any tensor is read: a file (torch) in an existing
+    directory, or a directory (hf)."""
+    if fmt == "hf":
+        if os.path.exists(output) and not os.path.isdir(output):
+            raise ConfigError(f"--output {output} is a file; --format hf writes a directory, pass a new or "
+                              f"existing directory")
+        check_writable_dir(output, "--output")
+        return
+    if os.path.isdir(output):
+        raise ConfigError(f"--output {output} is a directory; --format torch writes one file, e.g. "
+                          f"{os.path.join(output, 'model.pt')}")
+    parent = os.path.dirname(os.path.abspath(output))
+    if not os.path.isdir(parent):
+        raise ConfigError(f"--output {output}: the directory {parent} does not exist; create it or pick another")
+    if not os.access(parent, os.W_OK):
+        raise ConfigError(f"--output {output}: the directory {parent} is not writable; pick another")
 
 
 if __name__ == "__main__":

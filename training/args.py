@@ -72,8 +72,11 @@ def _explicit_dests(parser: argparse.ArgumentParser, argv) -> set[str]:
 
 
 def _read_yaml(path: str) -> dict:
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise ConfigError(f"--config: no such file {path}")
+    if not os.path.isfile(path):
+        kind = "a directory" if os.path.isdir(path) else "not a regular file"
+        raise ConfigError(f"--config {path} is {kind}; pass a YAML file")
     try:
         with open(path, encoding="utf-8") as f:
             values = yaml.safe_load(f)

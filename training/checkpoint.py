@@ -48,6 +48,7 @@ from training.checkpoint_files import (CHECKSUMS, FORMAT_VERSION, META, TRACKER,
                                        file_crc32, fsync_dir, iteration_dir, latest_iteration, prune_checkpoints,
                                        read_meta, resolve_checkpoint, verify_on_all_ranks, write_text_atomic)
 from training.checkpoint_state import as_dcp, engine_device, rng_state, set_rng_state, single_process_quiet
+from training.preflight import check_writable_dir
 from zeropp.engine import FlatState
 
 # GPTConfig fields that must match to load weights (dropout, recomputation may change)
@@ -89,17 +90,7 @@ def check_save_dir(save_dir: str, expected_bytes: int | None = None) -> str | No
     """Fail now, not after hours of training, if checkpoints cannot be written
     to `save_dir` (a ConfigError naming it). Returns a warning if the disk has
     less free space than `expected_bytes` (one checkpoint), else None."""
-    try:
-        os.makedirs(save_dir, exist_ok=True)
-        probe = os.path.join(save_dir, f".write_test.{os.getpid()}")
-        with open(probe, "wb") as f:
-            f.write(b"x")
-            f.flush()
-            os.fsync(f.fileno())
-        os.remove(probe)
-    except OSError as e:
-        raise ConfigError(f"--save {save_dir} is not writable ({e.strerror or e}); "
-                          f"pass a directory this job can create and write") from None
+    check_writable_dir(save_dir, "--save")
     if expected_bytes:
         free = shutil.disk_usage(save_dir).free
         if free < expected_bytes:

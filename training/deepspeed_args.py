@@ -26,7 +26,12 @@ def merge_deepspeed_config(args, explicit: set[str]) -> DeepSpeedConfig:
     """One DeepSpeedConfig from the JSON and the flags; flags win and conflicts are reported."""
     path = args.deepspeed_config
     raw = _read_json(path) if path else {}
-    ds = DeepSpeedConfig.from_dict(raw, where=path or "defaults")
+    # Checked once the flags are merged: a JSON section may rely on a switch a flag turns on
+    # (zeropp_loco_param in the file, --zero-quantized-gradients on the command line).
+    ds = DeepSpeedConfig.from_dict(raw, where=path or "defaults", validate=False)
+    for name in ("optimizer", "scheduler"):   # sections the flags merge into: their values first
+        if getattr(ds, name) is not None:
+            getattr(ds, name).validate(f"{path}: {name}")
     in_file = _dotted_keys(raw)
     zero = ds.zero_optimization
 
@@ -78,7 +83,7 @@ def merge_deepspeed_config(args, explicit: set[str]) -> DeepSpeedConfig:
     args.micro_batch_size = ds.train_micro_batch_size_per_gpu   # None: resolve_batch derives it
     args.global_batch_size = ds.train_batch_size
     args.clip_grad = ds.gradient_clipping
-    ds.validate("flags and --deepspeed_config")
+    ds.validate(f"{path} with the flags" if path else "flags")
     _check_loss_scaling(ds, path or "flags")
     return ds
 
@@ -156,7 +161,8 @@ def _dotted_keys(raw: dict, prefix: str = "") -> set[str]:
 def _read_json(path: str) -> dict:
     """The --deepspeed_config file, with a one-line error for a missing, unreadable or non-JSON file."""
     if os.path.exists(path) and not os.path.isfile(path):
-        raise ConfigError(f"--deepspeed_config {path} is a directory, not a JSON file")
+        kind = "a directory" if os.path.isdir(path) else "not a regular file"
+        raise ConfigError(f"--deepspeed_config {path} is {kind}; pass a JSON file")
     try:
         return load_json(path)
     except OSError as e:

@@ -9,12 +9,11 @@ import difflib
 import math
 
 from data.tokenizer import TOKENIZER_TYPES
-from common import ConfigError, parse_int
+from common import ConfigError, OneLineParser, parse_int
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a bad command line raises ConfigError (one line, no usage dump),
-    so that train.py reports it like every other user error."""
+class _Parser(OneLineParser):
+    """A bad command line is one line; an unknown flag gets a "did you mean"."""
 
     def error(self, message):
         if message.startswith("unrecognized arguments:"):
@@ -23,10 +22,10 @@ class _Parser(argparse.ArgumentParser):
             close = difflib.get_close_matches(unknown, flags, n=1)
             hint = f"did you mean {close[0]}? " if close else ""
             message += f"; {hint}see `python train.py --help`"
-        raise ConfigError(message)
+        super().error(message)
 
 
-def _ranged(convert, rule: str, ok, hint: str = ""):
+def ranged(convert, rule: str, ok, hint: str = ""):
     """An argparse type: `convert` the text, then require `ok(value)`; the message states `rule`."""
     def parse(text):
         try:
@@ -39,12 +38,12 @@ def _ranged(convert, rule: str, ok, hint: str = ""):
     return parse
 
 
-def _whole(text) -> int:
+def whole(text) -> int:
     """a whole number"""
     return parse_int(str(text), "value")  # also 5e8; ConfigError is a ValueError
 
 
-def _real(text) -> float:
+def real(text) -> float:
     """a number"""
     value = float(text)
     if not math.isfinite(value):
@@ -53,16 +52,16 @@ def _real(text) -> float:
 
 
 def _at_least(n: int, hint: str = ""):
-    return _ranged(_whole, f">= {n}", lambda v: v >= n, hint)
+    return ranged(whole, f">= {n}", lambda v: v >= n, hint)
 
 
 _int = _at_least(1)                     # sizes, counts, intervals
 _count = _at_least(0)                   # may be 0
-_positive = _ranged(_real, "> 0", lambda v: v > 0)
-_non_negative = _ranged(_real, ">= 0", lambda v: v >= 0)
-_below_one = _ranged(_real, "in [0, 1)", lambda v: 0 <= v < 1)       # dropout, betas, momentum
-_fraction = _ranged(_real, "in [0, 1]", lambda v: 0 <= v <= 1)
-_power_of_two = _ranged(_real, "a power of two (e.g. 65536)", lambda v: v > 0 and math.log2(v).is_integer())
+_positive = ranged(real, "> 0", lambda v: v > 0)
+_non_negative = ranged(real, ">= 0", lambda v: v >= 0)
+_below_one = ranged(real, "in [0, 1)", lambda v: 0 <= v < 1)       # dropout, betas, momentum
+_fraction = ranged(real, "in [0, 1]", lambda v: 0 <= v <= 1)
+_power_of_two = ranged(real, "a power of two (e.g. 65536)", lambda v: v > 0 and math.log2(v).is_integer())
 def _zeropp_mode(text) -> str:
     if text != "auto":
         raise argparse.ArgumentTypeError(
@@ -73,7 +72,7 @@ def _zeropp_mode(text) -> str:
 
 
 _zeropp_mode.expected = "auto"   # what a YAML value must be (training/args.py says so)
-_seed = _ranged(_whole, "in [0, 2**32)", lambda v: 0 <= v < 2**32)   # numpy's RandomState range
+_seed = ranged(whole, "in [0, 2**32)", lambda v: 0 <= v < 2**32)   # numpy's RandomState range
 
 
 class Refused(argparse.Action):
@@ -174,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--deepspeed", action="store_true", help="accepted for compatibility; always on")
     g.add_argument("--deepspeed_config", "--deepspeed-config", default=None,
                    help="DeepSpeed-style JSON (.json or .config)")
-    g.add_argument("--zero-stage", type=_whole, default=None, choices=[0, 1, 2, 3])
+    g.add_argument("--zero-stage", type=whole, default=None, choices=[0, 1, 2, 3])
     g.add_argument("--zero-hpz-size", type=_int, default=None, help="zero_hpz_partition_size")
     g.add_argument("--zero-quantized-weights", action="store_true", default=None)
     g.add_argument("--zero-quantized-gradients", action="store_true", default=None)

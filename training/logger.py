@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import math
 import resource
+import sys
+import threading
 from datetime import datetime
 
 import torch
@@ -22,19 +24,40 @@ def _mb(num_bytes: float) -> str:
 
 
 class TrainingLogger:
+    """TensorBoard is a side output: when it cannot be written (a full disk, a directory gone
+    read-only) the logger says so once and stops writing it; training and saving go on."""
+
     def __init__(self, tensorboard_dir: str | None):
-        self.writer = None
+        self.writer, self.tensorboard_dir = None, tensorboard_dir
         if tensorboard_dir and rank() == 0:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=tensorboard_dir, max_queue=1000)
+            _quiet_tensorboard_thread()
+            try:
+                self.writer = SummaryWriter(log_dir=tensorboard_dir, max_queue=1000)
+            except OSError as e:   # its first write (the file's header event) failed
+                self._give_up(e)
 
     def scalars(self, iteration: int, values: dict):
         if self.writer is None:
             return
-        for name, value in values.items():
-            if value is not None and math.isfinite(value):
-                self.writer.add_scalar(name, value, iteration)
+        try:
+            for name, value in values.items():
+                if value is not None and math.isfinite(value):
+                    self.writer.add_scalar(name, value, iteration)
+            self.writer.flush()   # once per log line: a write error shows here, not at exit
+        except OSError as e:   # raised here by the writer's background thread, or by the writer
+            self._give_up(e)
+
+    def _give_up(self, error: OSError):
+        writer, self.writer = self.writer, None
+        print(f"> warning: TensorBoard stopped at --tensorboard-dir {self.tensorboard_dir} "
+              f"({error.strerror or error}); training goes on without it", file=sys.stderr, flush=True)
+        try:
+            if writer is not None:
+                writer.close()
+        except OSError:
+            pass
 
     def training_line(self, it: int, train_iters: int, s: dict):
         """Megatron's line (training.py, training_log): a timestamp, then its fields in its order,
@@ -90,4 +113,21 @@ class TrainingLogger:
 
     def close(self):
         if self.writer is not None:
-            self.writer.close()
+            try:
+                self.writer.close()
+            except OSError as e:
+                self._give_up(e)
+
+
+def _quiet_tensorboard_thread():
+    """TensorBoard's writer thread re-raises a write error after handing it to the writer,
+    which re-raises it in scalars(); without this Python would also print its traceback."""
+    previous = threading.excepthook
+    if getattr(previous, "tensorboard_quiet", False):
+        return
+
+    def hook(args):
+        if not (issubclass(args.exc_type, OSError) and type(args.thread).__name__ == "_AsyncWriterThread"):
+            previous(args)
+    hook.tensorboard_quiet = True
+    threading.excepthook = hook

@@ -9,16 +9,28 @@ headers and arrays (memory-mapped), the tokenizer file, and the .bin's token ids
 """
 from __future__ import annotations
 
-import numpy as np
+import os
 
+import numpy as np
+import torch
+
+from common import ConfigError
 from data.gpt_dataset import parse_data_path, parse_split
 from data.indexed_dataset import DataError, IndexedDataset
 from data.tokenizer import build_tokenizer
+from zeropp import quant, quant_cpu
 
 
 def check_inputs(args):
     """The tokenizer, once --data-path, --split and the tokenizer files have been checked
-    against each other (every token id of the data must exist in the vocabulary)."""
+    against each other (every token id of the data must exist in the vocabulary); also the
+    quantization backend the environment forces and --tensorboard-dir."""
+    check_quant_backend()
+    if args.load:
+        check_load_path(args.load)
+    for flag, path in (("--tensorboard-dir", args.tensorboard_dir), ("--data-cache-path", args.data_cache_path)):
+        if path:
+            check_writable_dir(path, flag)
     prefixes, _ = parse_data_path(args.data_path)
     parse_split(args.split)
     datasets = [IndexedDataset(prefix) for prefix in prefixes]
@@ -50,3 +62,41 @@ def check_token_ids(dataset: IndexedDataset, tokenizer):
         raise DataError(f"{dataset.prefix}.bin holds a negative token id ({low}){how}; the file is corrupt, "
                         f"re-run data.preprocess")
 
+
+
+def check_quant_backend():
+    """ZEROPP_QUANT_BACKEND names a backend this machine has (else the first gather would fail)."""
+    try:
+        backend = quant.forced_backend()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if backend == "triton" and not (quant.triton_available() and torch.cuda.is_available()):
+        raise ConfigError("ZEROPP_QUANT_BACKEND=triton needs CUDA GPUs and triton; unset it (the CPU kernels "
+                          "or torch are picked by themselves)")
+    if backend == "cpu" and not quant_cpu.available():
+        raise ConfigError(f"ZEROPP_QUANT_BACKEND=cpu: the CPU kernels cannot be built here "
+                          f"({quant_cpu.why_not()}); unset it or set it to torch")
+
+
+def check_writable_dir(path: str, flag: str):
+    """`path` is (or can be made) a directory this job can write, or a ConfigError naming `flag`."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"{flag} {path} is a file, not a directory; pass a directory")
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".write_test.{os.getpid()}")
+        with open(probe, "wb") as f:
+            f.write(b"x")
+            f.flush()
+            os.fsync(f.fileno())
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(f"{flag} {path} is not writable ({e.strerror or e}); "
+                          f"pass a directory this job can create and write") from None
+
+
+def check_load_path(load: str):
+    """--load names a directory (or nothing yet: a first run that will save there)."""
+    if os.path.exists(load) and not os.path.isdir(load):
+        raise ConfigError(f"--load {load} is a file; pass the --save directory of a run, or one of its "
+                          f"iter_* directories")

@@ -28,6 +28,11 @@ from zeropp.config_optim import OptimizerConfig, OptimizerSettings, SchedulerCon
 
 __all__ = ["AUTO", "AUTO_KEYS", "ConfigError", "DeepSpeedConfig", "LocoConfig", "ZeroConfig", "OptimizerSettings", "load_json"]
 
+# Smallest block sizes: a block's data bytes must be a multiple of 4 (INT8: 4 elements, INT4: 8), or
+# the fp32 scales of the next row of a wire buffer start unaligned (zeropp/quant_format.py, to_bytes).
+_MIN_BLOCK = {"zero_quantized_weights_block_size": 4, "zero_quantized_gradients_block_size": 8}
+_DEFAULT_REFRESH = 100   # ZeroConfig.zero_quantized_weight_deltas_refresh_interval
+
 
 @dataclass
 class LocoConfig:
@@ -69,7 +74,7 @@ class ZeroConfig:
     # INT4 weight deltas across nodes (--zero-quantized-weight-deltas, zeropp/weight_deltas.py;
     # needs hpZ), with a full gather of every weight each refresh_interval optimizer steps.
     zero_quantized_weight_deltas: bool = False
-    zero_quantized_weight_deltas_refresh_interval: int = 100
+    zero_quantized_weight_deltas_refresh_interval: int = _DEFAULT_REFRESH
     # qgZ rotates each gradient block by a Walsh-Hadamard transform before INT4 quantization
     # (--zero-hadamard-gradients, zeropp/hadamard.py; block = zero_quantized_gradients_block_size).
     zero_hadamard_gradients: bool = False
@@ -108,11 +113,12 @@ class ZeroConfig:
         if self.zero_hpz_partition_size != AUTO and self.zero_hpz_partition_size < 1:
             raise ConfigError(f"{where}.zero_hpz_partition_size must be >= 1 "
                               f"(1 turns hpZ off), got {self.zero_hpz_partition_size}")
-        for name in ("zero_quantized_weights_block_size", "zero_quantized_gradients_block_size"):
+        for name, least in _MIN_BLOCK.items():
             b = getattr(self, name)
-            if b < 2 or b & (b - 1):
-                raise ConfigError(f"{where}.{name} must be a power of two >= 2 (elements per scale), "
-                                  f"got {b}; the default is {getattr(ZeroConfig, name)}")
+            if b < least or b & (b - 1):
+                raise ConfigError(f"{where}.{name} must be a power of two >= {least} (elements per fp32 scale; "
+                                  f"smaller blocks misalign the scales on the wire), got {b}; the default is "
+                                  f"{getattr(ZeroConfig, name)}")
         # "auto" is resolved later (below stage 3: off), so only explicit switches are checked here.
         zpp = [k for k in ("zero_quantized_weights", "zero_quantized_gradients") if getattr(self, k) is True]
         if self.zero_hpz_partition_size != AUTO and self.zero_hpz_partition_size > 1:
@@ -135,6 +141,10 @@ class ZeroConfig:
                 raise ConfigError(f"{where}.zero_quantized_weight_deltas (--zero-quantized-weight-deltas) sends "
                                   f"weights as differences from the copy hpZ keeps in each node: set "
                                   f"zero_hpz_partition_size (--zero-hpz-size) to the ranks per node")
+        elif self.zero_quantized_weight_deltas_refresh_interval != _DEFAULT_REFRESH:
+            raise ConfigError(f"{where}.zero_quantized_weight_deltas_refresh_interval has no effect without "
+                              f"zero_quantized_weight_deltas (--zero-quantized-weight-deltas); remove it or turn "
+                              f"the deltas on")
         if self.zero_quantized_weight_deltas_refresh_interval < 1:
             raise ConfigError(f"{where}.zero_quantized_weight_deltas_refresh_interval must be >= 1 (optimizer "
                               f"steps between full gathers), got {self.zero_quantized_weight_deltas_refresh_interval}")
@@ -153,6 +163,13 @@ class ZeroConfig:
                 f"zero_hpz_partition_size (--zero-hpz-size) {h} must divide the ranks per node "
                 f"({ranks_per_node}): the secondary partition lives inside one node. "
                 f"Use a divisor of {ranks_per_node}, ideally {ranks_per_node} itself")
+        # Deltas replace the gather from the primary partition; an hpZ group of the whole world
+        # (auto's only hpZ on one node) gathers everything from its secondary copy: nothing is sent.
+        group = ranks_per_node if h == AUTO else h
+        if self.zero_quantized_weight_deltas and self.stage == 3 and group >= world_size:
+            raise ConfigError(f"zero_quantized_weight_deltas (--zero-quantized-weight-deltas) does nothing here: "
+                              f"hpZ's group ({group} ranks{', auto' if h == AUTO else ''}) is the whole world "
+                              f"of {world_size}, so no weight crosses a node; drop it, or run on more than one node")
 
 
 AUTO = "auto"
@@ -224,9 +241,11 @@ class DeepSpeedConfig:
         return cls.from_dict(load_json(path), where=path)
 
     @classmethod
-    def from_dict(cls, raw: dict, where: str = "config") -> "DeepSpeedConfig":
+    def from_dict(cls, raw: dict, where: str = "config", validate: bool = True) -> "DeepSpeedConfig":
+        """validate=False: the keys' types only; the caller validates once it has merged its flags."""
         cfg = _build(cls, raw, where)
-        cfg.validate(where)
+        if validate:
+            cfg.validate(where)
         return cfg
 
     def validate(self, where: str = "config"):

@@ -60,11 +60,9 @@ from zeropp import quant_cpu
 from zeropp.quant_format import (DEFAULT_BLOCK_SIZE, QMAX, Quantized, check_block_size, num_blocks,
                                  wire_nbytes)
 
-__all__ = ["Quantized", "DEFAULT_BLOCK_SIZE", "QMAX", "quantize", "dequantize", "dequantize_add",
+__all__ = ["Quantized", "DEFAULT_BLOCK_SIZE", "QMAX", "forced_backend", "quantize", "dequantize", "dequantize_add",
            "dequantize_reduce_requantize", "dequantize_reduce", "wire_nbytes", "triton_available",
            "scratch_bytes", "scratch_bound"]
-
-
 
 _TRITON = None
 _WARNED = False   # said once that the CPU kernels are missing
@@ -82,6 +80,14 @@ def triton_available() -> bool:
     return _TRITON is not False
 
 
+def forced_backend() -> str:
+    """ZEROPP_QUANT_BACKEND ('auto' when unset); a ValueError for a value that is no backend."""
+    backend = os.environ.get("ZEROPP_QUANT_BACKEND", "") or "auto"
+    if backend not in ("auto", "torch", "triton", "cpu"):
+        raise ValueError(f"ZEROPP_QUANT_BACKEND={backend!r}: use torch, cpu or triton (or leave it unset)")
+    return backend
+
+
 def _pick_backend(backend: str, device: torch.device, block_size: int,
                   dtype: Optional[torch.dtype] = None) -> str:
     """'auto' -> 'triton' for CUDA tensors when triton imports and block_size is a power of
@@ -90,9 +96,7 @@ def _pick_backend(backend: str, device: torch.device, block_size: int,
     if backend not in ("auto", "torch", "triton", "cpu"):
         raise ValueError(f"backend must be auto, torch, triton or cpu, got {backend!r}")
     if backend == "auto":
-        backend = os.environ.get("ZEROPP_QUANT_BACKEND", "") or "auto"
-        if backend not in ("auto", "torch", "triton", "cpu"):
-            raise ValueError(f"ZEROPP_QUANT_BACKEND={backend!r}: use torch, cpu or triton (or leave it unset)")
+        backend = forced_backend()
     if backend != "auto":
         if backend == "triton" and not triton_available():
             raise RuntimeError("backend='triton' but triton is not importable")

@@ -142,6 +142,8 @@ launch_pretraining() {
   echo "> torchrun ${dist[*]} train.py ..."
   # On SIGTERM torchrun forwards it to the workers, which finish the step and save; it kills
   # them SHUTDOWN_TIMEOUT seconds later (torchrun's default, 30 s, is short for an 18B save).
-  exec "$PY" -m torch.distributed.run "${dist[@]}" --max-restarts "${MAX_RESTARTS:-0}" \
+  # parallel.launch is torchrun with exit status 0 once every worker saved and exited 0 (torchrun
+  # itself exits 1 after a signal, whatever its workers did).
+  exec "$PY" -m parallel.launch "${dist[@]}" --max-restarts "${MAX_RESTARTS:-0}" \
     --shutdown-timeout "${SHUTDOWN_TIMEOUT:-240}" train.py "${train[@]}" "$@"
 }
