@@ -26,6 +26,10 @@ def check_inputs(args):
     against each other (every token id of the data must exist in the vocabulary); also the
     quantization backend the environment forces and --tensorboard-dir."""
     check_quant_backend()
+    zero = args.ds_config.zero_optimization
+    quantizes = zero.zero_quantized_weights or zero.zero_quantized_gradients or zero.zero_quantized_weight_deltas
+    if quantizes and not torch.cuda.is_available() and quant.forced_backend() != "torch":
+        quant_cpu.available()   # builds or checks the cached kernels now: a cache others can write is refused here
     if args.load:
         check_load_path(args.load)
     for flag, path in (("--tensorboard-dir", args.tensorboard_dir), ("--data-cache-path", args.data_cache_path)):
