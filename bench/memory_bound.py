@@ -199,8 +199,13 @@ def bound_rank(rank, world, a, system: str) -> dict:
         losses.append(loss.item())
         if last and a.trace_allocations:
             traced = {"peak_bytes": trace.peak_bytes, "at_peak": trace.at_peak[:25]}
-    report["peaks"] = engine.peak_buffers()   # the last step's optimizer step included
-    report["buffers"] = buffer_bounds(report["peaks"])
+    # After the step: the optimizer's moments exist (the first step creates them), and the
+    # peaks include the last step's optimizer step; each category at its larger measurement.
+    after = memory_report(engine)
+    report["measured_bytes"] = {k: max(v, after["measured_bytes"][k]) for k, v in report["measured_bytes"].items()}
+    report["measured_bytes"]["total"] = sum(v for k, v in report["measured_bytes"].items() if k != "total")
+    for k in ("peaks", "buffers", "buffer_bounds_bytes"):
+        report[k] = after[k]
     peak = max(step_peaks)
     states = report["measured_bytes"]["total"]
     bounds = report["buffer_bounds_bytes"]
