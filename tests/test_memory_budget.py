@@ -9,10 +9,12 @@ ranks (2 emulated nodes of 2) and a tiny GPT:
   counted in the memory report, with the numerics of one whole step;
 - the planner's gradient buckets are the engine's bound, capped by the model's size.
 """
+import contextlib
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import zeropp
@@ -48,19 +50,20 @@ def _step(engine, rank: int, step: int):
 
 
 # -- per-module release: the reuse distance matters with one bucket --------------------------------
-def backward_bytes(rank, world_size, distance):
-    engine = _engine({"stage3_max_reuse_distance": distance})   # DeepSpeed's default buckets: 5e7 elements
-    for step in range(3):
-        engine.comm.reset_stats()
-        _step(engine, rank, step)
-    assert engine.zero.stage3_prefetch_bucket_size >= sum(s.numel for s in engine.shards)   # one bucket
-    return engine.comm.stats.by_phase["backward_gather"], engine.comm.stats.by_phase["forward_gather"]
+def backward_bytes(rank, world_size):
+    out = []
+    for distance in (10**9, 0):
+        engine = _engine({"stage3_max_reuse_distance": distance})   # DeepSpeed's default buckets: 5e7 elements
+        assert engine.zero.stage3_prefetch_bucket_size >= sum(s.numel for s in engine.shards)   # one bucket
+        for step in range(2):   # the second follows the first's recorded order and reuse set
+            engine.comm.reset_stats()
+            _step(engine, rank, step)
+        out.append((engine.comm.stats.by_phase["backward_gather"], engine.comm.stats.by_phase["forward_gather"]))
+    return out
 
 
 def test_reuse_distance_zero_regathers_what_forward_released_even_with_one_bucket():
-    held = run_distributed(backward_bytes, world_size=WORLD, args=(10**9,))
-    released = run_distributed(backward_bytes, world_size=WORLD, args=(0,))
-    for (h_back, h_fwd), (r_back, r_fwd) in zip(held, released):
+    for (h_back, h_fwd), (r_back, r_fwd) in run_distributed(backward_bytes, world_size=WORLD):
         assert h_fwd == r_fwd
         assert sum(h_back) == 0, h_back                   # everything held from forward to backward
         # gathered again: every weight backward reads (all but the biases)
@@ -88,22 +91,28 @@ def test_gathered_weights_stay_within_the_live_bound_in_fp32():
 
 
 # -- the optimizer step's temporaries ---------------------------------------------------------------
-def step_run(rank, world_size, bucket):
-    engine = _engine({"reduce_bucket_size": bucket}, dtype="fp32")
-    _step(engine, rank, 0)   # Adam's moments exist from here on
-    x = torch.randint(0, CFG["vocab_size"], (2, 17), generator=torch.Generator().manual_seed(rank))
-    engine.backward(engine(x[:, :-1], x[:, 1:]))
-    with AllocationTrace() as trace:
-        engine.step()
-    owned = sum(s.valid for s in engine.shards)
-    return trace.peak_bytes, memory_report(engine)["buffers"]["optimizer_scratch"], owned, engine.checkpoint_state()
+def step_run(rank, world_size, buckets, model_numel):
+    out = []
+    for bucket in buckets:
+        engine = _engine({"reduce_bucket_size": bucket}, dtype="fp32")
+        _step(engine, rank, 0)   # Adam's moments exist from here on
+        x = torch.randint(0, CFG["vocab_size"], (2, 17), generator=torch.Generator().manual_seed(rank))
+        engine.backward(engine(x[:, :-1], x[:, 1:]))
+        trace = AllocationTrace() if bucket < model_numel else contextlib.nullcontext()
+        with trace:
+            engine.step()
+        owned = sum(s.valid for s in engine.shards)
+        out.append((getattr(trace, "peak_bytes", None), memory_report(engine)["buffers"]["optimizer_scratch"], owned,
+                    engine.checkpoint_state()))
+    return out
 
 
+@pytest.mark.slow
 def test_optimizer_step_scratch_is_a_bucket_share_and_the_step_is_unchanged():
     model_numel = sum(p.numel() for p in GPT(GPTConfig(**CFG)).parameters())
-    small = run_distributed(step_run, world_size=WORLD, args=(model_numel // 8,))
-    whole = run_distributed(step_run, world_size=WORLD, args=(10 * model_numel,))   # one bucket: one step() call
-    for (peak, scratch, owned, state), (_, scratch_whole, _, state_whole) in zip(small, whole):
+    # buckets of 1/8 of the model, and one bucket (one step() call over the whole shard)
+    runs = run_distributed(step_run, world_size=WORLD, args=((model_numel // 8, 10 * model_numel), model_numel))
+    for (peak, scratch, owned, state), (_, scratch_whole, _, state_whole) in runs:
         assert scratch["within"] and scratch["peak"] > 0, scratch
         assert scratch["bound"] <= 4 * owned / 2, (scratch, owned)   # a share, not the whole shard
         assert peak <= scratch["bound"] + 4096, (peak, scratch)      # measured: what step() allocated
