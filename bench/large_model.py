@@ -4,6 +4,7 @@
     .venv/bin/python -m bench.large_model                       # the 18B run's widths, 2 layers (~1.2 B)
     .venv/bin/python -m bench.large_model --num-layers 1 --hidden 2048 --vocab 8192 --steps 1
     .venv/bin/python -m bench.large_model --systems zero3,zeropp   # bounded memory, bench/memory_bound.py
+    .venv/bin/python -m bench.large_model --matrix     # the same, every precision x optimizer x budget
 
 Each of --world gloo ranks builds the GPT on the meta device, lets ZeRO-3
 create it one weight at a time (zeropp/init.py), then trains --steps steps on
@@ -52,7 +53,7 @@ from pathlib import Path
 import torch
 
 import zeropp
-from bench import RESULTS, memory_bound
+from bench import RESULTS, memory_bound, memory_matrix
 from bench.memory_bound import PeakRSS, ds_config, model_config, rss_mb, rss_split
 from model import GPT, num_parameters
 from parallel.comm import Communicator
@@ -231,16 +232,28 @@ def main():
     p.add_argument("--systems", metavar="LIST",
                    help="zero3,zeropp[,zeropp-deltas,zeropp-all]: the bounded-memory check (bench/memory_bound.py), each system in "
                         "fresh ranks; JSON to bench/results/large_model_bound.json")
+    p.add_argument("--matrix", action="store_true",
+                   help="every --dtypes x --optimizers x --systems x --budgets cell (bench/memory_matrix.py); JSON to "
+                        "bench/results/large_model_bound_matrix.json")
+    p.add_argument("--dtypes", default="fp32,bf16,fp16", help="with --matrix")
+    p.add_argument("--optimizers", default="adamw,sgd", help="with --matrix")
+    p.add_argument("--budgets", default="small,default", help="with --matrix: bench/memory_matrix.py's BUDGETS")
     p.add_argument("--trace-allocations", action="store_true",
                    help="with --systems: profile the last step's tensor allocations (zeropp.memory."
                         "AllocationTrace) and print what is alive at the peak, by site")
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--out")
     a = p.parse_args()
+    if a.matrix:
+        a.systems = a.systems or "zero3,zeropp"
     for k, v in (memory_bound.DEFAULTS if a.systems else LARGE_DEFAULTS).items():
         if getattr(a, k) is None:
             setattr(a, k, v)
     a.bucket, a.max_live = int(a.bucket), int(a.max_live)
+    if a.matrix:
+        a.out = a.out or str(RESULTS / "large_model_bound_matrix.json")
+        memory_matrix.run(a)
+        return
     if a.systems:
         a.out = a.out or str(RESULTS / "large_model_bound.json")
         memory_bound.run(a)

@@ -3,8 +3,7 @@ ZeRO-3 and each ZeRO++ technique alone and all three, counted by the Communicato
 (parallel/comm.py, NCCL ring model) next to the theory.
 
 Setting: every weight is released after forward and gathered again in backward
-(stage3_max_reuse_distance 0, prefetch buckets of 1/8 of the model; the weights
-of backward's first bucket stay held, as they would be gathered at once), as
+(stage3_max_reuse_distance 0, prefetch buckets of 1/8 of the model), as
 for a model larger than its prefetch bucket.
 Theory, per phase, relative to the counted ZeRO-3 bytes of the same phase
 (W ranks = N nodes x L, e = bytes per element of the compute dtype):
@@ -57,7 +56,7 @@ def _rank(rank, world, a, ranks_per_node, dtype):
     out = {}
     for name, zero in SYSTEMS.items():
         zero = {k: (ranks_per_node if v is None else v) for k, v in zero.items()}
-        # prefetch buckets of 1/8 of the model: backward's first bucket stays held, the rest is gathered again
+        # prefetch buckets of 1/8 of the model; reuse distance 0: backward gathers every weight again
         ds = {"zero_optimization": {"stage": 3, "stage3_max_reuse_distance": 0,
                                     "stage3_prefetch_bucket_size": num_params(cfg) // 8, **zero}}
         if dtype != "fp32":

@@ -2,8 +2,8 @@
 
 The list follows the engines step by step (zeropp/stage3.py, sharded.py,
 collectives.py, quantized_collectives.py), using their own pieces for every
-size (zeropp/schedule.py): `gather_buckets` cuts the forward and backward
-gather buckets, `backward_order` and `reuse_set` decide the backward order and
+size (zeropp/schedule.py): `live_budget` sizes and `gather_buckets` cuts the forward
+and backward gather buckets, `backward_order` and `reuse_set` decide the backward order and
 which weights stay live from forward to backward, `gradient_buckets` cuts the
 gradient buckets, `zeropp.quant.wire_nbytes` sizes quantized payloads. Each rank's
 bytes, intra- and inter-node, come from `parallel.comm.wire_bytes`, the
@@ -51,7 +51,7 @@ from parallel.topology import Topology
 from zeropp.config import ZeroConfig
 from zeropp.stage0 import DDP_BUCKET_MB
 from zeropp.quant_format import wire_nbytes
-from zeropp.schedule import backward_order, bucketize, gather_buckets, gradient_buckets, reuse_set, without
+from zeropp.schedule import backward_order, bucketize, gather_buckets, gradient_buckets, live_budget, reuse_set, without
 from zeropp.weight_deltas import BLOCK_SIZE as DELTA_BLOCK
 
 PHASES = ("forward_gather", "backward_gather", "grad_reduce", "optimizer")
@@ -123,12 +123,12 @@ def iteration_collectives(shards, trace, zero: ZeroConfig, world: int, ranks_per
     if zero.stage == 3:
         numels = [s.numel for s in shards]
         order = backward_order(trace.touch)
-        step.held = reuse_set(trace.events, order, numels, zero.stage3_max_reuse_distance,
-                              zero.stage3_max_live_parameters,
-                              first_backward_elems=zero.stage3_prefetch_bucket_size)
-        step.forward_buckets = gather_buckets(trace.events, numels, zero.stage3_prefetch_bucket_size)
-        step.backward_buckets = gather_buckets(without(order, step.held), numels,
-                                               zero.stage3_prefetch_bucket_size)
+        budget = live_budget(zero.stage3_max_live_parameters, zero.stage3_prefetch_bucket_size, numels,
+                             trace.events, trace.outside)
+        step.held = reuse_set(trace.events, order, numels, zero.stage3_max_reuse_distance, budget.hold,
+                              pinned=trace.outside)
+        step.forward_buckets = gather_buckets(trace.events, numels, budget.bucket)
+        step.backward_buckets = gather_buckets(without(order, step.held), numels, budget.bucket)
     grad_buckets = [[shards[i] for i in b]
                     for b in gradient_buckets([s.chunk for s in shards], world, zero.reduce_bucket_size)]
     step.gradient_buckets = [[s.index for s in b] for b in grad_buckets]

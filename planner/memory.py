@@ -19,8 +19,11 @@ Stage 0 (torch DDP): weights, fp32 gradients and optimizer states whole.
 
 Around them (estimates, each stated):
 - gradient buckets (stage 0: DDP's buckets, a compute-dtype copy of every
-  gradient): the bound GradientReducer can reach (zeropp/sharded.py,
-  peak_buffers): 3 x max(reduce_bucket_size, largest chunk x N) x (1 + 1/N) x c;
+  gradient): the bound GradientReducer can reach, from the engine's own buckets
+  (zeropp.collectives.reducer_buffers_bound: the largest bucket being filled and,
+  with overlap_comm, two in flight, each [N, total] rows + [total] result in the
+  communication dtype; buckets hold at most the model, whatever reduce_bucket_size
+  says), without qgZ's wire buffers;
 - gathered weights (stage 3): the weights held from forward to backward plus
   the two largest gather buckets (the one computing, the one prefetched), x w,
   and for qwZ their INT8 receive buffers (about half of that again);
@@ -30,6 +33,7 @@ Around them (estimates, each stated):
 """
 from __future__ import annotations
 
+from zeropp.collectives import reducer_buffers_bound
 from zeropp.memory import predicted_bytes_per_param
 
 
@@ -81,8 +85,9 @@ def formula_bytes(num_params: int, stage: int, world: int, dtype, hpz: int, opti
 def buffer_bytes(step, shards, zero, world: int, weight_bytes: int, grad_bytes: int) -> dict[str, int]:
     if zero.stage == 0:   # DDP's buckets hold a copy of every gradient in the compute dtype
         return {"gradient_buckets": sum(s.numel for s in shards) * weight_bytes, "gathered_weights": 0}
-    largest = max([s.chunk * world for s in shards], default=0)
-    grad = int(3 * max(zero.reduce_bucket_size, largest) * (1 + 1 / world) * grad_bytes)
+    chunk = {s.index: s.chunk for s in shards}
+    grad = reducer_buffers_bound([sum(chunk[i] for i in b) for b in step.gradient_buckets], world, grad_bytes,
+                                 zero.overlap)
     gathered = 0
     if zero.stage == 3:
         numel = {s.index: s.numel for s in shards}

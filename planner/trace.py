@@ -10,6 +10,8 @@ training forward pass there with hooks like the stage 3 engine's
 - `touch`: for each partitioned weight that backward needs, (checkpoint region
   or None, forward event count) as the engine's saved-tensor pack hook and
   module pre-hook note it (zeropp.schedule.checkpoint_region decides regions);
+- `outside`: weights read outside their own module's forward (GPT's tied
+  `wte.weight` in the output layer), as the engine's `GatherOnRead` notes them;
 - activation bytes: the tensors autograd saves (what backward keeps alive),
   in the compute dtype, inside each block and outside.
 
@@ -38,6 +40,7 @@ class ModelTrace:
     numels: list[int]
     events: list[list[int]]            # forward first uses (parameter indices), persistent ones left out
     touch: dict = field(default_factory=dict)     # index -> (region | None, event count)
+    outside: set = field(default_factory=set)     # read outside their module
     saved_block_bytes: list[int] = field(default_factory=list)   # autograd-saved bytes per block
     saved_other_bytes: int = 0         # saved outside the blocks (embeddings, output layer, loss)
     block_input_bytes: int = 0         # one block's input: what a checkpointed block keeps
@@ -73,7 +76,7 @@ def trace_model(cfg: GPTConfig, dtype: torch.dtype, micro_batch: int, seq_length
     partitioned = {i for i, (_, p) in enumerate(named) if p.numel() > persist_threshold}
     recorder = TraceRecorder()
     trace = ModelTrace(cfg=cfg, names=[n for n, _ in named], numels=[p.numel() for _, p in named],
-                       events=recorder.events, touch=recorder.touch)
+                       events=recorder.events, touch=recorder.touch, outside=recorder.outside)
     regions = []          # keeps region objects alive (their identity is the key)
     where = {"block": None}
     saved_ids: set[int] = set()
@@ -98,9 +101,20 @@ def trace_model(cfg: GPTConfig, dtype: torch.dtype, micro_batch: int, seq_length
                 trace.saved_block_bytes[where["block"]] += nbytes
         return x
 
+    running: list[list[int]] = []     # the direct weights of each module in forward now
+
+    class NoteOutside(dict):   # a module's `_parameters`, as the engine's GatherOnRead
+        def __getitem__(self, key):
+            p = dict.__getitem__(self, key)
+            i = index.get(id(p))
+            if running and i in partitioned and not any(i in ws for ws in running):
+                recorder.read_outside(i)
+            return p
+
     def pre_forward(module, args):
         direct = [index[id(p)] for p in module.parameters(recurse=False) if id(p) in index]
         direct = [i for i in direct if i in partitioned]
+        running.append(direct)
         recorder.first_uses(direct)
         region = checkpoint_region(pack)
         if region is not None and direct:
@@ -108,6 +122,12 @@ def trace_model(cfg: GPTConfig, dtype: torch.dtype, micro_batch: int, seq_length
             recorder.recomputed(direct, region)
 
     hooks = [m.register_forward_pre_hook(pre_forward) for m in model.modules()]
+    def post_forward(module, args, output):
+        running.pop()
+
+    hooks += [m.register_forward_hook(post_forward, always_call=True) for m in model.modules()]
+    for m in model.modules():
+        m._parameters = NoteOutside(m._parameters)
     for b, block in enumerate(model.blocks):
         hooks.append(block.register_forward_pre_hook(lambda m, a, b=b: where.__setitem__("block", b)))
         hooks.append(block.register_forward_hook(lambda m, a, o: where.__setitem__("block", None)))

@@ -346,21 +346,33 @@ def test_buffer_pool_reuses_exact_sizes_and_keeps_to_its_budget():
     assert pool.in_use_bytes == 0
 
 
-def test_weights_backward_gathers_first_are_held_at_any_reuse_distance():
+def test_reuse_distance_decides_what_is_held_within_the_hold_budget():
     from zeropp.schedule import reuse_set
     numels = [10, 10, 10, 10, 40]
     forward = [[0], [1], [2], [3], [4]]
     backward = [[4], [3], [2], [1], [0]]
-    # reuse 0: only what backward's first prefetch bucket (here 60 elements) holds
-    assert reuse_set(forward, backward, numels, 0, 10**9, first_backward_elems=60) == {4, 3, 2}
-    assert reuse_set(forward, backward, numels, 0, 10**9, first_backward_elems=39) == set()
-    # the live bound still applies
-    assert reuse_set(forward, backward, numels, 0, 45, first_backward_elems=60) == {4}
-    # a reuse distance holds by distance too
-    assert reuse_set(forward, backward, numels, 80, 10**9, first_backward_elems=0) == {4, 3}
-    assert reuse_set(forward, backward, numels, 79, 10**9, first_backward_elems=0) == {4}
+    # reuse 0: every module's weights are released after its forward (DeepSpeed's)
+    assert reuse_set(forward, backward, numels, 0, 10**9) == set()
+    # a reuse distance holds by distance, nearest first
+    assert reuse_set(forward, backward, numels, 80, 10**9) == {4, 3}
+    assert reuse_set(forward, backward, numels, 79, 10**9) == {4}
+    # within the hold budget; a pinned weight (read outside its module, live anyway) costs nothing
+    assert reuse_set(forward, backward, numels, 10**9, 45) == {4}
+    assert reuse_set(forward, backward, numels, 10**9, 5, pinned={4}) == {4}
     # a weight backward never uses is never held
-    assert reuse_set(forward, [[4], [3]], numels, 10**9, 10**9, first_backward_elems=10**9) == {4, 3}
+    assert reuse_set(forward, [[4], [3]], numels, 10**9, 10**9) == {4, 3}
+
+
+def test_live_budget_leaves_room_for_pinned_weights_and_a_bucket():
+    from zeropp.schedule import live_budget
+    numels = [8, 30, 20, 20]
+    events = [[0], [1], [2], [3]]
+    b = live_budget(60, 40, numels, events, pinned={0})
+    assert (b.pinned, b.bucket, b.hold) == (8, 40, 12)       # 8 + 40 + 12 = the live bound
+    b = live_budget(40, 40, numels, events, pinned={0})
+    assert (b.bucket, b.hold) == (32, 0)                     # buckets shrink to fit beside the pinned
+    b = live_budget(25, 10, numels, events, pinned=set())
+    assert (b.bucket, b.hold) == (10, 0)                     # a module beyond the rest: nothing held
 
 
 # -- world size 1 ------------------------------------------------------------------------------

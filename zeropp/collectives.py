@@ -92,6 +92,20 @@ def gather_bucketed(gather: ShardGather, shards: list[ShardedParam], chunk_of, c
             off += s.chunk
 
 
+MAX_INFLIGHT = 2   # GradientReducer's reductions in flight with overlap_comm
+
+
+def reducer_buffers_bound(totals: list[int], members: int, elem_bytes: int, overlap: bool,
+                          inflight_bytes=lambda elems, elem_bytes: 0) -> int:
+    """The most bytes GradientReducer's pool holds, from its buckets' `totals` (sum of chunks,
+    so capped by the model): the bucket being filled plus those in flight (MAX_INFLIGHT with
+    overlap_comm), the largest ones, each its [N, total] rows and [total] result in the
+    communication dtype and the reduction's own buffers (`ShardReduce.inflight_bytes`)."""
+    per = sorted((t * (members + 1) * elem_bytes + inflight_bytes(t * members, elem_bytes) for t in totals),
+                 reverse=True)
+    return int(sum(per[:(MAX_INFLIGHT if overlap else 0) + 1]))
+
+
 class _Bucket:
     def __init__(self, index: int, shards: list[ShardedParam]):
         self.index = index
@@ -118,7 +132,7 @@ class GradientReducer:
     correctness. A bucket is launched once all its gradients are in and every
     earlier bucket has been launched; `finish()` launches the rest (zeros for
     gradients that never came) and accumulates the results. With `overlap`,
-    at most `max_inflight` buckets are in flight while backward goes on, and
+    at most MAX_INFLIGHT buckets are in flight while backward goes on, and
     each gradient that comes in lets the in-flight reductions progress (qgZ
     starts its second hop as soon as the first is done, in bucket order).
     Bucket buffers, and the reduction's own (qgZ's), come from `pool`.
@@ -129,14 +143,13 @@ class GradientReducer:
 
     def __init__(self, reduce: ShardReduce, shards: list[ShardedParam], partition: Partition,
                  bucket_elems: int, comm_dtype: torch.dtype, device, overlap: bool,
-                 pre: float, post: float, max_inflight: int = 2):
+                 pre: float, post: float):
         self.reduce = reduce
         self.partition = partition
         self.comm_dtype = comm_dtype
         self.device = device
         self.overlap = overlap
         self.pre, self.post = pre, post
-        self.max_inflight = max_inflight
         buckets = gradient_buckets([s.chunk for s in shards], partition.size, bucket_elems)
         self.buckets = [_Bucket(k, [shards[i] for i in b]) for k, b in enumerate(buckets)]
         self.bucket_of = {s.index: b for b in self.buckets for s in b.shards}
@@ -207,7 +220,7 @@ class GradientReducer:
                                    pool=self.pool, key=b.index)
         self.next_launch += 1
         self.inflight.append(b)
-        while len(self.inflight) > (self.max_inflight if self.overlap else 0):
+        while len(self.inflight) > (MAX_INFLIGHT if self.overlap else 0):
             self._complete(self.inflight.pop(0))
 
     def _complete(self, b: _Bucket):

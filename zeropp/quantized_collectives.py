@@ -355,3 +355,11 @@ class HierarchicalQuantizedReduce(ShardReduce):
             pool.give(recv)
             return out
         return Work(work, then=finish)
+
+
+def qgz_reduce(comm, zero) -> HierarchicalQuantizedReduce:
+    """qgZ as `zero` (a ZeroConfig) sets it up: its block size, LoCo's error feedback, Hadamard."""
+    loco = zero.zeropp_loco_param
+    feedback = ErrorFeedback(loco.err_beta, loco.reset_T) if loco is not None else None
+    return HierarchicalQuantizedReduce(comm, zero.zero_quantized_gradients_block_size, feedback,
+                                       zero.zero_hadamard_gradients)

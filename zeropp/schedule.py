@@ -10,6 +10,8 @@ both use these, so the planner's collectives are the engine's by construction.
 - `checkpoint_region`: which checkpointed call (if any) a forward runs in.
 - `gather_buckets` / `GatherSchedule`: a recorded order cut into gather buckets.
 - `backward_order`: backward's gather order, from a forward's `touch`.
+- `live_budget`: how `stage3_max_live_parameters` splits between the weights
+  read outside their module, one gather bucket and the weights held.
 - `reuse_set`: the weights held from forward to backward.
 - `gradient_buckets`: the reduce buckets, in the order backward fills them.
 """
@@ -47,6 +49,12 @@ class TraceRecorder:
         self.events: list[list[int]] = []   # first uses, one list per request, in order
         self.used: set[int] = set()
         self.touch: dict[int, Touch] = {}   # weight -> its last use that backward needs
+        self.outside: set[int] = set()      # read outside their module (a tied weight)
+
+    def read_outside(self, index: int):
+        """A weight read outside its own module: live to the end of forward, and in backward
+        until its gradient, which the last use in backward order completes."""
+        self.outside.add(index)
 
     def first_uses(self, indices: Sequence[int]):
         """A request for `indices`: those not used before in this phase form the next event."""
@@ -123,18 +131,39 @@ def without(order: list[list[int]], held: set[int]) -> list[list[int]]:
     return [e for e in ([i for i in event if i not in held] for event in order) if e]
 
 
+@dataclass
+class LiveBudget:
+    """stage3_max_live_parameters, split: the weights read outside their module (live
+    whatever the schedule: `pinned`), one gather bucket (`bucket`: a request issues its
+    bucket whatever the live count) and the weights held from forward to backward (`hold`).
+    So pinned + a bucket + what is held stay within max_live whenever the largest module
+    and the pinned weights fit in it."""
+    pinned: int
+    bucket: int
+    hold: int
+
+
+def live_budget(max_live: int, prefetch_bucket: int, numels: Sequence[int], events: list[list[int]],
+                pinned: set[int]) -> LiveBudget:
+    """`events`: a phase's gather order (its largest event, one module's weights, is a
+    bucket of its own when larger than the others)."""
+    p = sum(numels[i] for i in pinned)
+    bucket = max(1, min(prefetch_bucket, max_live - p))
+    largest = max((sum(numels[i] for i in e if i not in pinned) for e in events), default=0)
+    return LiveBudget(p, bucket, max(0, max_live - p - max(bucket, largest)))
+
+
 def reuse_set(forward_events: list[list[int]] | None, backward_events: list[list[int]] | None,
-              numels: Sequence[int], max_reuse_distance: int, max_live: int,
-              first_backward_elems: int = 0) -> set[int]:
-    """Weights to hold from forward to backward: in last step's order, the
-    elements of weights used between a weight's forward use and its backward
-    use are at most `max_reuse_distance` (nearest first, within `max_live`
-    elements; 0 holds nothing). Also, whatever the distance, the weights backward gathers first,
-    within `first_backward_elems` (its first prefetch bucket): backward would
-    gather them again the moment forward ends, as DeepSpeed's prefetcher, whose
-    trace runs on from forward into backward, keeps them. Backward's order comes
-    from the forward, so it is the same on every rank."""
-    if not forward_events or not backward_events:
+              numels: Sequence[int], max_reuse_distance: int, hold_elems: int,
+              pinned: set[int] = frozenset()) -> set[int]:
+    """Weights to hold from forward to backward (DeepSpeed's stage3_max_reuse_distance:
+    a module's weights are released after its forward unless they are used again soon):
+    in last step's order, the elements of weights used between a weight's forward use and
+    its backward use are at most `max_reuse_distance` (nearest first, within `hold_elems`,
+    `live_budget`'s hold, which the `pinned` weights do not count against: they are live
+    at the end of forward anyway; 0 holds nothing). Backward's order comes from the forward, so it
+    is the same on every rank."""
+    if not forward_events or not backward_events or max_reuse_distance <= 0:
         return set()
 
     def size(event):
@@ -151,11 +180,10 @@ def reuse_set(forward_events: list[list[int]] | None, backward_events: list[list
             before = used_before_in_backward.get(i)
             if before is None:
                 continue
-            near = max_reuse_distance > 0 and used_after_in_forward + before <= max_reuse_distance
-            first = before + numels[i] <= first_backward_elems
-            if (near or first) and held_elems + numels[i] <= max_live:
+            cost = 0 if i in pinned else numels[i]
+            if used_after_in_forward + before <= max_reuse_distance and held_elems + cost <= hold_elems:
                 hold.add(i)
-                held_elems += numels[i]
+                held_elems += cost
         used_after_in_forward += size(event)
     return hold
 
@@ -176,9 +204,10 @@ def saved_orders(traces: dict, last_backward: list[list[int]] | None) -> dict:
     return {"forward": traces.get(TRAINING_FORWARD), "backward": last_backward}
 
 
-def restore_orders(saved: dict | None, traces: dict, last_backward, partitioned: set[int]):
-    """Put saved_orders() back into `traces` when they are of this model's partitioned weights;
-    returns the backward order to use."""
+def restore_orders(saved: dict | None, traces: dict, last_backward, shards):
+    """Put saved_orders() back into `traces` when they are of this model's partitioned weights
+    (of `shards`); returns the backward order to use."""
+    partitioned = {s.index for s in shards if not s.persistent}
     if not saved or not saved.get("forward") or {i for e in saved["forward"] for i in e} != partitioned:
         return last_backward
     traces[TRAINING_FORWARD] = saved["forward"]

@@ -15,7 +15,7 @@ import warnings
 
 import torch
 
-from zeropp.collectives import GradientReducer, ShardGather, ShardReduce, gather_bucketed
+from zeropp.collectives import GradientReducer, ShardGather, ShardReduce, gather_bucketed, reducer_buffers_bound
 from zeropp.engine import Engine, FlatState, communication_dtype
 from zeropp.error_feedback import ErrorFeedback
 from zeropp.init import ParamInit, full_value, materialize_rest, replace_data
@@ -31,6 +31,7 @@ class ShardedEngineBase(Engine):
         topo = comm.topology
         self.partition = Partition(group=None, size=topo.world_size, rank=topo.rank)
         self.world, self.rank = self.partition.size, self.partition.rank
+        self._scratch_peak = 0    # the optimizer step's temporaries (_step_by_bucket)
         self.gather = ShardGather(comm)   # exact: state dicts, stage 1/2 weights, persistent weights
         self.reduce = self._gradient_reduce()
 
@@ -138,7 +139,7 @@ class ShardedEngineBase(Engine):
         for s in self.shards:
             if s.valid:
                 s.master.grad = s.grad.mul_(coef)
-        self.optimizer.step()
+        self._step_by_bucket()
         for s in self.shards:
             s.master.grad = None
         self._publish_weights()
@@ -148,6 +149,43 @@ class ShardedEngineBase(Engine):
             note = part.end_step(applied)
             if note:
                 warnings.warn(f"step {self.global_step + 1}, rank {self.rank}: {note}")
+
+    def _step_by_bucket(self):
+        """optimizer.step() over one gradient bucket's masters at a time: torch's foreach
+        implementations allocate temporaries the size of what one call steps (Adam: the
+        square root of the second moment), so the scratch is at most a bucket's share, not
+        the whole shard. Each element is updated by the same operations as in one call;
+        the optimizer's state stays keyed by the same masters (checkpoints unchanged)."""
+        groups = self.optimizer.param_groups
+        whole = [g["params"] for g in groups]
+        member = [{id(p) for p in ps} for ps in whole]
+        try:
+            for b in self.reducer.buckets:
+                masters = [s.master for s in b.shards if s.valid]
+                parts = [[m for m in masters if id(m) in ids] for ids in member]
+                if not any(parts):
+                    continue
+                for g, part in zip(groups, parts):
+                    g["params"] = part
+                self.optimizer.step()
+                stepped = sum(m.numel() for m in masters)
+                self._scratch_peak = max(self._scratch_peak, stepped * self._scratch_per_element())
+        finally:
+            for g, ps in zip(groups, whole):
+                g["params"] = ps
+
+    def _scratch_per_element(self) -> int:
+        """Bytes per stepped element of the optimizer's temporaries (torch/optim/adam.py,
+        sgd.py, foreach): Adam's sqrt of exp_avg_sq; SGD's decayed gradient."""
+        s = self.optim_settings
+        return (4 if s.weight_decay else 0) if s.type == "sgd" else 4
+
+    def _scratch_bound(self) -> int:
+        """A bucket's share of this rank's elements (or its largest weight's), x the above."""
+        owned = sum(s.valid for s in self.shards)
+        largest = max((s.valid for s in self.shards), default=0)
+        share = -(-self.zero.reduce_bucket_size // self.world)
+        return min(owned, max(share, largest)) * self._scratch_per_element()
 
     def _publish_weights(self):
         raise NotImplementedError
@@ -262,15 +300,10 @@ class ShardedEngineBase(Engine):
     def peak_buffers(self) -> dict:
         """Measured peaks during steps, next to the configured bounds (bytes)."""
         return {"gradient_buckets_peak": self.reducer.pool.peak_bytes,
-                "gradient_buckets_bound": self._gradient_buffers_bound()}
+                "gradient_buckets_bound": self._gradient_buffers_bound(),
+                "optimizer_scratch_peak": self._scratch_peak, "optimizer_scratch_bound": self._scratch_bound()}
 
     def _gradient_buffers_bound(self) -> int:
         r = self.reducer
-        b = torch.finfo(r.comm_dtype).bits // 8
-        largest = max([s.chunk * self.world for s in self.shards], default=0)
-        bucket = max(self.zero.reduce_bucket_size, largest)
-        # the bucket being filled plus those in flight, each [N, c] rows, a [c] result and
-        # the reduction's own buffers (qgZ's wire)
-        per_bucket = bucket * (1 + 1 / self.world) * b + self.reduce.inflight_bytes(bucket, b)
-        inflight = r.max_inflight if r.overlap else 0
-        return int((inflight + 1) * per_bucket)
+        return reducer_buffers_bound([b.total for b in r.buckets], self.world, torch.finfo(r.comm_dtype).bits // 8,
+                                     r.overlap, self.reduce.inflight_bytes)

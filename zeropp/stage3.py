@@ -4,29 +4,28 @@ The engine keeps the hooks and the order of requests; a weight's states and a
 bucket's gather are in zeropp/stage3_param.py, the schedules in schedule.py.
 
 When weights are gathered:
-- forward: a pre-hook on every module with direct parameters requests them, a
-  post-hook releases them. A weight read outside its module (GPT's tied
-  `wte.weight` in the output layer) is requested on access (each module's
-  `_parameters` is a dict that gathers on read) and kept to the end of forward.
-- backward: a saved-tensor pack hook notes every saved tensor that views a
-  live weight; unpack requests the weight again. Activation-checkpoint
-  recompute requests through the module pre-hooks. A weight is released by
-  its post-accumulate-grad hook, which hands its gradient to the reducer.
-- schedules: forward follows the order recorded in the previous step;
-  backward follows this step's forward in reverse order of each weight's last
-  use that backward needs (a saved view, or a run inside a checkpointed
-  block). Schedules are cut into buckets of `stage3_prefetch_bucket_size`
-  elements. A request issues every bucket up to the one holding the weight,
-  then prefetches the next while their elements stay within the prefetch
-  bucket and all gathered weights within `stage3_max_live_parameters`. Issue
-  order is a prefix of the schedule whatever the timing, and backward finishes
-  by issuing what it did not need, so every rank runs the same collectives
-  even when a parameter gets no gradient on some rank. Weights requested outside
-  the schedule (the first step, an order change) are gathered on demand.
-- reuse: a weight whose backward use, in last step's order, comes within
-  `stage3_max_reuse_distance` elements of its forward use is held from
-  forward to backward (DeepSpeed's default 1e9 holds every weight of a small
-  model; 0 re-gathers everything in backward).
+- forward: a pre-hook on every module with direct parameters requests them, a post-hook releases
+  them. A weight read outside its module (GPT's tied `wte.weight` in the output layer) is requested
+  on access (each module's `_parameters` is a dict that gathers on read) and kept live through
+  forward from then on.
+- backward: a saved-tensor pack hook notes every saved tensor that views a live weight; unpack
+  requests the weight again. Activation-checkpoint recompute requests through the module pre-hooks.
+  A weight is released by its post-accumulate-grad hook, which hands its gradient to the reducer.
+- schedules: forward follows the order recorded in the previous step; backward follows this step's
+  forward in reverse order of each weight's last use that backward needs (a saved view, or a run
+  inside a checkpointed block). Both are cut into buckets of at most `stage3_prefetch_bucket_size`
+  elements. A request issues every bucket up to the one holding the weight, then prefetches the next
+  while their elements stay within the prefetch bucket and all gathered weights within
+  `stage3_max_live_parameters`. Issue order is a prefix of the schedule whatever the timing, and
+  backward finishes by issuing what it did not need, so every rank runs the same collectives even
+  when a parameter gets no gradient on some rank. Weights requested outside the schedule (the first
+  step, an order change) are gathered on demand.
+- reuse (DeepSpeed's): a module's weights are released after its forward unless their backward use,
+  in last step's order, comes within `stage3_max_reuse_distance` elements: then they are held for
+  backward (1e9 holds a small model; 0 nothing, even when one bucket covers the model).
+- live bound: `schedule.live_budget` splits `stage3_max_live_parameters` between the weights read
+  outside their module, the bucket a request issues and the held weights; only a module larger than
+  what is left goes beyond.
 
 ZeRO++ (arXiv 2306.10209), each switch on its own:
 - qwZ (`zero_quantized_weights`): the primary partition gathers through
@@ -35,11 +34,9 @@ ZeRO++ (arXiv 2306.10209), each switch on its own:
   the loss of the weights a checkpoint saves.
 - hpZ (`zero_hpz_partition_size` h): a `SecondaryPartition` (hpz.py) over the
   node group; a weight it holds is gathered from it, inside the node.
-- qgZ (`zero_quantized_gradients`): gradient buckets go through
-  `HierarchicalQuantizedReduce` instead of a reduce-scatter.
+- qgZ (`zero_quantized_gradients`): gradients go through `HierarchicalQuantizedReduce`.
 - INT4 weight deltas (`zero_quantized_weight_deltas`, with hpZ): a weight gathered
   again from the primary partition goes as `WeightDeltas` (zeropp/weight_deltas.py).
-
 Every rank must run the same modules in forward (as with DeepSpeed and FSDP).
 """
 from __future__ import annotations
@@ -50,13 +47,12 @@ import torch
 
 from zeropp.buffer_pool import BufferPool
 from zeropp.collectives import ShardReduce
-from zeropp.error_feedback import ErrorFeedback
 from zeropp.hpz import SecondaryPartition
 from zeropp.partition import Partition
 from zeropp.quant import scratch_bound, scratch_bytes
-from zeropp.quantized_collectives import HierarchicalQuantizedReduce, QuantizedShardGather
-from zeropp.schedule import (GatherSchedule, TraceRecorder, backward_order, checkpoint_region, restore_orders,
-                             reuse_set, saved_orders, without)
+from zeropp.quantized_collectives import QuantizedShardGather, qgz_reduce
+from zeropp.schedule import (GatherSchedule, LiveBudget, TraceRecorder, backward_order, checkpoint_region, live_budget,
+                             restore_orders, reuse_set, saved_orders, without)
 from zeropp.sharded import ShardedEngineBase
 from zeropp.stage3_param import (BucketGather, GatheredWeights, GatherOnRead, PrimaryWeights, SavedWeightView,
                                  Stage3Param, WeightState)
@@ -82,7 +78,7 @@ class Stage3Engine(ShardedEngineBase):
         self._schedule: GatherSchedule | None = None
         self._reuse: set[int] = set()       # weights to hold from forward to backward this step
         self._held: set[int] = set()        # weights held LIVE now, waiting for backward
-        self._read_outside: set[int] = set()  # read outside their module: LIVE to the end of forward
+        self._read_outside: set[int] = set()  # read outside their module: LIVE through forward (from step 2)
         self._last_backward_events: list[list[int]] | None = None
         # The ZeRO++ switches: which gather for the primary partition, and hpZ's group.
         self._weight_gather = (QuantizedShardGather(comm, zero.zero_quantized_weights_block_size)
@@ -98,12 +94,7 @@ class Stage3Engine(ShardedEngineBase):
         self.gather_pool.budget = self._gather_buffers_bound()
 
     def _gradient_reduce(self) -> ShardReduce:
-        if self.zero.zero_quantized_gradients:
-            loco = self.zero.zeropp_loco_param
-            feedback = ErrorFeedback(loco.err_beta, loco.reset_T) if loco is not None else None
-            return HierarchicalQuantizedReduce(self.comm, self.zero.zero_quantized_gradients_block_size, feedback,
-                                               self.zero.zero_hadamard_gradients)
-        return super()._gradient_reduce()
+        return qgz_reduce(self.comm, self.zero) if self.zero.zero_quantized_gradients else super()._gradient_reduce()
 
     def _allocate_partitions(self):
         super()._allocate_partitions()
@@ -238,7 +229,7 @@ class Stage3Engine(ShardedEngineBase):
             if self._key == ("backward", True, True):
                 self._last_backward_events = order
             events = without(order, self._held)  # held: already live
-        self._schedule = (GatherSchedule.cut(events, self._numels(), self.zero.stage3_prefetch_bucket_size)
+        self._schedule = (GatherSchedule.cut(events, self._numels(), self._budget(events).bucket)
                           if events else None)
 
     def _end(self):
@@ -253,10 +244,14 @@ class Stage3Engine(ShardedEngineBase):
         self._phase = None
         self._schedule = None
 
+    def _budget(self, events: list[list[int]] | None) -> LiveBudget:
+        return live_budget(self.zero.stage3_max_live_parameters, self.zero.stage3_prefetch_bucket_size,
+                           self._numels(), events or [], self._read_outside)
+
     def _reuse_set(self) -> set[int]:
-        return reuse_set(self._traces.get(("forward", True, True)), self._last_backward_events, self._numels(),
-                         self.zero.stage3_max_reuse_distance, self.zero.stage3_max_live_parameters,
-                         first_backward_elems=self.zero.stage3_prefetch_bucket_size)
+        fwd = self._traces.get(("forward", True, True))
+        return reuse_set(fwd, self._last_backward_events, self._numels(), self.zero.stage3_max_reuse_distance,
+                         self._budget(fwd).hold, pinned=self._read_outside)
 
     # -- module hooks ---------------------------------------------------------------
     def _pre_forward(self, module, args):
@@ -344,8 +339,8 @@ class Stage3Engine(ShardedEngineBase):
         return {**super().scalar_state(), "schedule": saved_orders(self._traces, self._last_backward_events)}
 
     def load_scalar_state(self, sd: dict) -> list[str]:
-        self._last_backward_events = restore_orders(sd.get("schedule"), self._traces, self._last_backward_events,
-                                                    {s.index for s in self.shards if not s.persistent})
+        last = self._last_backward_events
+        self._last_backward_events = restore_orders(sd.get("schedule"), self._traces, last, self.shards)
         return super().load_scalar_state(sd)
 
     def _carried_parts(self) -> dict:   # the deltas prepare themselves at end_step
@@ -356,14 +351,13 @@ class Stage3Engine(ShardedEngineBase):
         secondary = [self.secondary_partition.flat] if self.secondary_partition is not None else []
         feedback = self.error_feedback.tensors() if self.error_feedback is not None else []
         deltas = [self.deltas.recon, self.deltas.flat] if self.deltas is not None else []
-        return {"parameters": [self.param_flat] + secondary + deltas + live,
-                "gradients": [self.grad_flat] + feedback,
+        return {"parameters": [self.param_flat] + secondary + deltas + live, "gradients": [self.grad_flat] + feedback,
                 "optimizer": self._optimizer_tensors()}
 
     def peak_buffers(self) -> dict:
         b = self._placeholder.element_size()
         peaks = {**super().peak_buffers(), "gathered_weights_peak": self.gathered.peak_bytes,
-                 "gathered_weights_bound": self.zero.stage3_max_live_parameters * b,
+                 "gathered_weights_bound": self._gathered_bound(b),
                  "gather_buffers_peak": self.gather_pool.peak_bytes,
                  "gather_buffers_bound": self._gather_buffers_bound()}
         zero = self.zero
@@ -374,21 +368,26 @@ class Stage3Engine(ShardedEngineBase):
             peaks["quantizer_scratch_bound"] = scratch_bound(block, self.world)
         return peaks
 
+    def _gathered_bound(self, b: int) -> int:
+        """schedule.live_budget: the live bound, or the weights read outside their module + the largest module."""
+        largest = max((sum(s.numel for s in ws) for ws in self._mod_weights.values()), default=0)
+        pinned = sum(self._numels()[i] for i in self._read_outside)
+        return b * max(self.zero.stage3_max_live_parameters, pinned + largest)
+
     def _gather_buffers_bound(self) -> int:
-        """Gathers in flight at once: the bucket requested, those prefetched (at most
-        the prefetch bucket) and a weight read outside its module, each bucket at most
-        max(prefetch bucket, the largest module's weights). Per gathered element, the most
-        any of the gathers needs (compute dtype, b bytes): an exact gather over N ranks
-        (evaluation, or without ZeRO++) its [N, total] rows and the input when not adjacent,
-        b (1 + 1/N); hpZ's over the h ranks of its group b (1 + 1/h); qwZ, which delivers
-        row by row into the weights, its input and one row, 2b/N, and the INT8 wire,
-        received (1 + 4/block bytes) and sent (1/N of that); the weight deltas' gather, what
-        WeightDeltas.inflight_bytes_per_element says."""
+        """Gathers in flight at once: the bucket requested, those prefetched (at most the prefetch bucket) and a
+        weight read outside its module, each bucket at most max(prefetch bucket, the largest module's weights).
+        Per gathered element, the most any of the gathers needs (compute dtype, b bytes): an exact gather over N
+        ranks (evaluation, or without ZeRO++) its [N, total] rows and the input when not adjacent, b (1 + 1/N);
+        hpZ's over the h ranks of its group b (1 + 1/h); qwZ, which delivers row by row into the weights, its
+        input and one row, 2b/N, and the INT8 wire, received (1 + 4/block bytes) and sent (1/N of that); the
+        weight deltas' gather, what WeightDeltas.inflight_bytes_per_element says."""
         zero, n, b = self.zero, self.world, self._placeholder.element_size()
         largest_module = max((sum(s.chunk for s in ws) * n for ws in self._mod_weights.values()), default=0)
         largest_weight = max((s.chunk * n for s in self.shards if not s.persistent), default=0)
         bucket = max(zero.stage3_prefetch_bucket_size, largest_module)
-        elems = zero.stage3_prefetch_bucket_size + bucket + largest_weight
+        elems = min(zero.stage3_prefetch_bucket_size + bucket + largest_weight,   # at most every weight
+                    sum(s.chunk * n for s in self.shards if not s.persistent))
         per_elem = b * (1 + 1 / n)
         if self.secondary_partition is not None:
             per_elem = max(per_elem, b * (1 + 1 / self.secondary_partition.size))
