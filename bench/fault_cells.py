@@ -4,6 +4,7 @@ what went wrong). Every rank runs every check: they are collective."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import io
@@ -70,12 +71,39 @@ def ds_config(zero: dict, precision: str) -> dict:
     return cfg
 
 
+_GROUPS: dict[tuple | None, list] = {}   # ranks -> the process groups made for them, in order
+
+
+@contextlib.contextmanager
+def pooled_groups():
+    """Engines built in here take the process groups earlier engines made (the k-th group an
+    engine asks for over some ranks is the k-th made for them), so hundreds of engines in one
+    process do not make hundreds of gloo groups, each with threads of its own. Only one engine
+    runs collectives at a time in the matrix, so sharing is safe."""
+    asked: dict[tuple | None, int] = collections.Counter()
+    new_group = dist.new_group
+
+    def pooled(ranks=None, *args, **kwargs):
+        key = tuple(ranks) if ranks is not None else None
+        made = _GROUPS.setdefault(key, [])
+        if asked[key] == len(made):
+            made.append(new_group(ranks, *args, **kwargs))
+        asked[key] += 1
+        return made[asked[key] - 1]
+    dist.new_group = pooled
+    try:
+        yield
+    finally:
+        dist.new_group = new_group
+
+
 def build(zero: dict, precision: str, ranks_per_node: int):
     torch.manual_seed(0)
     model = GPT(GPTConfig(**MODEL))
-    comm = Communicator(topology_from_env(ranks_per_node))
-    return zeropp.initialize(model, zeropp.DeepSpeedConfig.from_dict(ds_config(zero, precision)), comm,
-                             torch.device("cpu"), zeropp.OptimizerSettings(lr=1e-2))
+    with pooled_groups():
+        comm = Communicator(topology_from_env(ranks_per_node))
+        return zeropp.initialize(model, zeropp.DeepSpeedConfig.from_dict(ds_config(zero, precision)), comm,
+                                 torch.device("cpu"), zeropp.OptimizerSettings(lr=1e-2))
 
 
 def batch(step: int) -> torch.Tensor:
