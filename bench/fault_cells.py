@@ -246,7 +246,8 @@ def check_load_elsewhere(saved: dict, saved_layout: tuple[int, int], zero: dict,
 
 def check_auto(zero: dict, ranks_per_node: int) -> str:
     """The base ZeRO++ switches "auto" (qgZ only where nothing else needs it on), resolved on a
-    fast and a slow link: the choice validates and trains a step."""
+    fast and a slow link: the choice validates and trains a step, or, where no choice works
+    with the other switches, auto says so in one line (ConfigError)."""
     from planner.auto import choose
     from planner.cluster import Cluster
     from planner.plan import Job
@@ -268,8 +269,9 @@ def check_auto(zero: dict, ranks_per_node: int) -> str:
                 chosen = choose(job, cluster)[0]
             chosen.validate()
             chosen.validate_topology(ranks_per_node, world)
-        except ConfigError as e:
-            problems.append(f"{cluster.name}: {e}")
+        except ConfigError as e:   # no candidate works with the other switches: one line is the answer
+            if "\n" in str(e) or not str(e):
+                problems.append(f"{cluster.name}: not one line: {e!r}")
             continue
         keys = list(SWITCH_VALUES) + ["zero_quantized_weight_deltas_refresh_interval"]
         picked = {k: getattr(chosen, k) for k in keys if k != "zeropp_loco_param" and hasattr(chosen, k)}

@@ -213,7 +213,7 @@ class Engine:
         self.skipped_steps = sd.get("skipped_steps", 0)   # absent from checkpoints before it was kept
         mine = self.scalar_state()
         return [f"{what} in the checkpoint is dropped: this job runs without it"
-                for key, what in CARRIED.items() if key in sd and key not in mine]
+                for key, what in CARRIED.items() if key in sd and key not in mine and sd[key].get("holds", True)]
 
     def uncarried_state(self, saved_scalar_state: dict) -> list[str]:
         """Keys of checkpoint_state(for_load=True) that a checkpoint saved with `saved_scalar_state`

@@ -116,8 +116,9 @@ class ErrorFeedback:
         return {f"{KEY}{k}": FlatState(self._buffer(k, shape).view(-1), world * shape[0] * shape[1], sharded=True)
                 for k, shape in self.shapes.items()}
 
-    def scalar_state(self) -> dict:
-        return {"layout": self.layout, "reductions": {str(k): v for k, v in self.reductions.items()}}
+    def scalar_state(self) -> dict:   # holds: whether there is any error (none on one node)
+        return {"layout": self.layout, "reductions": {str(k): v for k, v in self.reductions.items()},
+                "holds": bool(self.shapes)}
 
     def carried(self, saved: dict | None) -> bool:
         """Whether a checkpoint's buffers (its scalar state `saved`) fit this job's layout."""
@@ -132,6 +133,8 @@ class ErrorFeedback:
         for err in self.buffers.values():
             err.zero_()
         self.reductions = {}
+        if not self.shapes and (not saved or not saved.get("holds", True)):
+            return None   # nothing kept then, nothing to keep now (one node): nothing was reset
         if not saved:
             return "the checkpoint has no qgZ error feedback (saved without zeropp_loco_param): it starts from zero"
         was, now = saved["layout"], self.layout
