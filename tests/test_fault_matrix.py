@@ -1,8 +1,10 @@
 """The fault matrix (bench/fault_matrix.py): switch combinations generated from the config
 validator, each through an fp16 overflow, a bf16 NaN, an exact resume, a load on another
 layout and with a switch flipped, and "auto" on a fast and a slow link. The default suite runs
-the quick share on 4 ranks as 2 x 2; the whole matrix (and the other layouts) is slow, and
-`python -m bench.fault_matrix` prints it as a table."""
+the quick share on 4 ranks as 2 x 2; the whole matrix (and the other layouts) runs with
+ZEROPP_FULL_MATRIX=1, and `python -m bench.fault_matrix` prints it as a table."""
+import os
+
 import pytest
 
 import zeropp
@@ -42,6 +44,8 @@ def test_quick_matrix_on_two_nodes_of_two():
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("ZEROPP_FULL_MATRIX"),
+                    reason="the whole matrix takes minutes: ZEROPP_FULL_MATRIX=1, or python -m bench.fault_matrix")
 @pytest.mark.parametrize("world, ranks_per_node", [(4, 2), (2, 1), (4, 4)])
 def test_full_matrix(world, ranks_per_node):
     combos = combinations(world, ranks_per_node)
