@@ -1,7 +1,7 @@
 """The fault matrix (bench/fault_matrix.py): switch combinations generated from the config
 validator, each through an fp16 overflow, a bf16 NaN, an exact resume, a load on another
 layout and with a switch flipped, and "auto" on a fast and a slow link. The default suite runs
-the quick share on 4 ranks as 2 x 2; the whole matrix (and the other layouts) runs with
+the quick share (each stage plain, each switch alone, all at once) on each layout; the whole matrix (and the other layouts) runs with
 ZEROPP_FULL_MATRIX=1, and `python -m bench.fault_matrix` prints it as a table."""
 import os
 
@@ -36,9 +36,11 @@ def assert_all_pass(table: dict):
     assert not failures, "\n".join(failures)
 
 
-def test_quick_matrix_on_two_nodes_of_two():
-    table = run_matrix(quick(combinations(4, 2)))
-    assert set(table) == {name(z) for z in quick(combinations(4, 2))}
+@pytest.mark.parametrize("world, ranks_per_node", [(4, 2), (2, 1), (4, 4)], ids=["2x2", "2x1", "1x4"])
+def test_quick_matrix(world, ranks_per_node):
+    combos = quick(combinations(world, ranks_per_node))
+    table = run_matrix(combos, FAULTS, world, ranks_per_node)
+    assert set(table) == {name(z) for z in combos}
     assert all(set(row) >= {"overflow", "nan", "resume", "reshard", "world", "toggle"} for row in table.values())
     assert_all_pass(table)
 
