@@ -11,7 +11,7 @@ micro-batch 1) without any sharding:
 - the AdamW step over all parameters: bytes/s = 16 bytes per element
   (read weight, gradient, two moments; write weight, two moments: about 28
   bytes of traffic, stated as 16 bytes per element of "optimizer work").
-- zeropp.quant's block (de)quantization of 4M bf16 elements (torch path, as
+- zeropp.kernels.quant's block (de)quantization of 4M bf16 elements (torch path, as
   the CPU runs it): elements per second through one quantize or dequantize,
   INT8 block 256 and INT4 block 128;
 - gloo between 2 local processes (loopback TCP, what two ranks of one emulated
@@ -70,7 +70,7 @@ def time_model(dtype: torch.dtype) -> dict:
 
 
 def time_quant() -> dict:
-    from zeropp.quant import dequantize, quantize
+    from zeropp.kernels.quant import dequantize, quantize
     x = torch.randn(4 * 2**20, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     out = {}
     for bits, block in ((8, 256), (4, 128)):

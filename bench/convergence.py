@@ -300,7 +300,7 @@ def main(argv=None):
     p.add_argument("--baseline-only", action="store_true",
                    help="run ZeRO-3 only (no comparison; for a build without ZeRO++)")
     p.add_argument("--with-loco", action="store_true",
-                   help="also run ZeRO++ with qgZ's error feedback (--zero-loco, zeropp/error_feedback.py)")
+                   help="also run ZeRO++ with qgZ's error feedback (--zero-loco, zeropp/techniques/loco.py)")
     p.add_argument("--with-deltas", action="store_true",
                    help="also run ZeRO++ with INT4 weight deltas, and with deltas and LoCo")
     p.add_argument("--resume-nproc", type=int, default=None,

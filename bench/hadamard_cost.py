@@ -1,4 +1,4 @@
-"""Host cost of qgZ's Hadamard smoothing (`zero_hadamard_gradients`, zeropp/hadamard.py)
+"""Host cost of qgZ's Hadamard smoothing (`zero_hadamard_gradients`, zeropp/techniques/hadamard.py)
 against the INT4 quantization it precedes, on this machine's CPU.
 
     .venv/bin/python -m bench.hadamard_cost            # ~2.5M fp32 elements, blocks of 128
@@ -20,9 +20,9 @@ import time
 
 import torch
 
-from zeropp.hadamard import hadamard
-from zeropp import quant_cpu
-from zeropp.quant import dequantize, quantize
+from zeropp.techniques.hadamard import hadamard
+from zeropp.kernels import cpu_quant
+from zeropp.kernels.quant import dequantize, quantize
 
 
 def _cpu_name() -> str:
@@ -68,7 +68,7 @@ def main(argv=None):
     default_threads = torch.get_num_threads()
     result = {"numel": a.numel, "block": a.block, "reps": a.reps, "cpu": _cpu_name(),
               "cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
-              "quant_backend": "cpu (compiled)" if quant_cpu.supports(a.block) else "torch",
+              "quant_backend": "cpu (compiled)" if cpu_quant.supports(a.block) else "torch",
               "ms": {}}
     for threads in sorted({1, default_threads}):
         torch.set_num_threads(threads)

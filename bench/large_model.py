@@ -7,7 +7,7 @@
     .venv/bin/python -m bench.large_model --matrix     # the same, every precision x optimizer x budget
 
 Each of --world gloo ranks builds the GPT on the meta device, lets ZeRO-3
-create it one weight at a time (zeropp/init.py), then trains --steps steps on
+create it one weight at a time (zeropp/stages/init.py), then trains --steps steps on
 random tokens. Per rank it reports the peak RSS (Linux VmHWM) after
 construction and after training, next to what an unsharded build of the same
 model would need per rank (weights, gradients and optimizer state in full),

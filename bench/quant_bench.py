@@ -1,10 +1,10 @@
-"""Throughput of the quantization API (zeropp.quant) against a plain copy of the same bytes.
+"""Throughput of the quantization API (zeropp.kernels.quant) against a plain copy of the same bytes.
 
 GB/s counts the bytes of the *input* tensor (fp32/bf16 elements for quantize, the same
 element count in the output dtype for dequantize, the k stacked parts' element count in
 fp32 for the fused dequantize-reduce-requantize of qgZ's middle hop); the baseline is
 ``dst.copy_(src)`` of the input's bytes on the same device.  On CPU the torch path and the
-compiled CPU kernels (zeropp.quant_cpu) run, one thread (as each rank of a CPU job); on
+compiled CPU kernels (zeropp.kernels.cpu_quant) run, one thread (as each rank of a CPU job); on
 CUDA both the torch path and the Triton kernels, so the table shows the kernels against
 the device's copy bandwidth.  Writes a table to stdout and JSON (default
 bench/results/quant_bench.json, or quant_bench_cuda.json on CUDA).
@@ -19,7 +19,7 @@ import time
 import torch
 
 from bench import cpu_model
-from zeropp import quant, quant_cpu
+from zeropp.kernels import quant, cpu_quant
 
 
 def _time(fn, repeats, device):
@@ -50,7 +50,7 @@ def main():
         backends = ["torch", "triton"] if quant.triton_available() else ["torch"]
     else:
         torch.set_num_threads(1)
-        backends = ["torch", "cpu"] if quant_cpu.available() else ["torch"]
+        backends = ["torch", "cpu"] if cpu_quant.available() else ["torch"]
     out = a.out or os.path.join(os.path.dirname(__file__), "results",
                                 "quant_bench.json" if device.type == "cpu" else f"quant_bench_{device.type}.json")
     rows = []

@@ -29,8 +29,8 @@ SYSTEMS = ["zero3-reuse0", "zeropp-qwz", "zeropp-qgz", "zeropp"]
 
 def _no_op_quantizers():
     """Replace the quantizers the quantized collectives call by no-ops of the same shapes."""
-    import zeropp.quantized_collectives as qc
-    from zeropp.quant_format import Quantized
+    import zeropp.techniques.qgz as qc
+    from zeropp.kernels.format import Quantized
 
     def quantize(x, bits=8, block_size=None, backend="auto", out=None):
         return out if out is not None else Quantized.empty(x.numel(), bits, block_size, x.device)

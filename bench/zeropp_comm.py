@@ -31,7 +31,7 @@ import os
 import torch
 
 from parallel.spawn import run_distributed
-from zeropp.quant import wire_nbytes
+from zeropp.kernels.quant import wire_nbytes
 
 SYSTEMS = {"ZeRO-3": {}, "+qwZ": {"zero_quantized_weights": True},
            "+hpZ": {"zero_hpz_partition_size": None},      # None: the ranks per node

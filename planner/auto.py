@@ -53,7 +53,7 @@ from planner.probe import Measurements, measure
 from planner.trace import trace_model
 from common import ConfigError
 from zeropp.config import AUTO, DeepSpeedConfig, OptimizerSettings, ZeroConfig
-from zeropp.engine import compute_dtype
+from zeropp.stages.engine import compute_dtype
 
 PREFER_FEWER = 0.02   # a candidate with fewer techniques within 2% of the fastest wins
 

@@ -1,11 +1,11 @@
 """The collectives one training iteration issues, and the bytes each rank sends.
 
-The list follows the engines step by step (zeropp/stage3.py, sharded.py,
+The list follows the engines step by step (zeropp/stages/stage3.py, sharded.py,
 collectives.py, quantized_collectives.py), using their own pieces for every
-size (zeropp/schedule.py): `live_budget` sizes and `gather_buckets` cuts the forward
+size (zeropp/stages/schedule.py): `live_budget` sizes and `gather_buckets` cuts the forward
 and backward gather buckets, `backward_order` and `reuse_set` decide the backward order and
 which weights stay live from forward to backward, `gradient_buckets` cuts the
-gradient buckets, `zeropp.quant.wire_nbytes` sizes quantized payloads. Each rank's
+gradient buckets, `zeropp.kernels.quant.wire_nbytes` sizes quantized payloads. Each rank's
 bytes, intra- and inter-node, come from `parallel.comm.wire_bytes`, the
 Communicator's own charge model (NCCL rings; all-to-all direct).
 
@@ -33,7 +33,7 @@ Per iteration (A = gradient accumulation steps, micro-step m = 0..A-1):
   and of a 4-byte flag per partitioned weight), then the
   persistent weights (stage 3) or all weights (stages 1-2) all-gathered in
   allgather_bucket_size buckets.
-Stage 0 (zeropp.engine.DDPEngine, torch DDP): grad_reduce is one all-reduce
+Stage 0 (zeropp.stages.engine.DDPEngine, torch DDP): grad_reduce is one all-reduce
 per DDP bucket, S = bucket elements x c, on the last micro-step in fp32
 (no_sync before it) and on every micro-step in 16-bit; nothing else (every
 rank holds the whole gradient, so the norm needs no collective). The buckets
@@ -49,10 +49,11 @@ from dataclasses import dataclass, field
 from parallel.comm import wire_bytes
 from parallel.topology import Topology
 from zeropp.config import ZeroConfig
-from zeropp.stage0 import DDP_BUCKET_MB
-from zeropp.quant_format import wire_nbytes
-from zeropp.schedule import backward_order, bucketize, gather_buckets, gradient_buckets, live_budget, reuse_set, without
-from zeropp.weight_deltas import BLOCK_SIZE as DELTA_BLOCK
+from zeropp.stages.stage0 import DDP_BUCKET_MB
+from zeropp.kernels.format import wire_nbytes
+from zeropp.collectives.partition import bucketize, gradient_buckets
+from zeropp.stages.schedule import backward_order, gather_buckets, live_budget, reuse_set, without
+from zeropp.techniques.deltas import BLOCK_SIZE as DELTA_BLOCK
 
 PHASES = ("forward_gather", "backward_gather", "grad_reduce", "optimizer")
 
@@ -91,14 +92,14 @@ def iteration_collectives(shards, trace, zero: ZeroConfig, world: int, ranks_per
     qw_block, qg_block = zero.zero_quantized_weights_block_size, zero.zero_quantized_gradients_block_size
 
     deltas = hpz and zero.zero_quantized_weight_deltas
-    # zero_hadamard_gradients (zeropp/hadamard.py): qgZ's rows rotated before INT4 and the sum rotated
+    # zero_hadamard_gradients (zeropp/techniques/hadamard.py): qgZ's rows rotated before INT4 and the sum rotated
     # back: the same bytes; its elements are costed as (de)quantization work
     hadamard = int(zero.stage == 3 and bool(zero.zero_quantized_gradients) and zero.zero_hadamard_gradients)
     partitioned = [s for s in shards if not s.persistent] if deltas else []
 
     def gather(bucket, phase, m, secondary):
         if deltas and not secondary and phase == "forward_gather":
-            # zeropp/weight_deltas.py: INT4 deltas across nodes, then inside the hpZ group with the
+            # zeropp/techniques/deltas.py: INT4 deltas across nodes, then inside the hpZ group with the
             # previous weights' secondary slices beside them (rows padded to 4 bytes)
             wire = sum(wire_nbytes(shards[i].chunk, 4, DELTA_BLOCK) for i in bucket)
             add(Collective(phase, "all_gather", "strided", wire,
@@ -144,7 +145,7 @@ def iteration_collectives(shards, trace, zero: ZeroConfig, world: int, ranks_per
         for b in grad_buckets:
             total = sum(s.chunk for s in b)
             if zero.stage == 3 and zero.zero_quantized_gradients and zero.zeropp_loco_param is not None:
-                # error feedback (zeropp/error_feedback.py): an exact all-to-all inside the node (summed
+                # error feedback (zeropp/techniques/loco.py): an exact all-to-all inside the node (summed
                 # in fp32), then INT4 across with the carried error: quantize and dequantize N rows,
                 # dequantize N parts
                 padded = -(-total // qg_block) * qg_block

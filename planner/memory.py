@@ -20,7 +20,7 @@ Stage 0 (torch DDP): weights, fp32 gradients and optimizer states whole.
 Around them (estimates, each stated):
 - gradient buckets (stage 0: DDP's buckets, a compute-dtype copy of every
   gradient): the bound GradientReducer can reach, from the engine's own buckets
-  (zeropp.collectives.reducer_buffers_bound: the largest bucket being filled and,
+  (zeropp.collectives.exact.reducer_buffers_bound: the largest bucket being filled and,
   with overlap_comm, two in flight, each [N, total] rows + [total] result in the
   communication dtype; buckets hold at most the model, whatever reduce_bucket_size
   says), without qgZ's wire buffers;
@@ -33,7 +33,7 @@ Around them (estimates, each stated):
 """
 from __future__ import annotations
 
-from zeropp.collectives import reducer_buffers_bound
+from zeropp.collectives.exact import reducer_buffers_bound
 from zeropp.memory import predicted_bytes_per_param
 
 
@@ -61,7 +61,7 @@ def model_state_bytes(shards, stage: int, weight_bytes: int, optimizer_type: str
 
 def _replicated_state_bytes(numels: list[int], weight_bytes: int, optimizer_type: str,
                            momentum: float) -> dict[str, int]:
-    """Stage 0 (zeropp.engine.DDPEngine): every state whole on every rank; the
+    """Stage 0 (zeropp.stages.engine.DDPEngine): every state whole on every rank; the
     gradient is fp32 (the masters' in 16-bit training)."""
     n = sum(numels)
     if optimizer_type in ("adam", "adamw"):

@@ -24,9 +24,9 @@ from planner.timing import Timing, iteration_time
 from planner.trace import ModelTrace, shard_layout, trace_model
 from training.checkpoint import checkpoint_bytes, optimizer_moments
 from zeropp.config import DeepSpeedConfig, OptimizerSettings, ZeroConfig
-from zeropp.engine import communication_dtype, compute_dtype
-from zeropp.quant_format import wire_nbytes
-from zeropp.weight_deltas import BLOCK_SIZE as DELTA_BLOCK
+from zeropp.stages.engine import communication_dtype, compute_dtype
+from zeropp.kernels.format import wire_nbytes
+from zeropp.techniques.deltas import BLOCK_SIZE as DELTA_BLOCK
 
 GPT2_VOCAB = 50257   # GPT-2's BPE vocabulary, when the tokenizer files are not at hand
 
@@ -103,14 +103,14 @@ def plan_config(job: Job, zero: ZeroConfig, trace: ModelTrace, cluster: Cluster 
     formula = formula_bytes(trace.num_parameters, zero.stage, world, dtype, hpz, k)
     loco = zero.stage == 3 and zero.zero_quantized_gradients and zero.zeropp_loco_param is not None and world > rpn
     # qgZ's error feedback: fp32 [N, bucket's chunks] per gradient bucket, committed and pending
-    # (zeropp/error_feedback.py)
+    # (zeropp/techniques/loco.py)
     memory["error_feedback"] = 8 * (world // rpn) * sum(s.chunk for s in shards) if loco else 0
     if loco and zero.zero_hadamard_gradients:   # rotated rows: each bucket's padded to whole blocks
         bs, chunk = zero.zero_quantized_gradients_block_size, {s.index: s.chunk for s in shards}
         memory["error_feedback"] = 8 * (world // rpn) * sum(-(-sum(chunk[i] for i in b) // bs) * bs
                                                             for b in step.gradient_buckets)
     formula["error_feedback"] = 8 / rpn * trace.num_parameters if loco else 0
-    deltas = hpz_on and zero.zero_quantized_weight_deltas   # zeropp/weight_deltas.py: recon and INT4 deltas
+    deltas = hpz_on and zero.zero_quantized_weight_deltas   # zeropp/techniques/deltas.py: recon and INT4 deltas
     memory["weight_deltas"] = sum(s.chunk * w + wire_nbytes(s.chunk, 4, DELTA_BLOCK)
                                   for s in shards if not s.persistent) if deltas else 0
     formula["weight_deltas"] = (w + wire_nbytes(1 << 20, 4, DELTA_BLOCK) / (1 << 20)) / world \
@@ -257,7 +257,7 @@ def format_plan(job: Job, cluster: Cluster, trace: ModelTrace, plans: list[Confi
         + "".join(f"{_gib(sum(p.formula.values())):>{width}}" for p in plans))
     opt = job.optimizer
     moments = optimizer_moments(opt)
-    # qgZ's error feedback is saved too (zeropp/error_feedback.py), sharded as it lives
+    # qgZ's error feedback is saved too (zeropp/techniques/loco.py), sharded as it lives
     total = checkpoint_bytes(trace.num_parameters, moments) + max(p.memory["error_feedback"] for p in plans) // 2 * job.world
     error = " and qgZ's error feedback" if any(p.memory["error_feedback"] for p in plans) else ""
     out(f"   checkpoint (--save; training/checkpoint.py): {total / 2**30:.1f} GiB per save, "

@@ -9,7 +9,7 @@
   micro-batch would take more than COMPUTE_S (a pilot run of one short sequence tells), fewer
   sequences, then shorter ones, are timed: the rate, not the step, is what is measured. The
   fastest of REPEATS runs counts (the least disturbed by other work), as for quantization;
-- quantization: the engine's own zeropp.quant calls for one qwZ gather and one qgZ reduction
+- quantization: the engine's own zeropp.kernels.quant calls for one qwZ gather and one qgZ reduction
   of about QUANT_ELEMENTS elements in the compute dtype (qwZ's and qgZ's block sizes), as
   elements/s in the planner's count of elements through the kernels (planner/comm.py);
 - the optimizer step: AdamW's update of one fp32 tensor (16 bytes per element, as the planner
@@ -29,7 +29,7 @@ import torch
 from model.gpt import Block, GPTConfig
 from parallel.link_probe import LinkMeasurement, max_over_ranks, probe_links, start_together
 from parallel.topology import Topology
-from zeropp.quant import dequantize, dequantize_reduce, dequantize_reduce_requantize, quantize
+from zeropp.kernels.quant import dequantize, dequantize_reduce, dequantize_reduce_requantize, quantize
 
 COMPUTE_S = 0.1             # the most one timed forward + backward of a block may take
 REPEATS = 2                 # timed runs of the block and of the quantizers; the fastest counts

@@ -2,21 +2,21 @@
 
 `trace_model` builds `model.GPT(GPTConfig)` on "meta" (no memory), runs one
 training forward pass there with hooks like the stage 3 engine's
-(zeropp/stage3.py), and records with the engine's own `TraceRecorder`
-(zeropp/schedule.py) what the engine records in a step:
+(zeropp/stages/stage3.py), and records with the engine's own `TraceRecorder`
+(zeropp/stages/schedule.py) what the engine records in a step:
 - `events`: the first use of each partitioned weight, one list per module
   request, in forward order (the engine's trace, from which its forward
   gather schedule is cut);
 - `touch`: for each partitioned weight that backward needs, (checkpoint region
   or None, forward event count) as the engine's saved-tensor pack hook and
-  module pre-hook note it (zeropp.schedule.checkpoint_region decides regions);
+  module pre-hook note it (zeropp.stages.schedule.checkpoint_region decides regions);
 - `outside`: weights read outside their own module's forward (GPT's tied
   `wte.weight` in the output layer), as the engine's `GatherOnRead` notes them;
 - activation bytes: the tensors autograd saves (what backward keeps alive),
   in the compute dtype, inside each block and outside.
 
 `shard_layout` asks the engine's own classes how the weights split:
-zeropp.partition.ShardedParam / zeropp.stage3.Stage3Param built on a
+zeropp.collectives.partition.ShardedParam / zeropp.stages.stage3.Stage3Param built on a
 `Partition(group=None, size=N, rank=r)` (no process group), then
 `Stage3Param.place()` for persistence and hpZ's secondary slice.
 """
@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 import torch
 
 from model import GPT, GPTConfig
-from zeropp.partition import Partition, ShardedParam
-from zeropp.schedule import TraceRecorder, checkpoint_region
-from zeropp.stage3 import Stage3Param
+from zeropp.collectives.partition import Partition, ShardedParam
+from zeropp.stages.schedule import TraceRecorder, checkpoint_region
+from zeropp.stages.stage3 import Stage3Param
 
 
 @dataclass

@@ -26,7 +26,7 @@ from tests.test_zeropp import gpt, make_engine, tokens
 from tests.test_zeropp_auto import AUTO_ZERO, TINY, pick, synthetic
 from tools import export_checkpoint
 from training.logger import TrainingLogger
-from zeropp.quant_format import Quantized, wire_nbytes
+from zeropp.kernels.format import Quantized, wire_nbytes
 
 ROOT = os.path.dirname(os.path.abspath(train.__file__))
 

@@ -14,8 +14,8 @@ from tests.distributed import run_distributed, snapshot
 from tests.test_train import corpus, flags  # noqa: F401,F811  (corpus is a fixture)
 from tests.test_train_faults import torchrun
 from tests.test_zeropp import ALL3, gpt, make_engine, tokens
-from zeropp.quant import quantize
-from zeropp.weight_deltas import BLOCK_SIZE
+from zeropp.kernels.quant import quantize
+from zeropp.techniques.deltas import BLOCK_SIZE
 
 LOCO = {**ALL3, "zeropp_loco_param": {"err_beta": 0.8, "reset_T": 1024}}
 
@@ -83,7 +83,7 @@ def test_a_skipped_step_leaves_carried_state_alone(precision, bad):
 def test_a_delta_with_an_infinite_scale_is_not_small():
     """The refresh rule: a delta goes only while every block's INT4 step is finite and at most the
     INT8 step of the new values. An infinite new value made inf <= inf pass (symptom 5)."""
-    from zeropp.weight_deltas import WeightDeltas
+    from zeropp.techniques.deltas import WeightDeltas
     new = torch.ones(2 * BLOCK_SIZE)
     recon = new - 1e-3   # a small delta: its INT4 step is far below the INT8 step of the weights
     new[3] = float("inf")

@@ -2,7 +2,7 @@
 import pytest
 
 from zeropp.config import ConfigError, DeepSpeedConfig, FP16Config
-from zeropp.loss_scaler import LossScaler
+from zeropp.stages.loss_scaler import LossScaler
 
 
 def test_deepspeed_defaults_and_sizes():

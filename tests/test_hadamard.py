@@ -1,5 +1,5 @@
 """Hadamard smoothing of qgZ's INT4 gradient blocks (`zero_hadamard_gradients`,
-zeropp/hadamard.py): the transform against an explicit Hadamard matrix, its inverse, the
+zeropp/techniques/hadamard.py): the transform against an explicit Hadamard matrix, its inverse, the
 Triton kernel bit for bit against the torch path, the configuration, the collective's
 error (within the INT4 bound, smaller than without on blocks with outliers), error
 feedback in the rotated domain and its checkpoint layout, and training.
@@ -26,10 +26,10 @@ from parallel.topology import Topology  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 from tests.test_zeropp import ARGS, QGZ, int4_bound  # noqa: E402
 from tests.test_zeropp_loco import LOCO, ZERO3_TRAINING_TOLERANCE, train  # noqa: E402
-from zeropp import hadamard as hd  # noqa: E402
-from zeropp.error_feedback import ErrorFeedback  # noqa: E402
-from zeropp.partition import Partition  # noqa: E402
-from zeropp.quantized_collectives import HierarchicalQuantizedReduce  # noqa: E402
+from zeropp.techniques import hadamard as hd  # noqa: E402
+from zeropp.techniques.loco import ErrorFeedback  # noqa: E402
+from zeropp.collectives.partition import Partition  # noqa: E402
+from zeropp.techniques.qgz import HierarchicalQuantizedReduce  # noqa: E402
 
 HADAMARD = {**QGZ, "zero_hadamard_gradients": True}
 U = 2.0 ** -24   # fp32 unit roundoff
@@ -110,7 +110,7 @@ _TRITON_SKIP = None
 try:
     from triton.runtime.interpreter import InterpretedFunction
 
-    from zeropp import hadamard_triton as ht
+    from zeropp.kernels import triton_hadamard as ht
     if not _CUDA and not isinstance(ht._hadamard_kernel, InterpretedFunction):
         _TRITON_SKIP = "triton was imported before TRITON_INTERPRET=1 was set; run this file alone"
 except ImportError as e:

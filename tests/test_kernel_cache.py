@@ -1,4 +1,4 @@
-"""zeropp.kernel_cache, through the CPU quantization kernels: a bad file in the cache (truncated,
+"""zeropp.kernels.cache, through the CPU quantization kernels: a bad file in the cache (truncated,
 empty, another library, a manifest that does not match) is found before it is mapped and rebuilt
 with one warning, and the rebuilt kernels give the torch path's bits; a cache other users can
 write is refused with one line; the lock is never opened through a link; one of several ranks
@@ -16,7 +16,7 @@ import pytest
 
 from common import ConfigError
 from tests.test_train import corpus, flags  # noqa: F401  (corpus is a fixture)
-from zeropp import kernel_cache, quant_cpu
+from zeropp.kernels import cache, cpu_quant
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_cc = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler")
@@ -26,17 +26,17 @@ pytestmark = needs_cc
 CHECK = """
     import warnings, torch
     from common import ConfigError
-    from zeropp import quant, quant_cpu
+    from zeropp.kernels import quant, cpu_quant
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         try:
-            ok = quant_cpu.available()
+            ok = cpu_quant.available()
         except ConfigError as e:
             print("refused:", e)
             raise SystemExit(2)
     for m in w:
         print("warning:", m.message)
-    assert ok, quant_cpu.why_not()
+    assert ok, cpu_quant.why_not()
     x = torch.randn(5000, generator=torch.Generator().manual_seed(0)) * 3
     for bits in (8, 4):
         ref, got = quant.quantize(x, bits, 64, backend="torch"), quant.quantize(x, bits, 64, backend="cpu")
@@ -171,7 +171,7 @@ def test_a_cache_directory_others_can_write_is_refused_with_one_line(compiler, t
 
 def _load(cache, monkeypatch):
     monkeypatch.setenv("ZEROPP_CACHE_DIR", str(cache))
-    return kernel_cache.load("quant_cpu", quant_cpu._SOURCE, quant_cpu._FLAGS, os.environ.get("CC", "cc"),
+    return cache.load("quant_cpu", cpu_quant._SOURCE, cpu_quant._FLAGS, os.environ.get("CC", "cc"),
                              libs=["-lm"])
 
 

@@ -1,8 +1,8 @@
-"""Tests for zeropp.quant (torch reference) and zeropp.quant_triton (Triton kernels).
+"""Tests for zeropp.kernels.quant (torch reference) and zeropp.kernels.triton_quant (Triton kernels).
 
 The Triton kernels run on CUDA when a GPU is present, else on CPU tensors under the
 Triton interpreter: TRITON_INTERPRET=1 must be in the environment before
-``zeropp.quant_triton`` is imported (the kernels are decorated at import), so it is set
+``zeropp.kernels.triton_quant`` is imported (the kernels are decorated at import), so it is set
 here at import time on machines without CUDA.  It only affects triton, which nothing else
 in this repo uses on CPU.
 """
@@ -17,8 +17,8 @@ _CUDA = torch.cuda.is_available()
 if not _CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
 
-from zeropp import quant  # noqa: E402
-from zeropp.quant import DEFAULT_BLOCK_SIZE, QMAX, Quantized  # noqa: E402
+from zeropp.kernels import quant  # noqa: E402
+from zeropp.kernels.quant import DEFAULT_BLOCK_SIZE, QMAX, Quantized  # noqa: E402
 
 SIZES = [1, 7, 127, 128, 129, 1000]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -322,7 +322,7 @@ def test_bad_args():
 qt = None
 _TRITON_SKIP = None
 try:
-    from zeropp import quant_triton as qt  # noqa: E402
+    from zeropp.kernels import triton_quant as qt  # noqa: E402
     from triton.runtime.interpreter import InterpretedFunction
 
     if not _CUDA and not isinstance(qt._quantize_kernel, InterpretedFunction):

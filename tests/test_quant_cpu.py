@@ -1,4 +1,4 @@
-"""zeropp.quant_cpu (the compiled CPU kernels) against the torch reference path: the same
+"""zeropp.kernels.cpu_quant (the compiled CPU kernels) against the torch reference path: the same
 bits for every dtype, size, block size and special value, and the build's behaviour when
 there is no compiler or several ranks build at once."""
 import os
@@ -9,12 +9,12 @@ import textwrap
 import pytest
 import torch
 
-from zeropp import kernel_cache, quant, quant_cpu
-from zeropp.quant import Quantized
+from zeropp.kernels import cache, quant, cpu_quant
+from zeropp.kernels.quant import Quantized
 
 SIZES = [1, 7, 127, 128, 129, 1000, 70001]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-needs_kernels = pytest.mark.skipif(not quant_cpu.available(), reason=f"no CPU kernels: {quant_cpu.why_not()}")
+needs_kernels = pytest.mark.skipif(not cpu_quant.available(), reason=f"no CPU kernels: {cpu_quant.why_not()}")
 
 
 def _rand(n, dtype, seed):
@@ -139,8 +139,8 @@ def test_dequantize_add_gives_the_torch_paths_bits_on_strided_rows(dtype, n):
 @needs_kernels
 def test_auto_uses_the_kernels_on_cpu_unless_told_otherwise(monkeypatch):
     calls = []
-    real = quant_cpu.quantize
-    monkeypatch.setattr(quant_cpu, "quantize", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = cpu_quant.quantize
+    monkeypatch.setattr(cpu_quant, "quantize", lambda *a, **k: calls.append(1) or real(*a, **k))
     quant.quantize(torch.randn(300), 8)
     assert calls == [1]
     quant.quantize(torch.randn(300, dtype=torch.float64), 8)   # not a kernel dtype: torch path
@@ -162,13 +162,13 @@ def _python(code: str, env: dict) -> subprocess.CompletedProcess:
 def test_no_compiler_says_so_once_and_uses_the_torch_path(tmp_path):
     res = _python("""
         import warnings, torch
-        from zeropp import quant, quant_cpu
+        from zeropp.kernels import quant, cpu_quant
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
             x = torch.randn(1000)
             a = quant.quantize(x, 4)
             quant.quantize(x, 4)
-        assert not quant_cpu.available()
+        assert not cpu_quant.available()
         assert len(w) == 1 and "could not be built" in str(w[0].message), [str(m.message) for m in w]
         assert torch.equal(a.data, quant.quantize(x, 4, backend="torch").data)
         try:
@@ -185,8 +185,8 @@ def test_no_compiler_says_so_once_and_uses_the_torch_path(tmp_path):
 def test_ranks_building_at_once_build_one_library(tmp_path):
     code = """
         import torch
-        from zeropp import quant_cpu, quant
-        assert quant_cpu.available(), quant_cpu.why_not()
+        from zeropp.kernels import cpu_quant, quant
+        assert cpu_quant.available(), cpu_quant.why_not()
         x = torch.randn(5000)
         assert torch.equal(quant.quantize(x, 8, backend="cpu").data, quant.quantize(x, 8, backend="torch").data)
         """
@@ -199,11 +199,11 @@ def test_ranks_building_at_once_build_one_library(tmp_path):
 
 
 def test_the_cache_key_follows_the_source_the_flags_and_the_processor(monkeypatch, tmp_path):
-    def key(source=quant_cpu._SOURCE, flags=quant_cpu._FLAGS):
-        return kernel_cache.key_of(kernel_cache.key_inputs(source, flags, "true"))
+    def key(source=cpu_quant._SOURCE, flags=cpu_quant._FLAGS):
+        return cache.key_of(cache.key_inputs(source, flags, "true"))
     a = key()
     edited = tmp_path / "quant_cpu.c"
-    edited.write_bytes(quant_cpu._SOURCE.read_bytes() + b"\n")
-    assert key(source=edited) != a and key(flags=quant_cpu._FLAGS[1:]) != a and key() == a
-    monkeypatch.setattr(kernel_cache, "cpu_features", lambda: "flags: another processor")
+    edited.write_bytes(cpu_quant._SOURCE.read_bytes() + b"\n")
+    assert key(source=edited) != a and key(flags=cpu_quant._FLAGS[1:]) != a and key() == a
+    monkeypatch.setattr(cache, "cpu_features", lambda: "flags: another processor")
     assert key() != a

@@ -324,7 +324,7 @@ def test_gradients_stream_gathers_bucket_and_needed_weight_goes_first():
 
 # -- the buffer pool and the weights held for backward: plain functions ----------------------
 def test_buffer_pool_reuses_exact_sizes_and_keeps_to_its_budget():
-    from zeropp.buffer_pool import BufferPool
+    from zeropp.collectives.buffer_pool import BufferPool
     pool = BufferPool(torch.device("cpu"), budget=1000)
     a = pool.take(100, torch.float32)                      # 400 bytes
     assert a.dtype == torch.float32 and a.numel() == 100
@@ -347,7 +347,7 @@ def test_buffer_pool_reuses_exact_sizes_and_keeps_to_its_budget():
 
 
 def test_reuse_distance_decides_what_is_held_within_the_hold_budget():
-    from zeropp.schedule import reuse_set
+    from zeropp.stages.schedule import reuse_set
     numels = [10, 10, 10, 10, 40]
     forward = [[0], [1], [2], [3], [4]]
     backward = [[4], [3], [2], [1], [0]]
@@ -364,7 +364,7 @@ def test_reuse_distance_decides_what_is_held_within_the_hold_budget():
 
 
 def test_live_budget_leaves_room_for_pinned_weights_and_a_bucket():
-    from zeropp.schedule import live_budget
+    from zeropp.stages.schedule import live_budget
     numels = [8, 30, 20, 20]
     events = [[0], [1], [2], [3]]
     b = live_budget(60, 40, numels, events, pinned={0})

@@ -23,9 +23,9 @@ from tests.distributed import restore, run_distributed, snapshot
 from tests.numerics import assert_within_roundoff, fp64_reference
 import zeropp
 from zeropp.memory import memory_report
-from zeropp.partition import Partition
-from zeropp.quant import wire_nbytes
-from zeropp.quantized_collectives import HierarchicalQuantizedReduce
+from zeropp.collectives.partition import Partition
+from zeropp.kernels.quant import wire_nbytes
+from zeropp.techniques.qgz import HierarchicalQuantizedReduce
 
 CFG = dict(vocab_size=96, num_layers=2, hidden_size=32, num_attention_heads=4,
            max_position_embeddings=16, hidden_dropout=0.0, attention_dropout=0.0)

@@ -1,4 +1,4 @@
-"""INT4 weight deltas (`zero_quantized_weight_deltas`, zeropp/weight_deltas.py): the
+"""INT4 weight deltas (`zero_quantized_weight_deltas`, zeropp/techniques/deltas.py): the
 configuration, the refresh rule, the error bound of every gathered weight over many
 steps, the bytes across nodes, memory, evaluation, training and checkpoints."""
 from types import SimpleNamespace
@@ -12,9 +12,9 @@ from parallel.comm import wire_bytes
 from tests.distributed import run_distributed
 from tests.test_zeropp import ARGS, HPZ, QGZ, QWZ, gpt, make_engine, mean_over_ranks, tokens
 from zeropp.memory import memory_report
-from zeropp.quant_format import wire_nbytes
-from zeropp import weight_deltas
-from zeropp.weight_deltas import BLOCK_SIZE, WeightDeltas
+from zeropp.kernels.format import wire_nbytes
+from zeropp.techniques import deltas
+from zeropp.techniques.deltas import BLOCK_SIZE, WeightDeltas
 
 DELTAS = {**HPZ, "zero_quantized_weight_deltas": True}
 BF16 = {"bf16": {"enabled": True}}

@@ -10,8 +10,8 @@ from parallel.topology import Topology
 from tests.distributed import run_distributed
 from tests.test_zeropp import ARGS, QGZ, gpt, make_engine, mean_over_ranks, tokens
 from zeropp.memory import memory_report
-from zeropp.partition import Partition
-from zeropp.quantized_collectives import ErrorFeedback, HierarchicalQuantizedReduce
+from zeropp.collectives.partition import Partition
+from zeropp.techniques.qgz import ErrorFeedback, HierarchicalQuantizedReduce
 
 LOCO = {**QGZ, "zeropp_loco_param": {"err_beta": 0.8, "reset_T": 1024}}
 # as tests/test_zeropp.py's qwZ/qgZ training check: each step's loss within 2% of ZeRO-3's, the

@@ -49,7 +49,7 @@ from training.checkpoint_files import (CHECKSUMS, FORMAT_VERSION, META, TRACKER,
                                        read_meta, resolve_checkpoint, verify_on_all_ranks, write_text_atomic)
 from training.checkpoint_state import as_dcp, engine_device, rng_state, set_rng_state, single_process_quiet
 from training.preflight import check_writable_dir
-from zeropp.engine import FlatState
+from zeropp.collectives.partition import FlatState
 
 # GPTConfig fields that must match to load weights (dropout, recomputation may change)
 ARCHITECTURE = ("vocab_size", "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",

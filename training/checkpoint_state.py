@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from parallel.launch import world_size
-from zeropp.engine import FlatState
+from zeropp.collectives.partition import FlatState
 
 
 # -- RNG states as JSON -------------------------------------------------------------------

@@ -18,7 +18,7 @@ from common import ConfigError
 from data.gpt_dataset import parse_data_path, parse_split
 from data.indexed_dataset import DataError, IndexedDataset
 from data.tokenizer import build_tokenizer
-from zeropp import quant, quant_cpu
+from zeropp.kernels import quant, cpu_quant
 
 
 def check_inputs(args):
@@ -29,7 +29,7 @@ def check_inputs(args):
     zero = args.ds_config.zero_optimization
     quantizes = zero.zero_quantized_weights or zero.zero_quantized_gradients or zero.zero_quantized_weight_deltas
     if quantizes and not torch.cuda.is_available() and quant.forced_backend() != "torch":
-        quant_cpu.available()   # builds or checks the cached kernels now: a cache others can write is refused here
+        cpu_quant.available()   # builds or checks the cached kernels now: a cache others can write is refused here
     if args.load:
         check_load_path(args.load)
     for flag, path in (("--tensorboard-dir", args.tensorboard_dir), ("--data-cache-path", args.data_cache_path)):
@@ -77,9 +77,9 @@ def check_quant_backend():
     if backend == "triton" and not (quant.triton_available() and torch.cuda.is_available()):
         raise ConfigError("ZEROPP_QUANT_BACKEND=triton needs CUDA GPUs and triton; unset it (the CPU kernels "
                           "or torch are picked by themselves)")
-    if backend == "cpu" and not quant_cpu.available():
+    if backend == "cpu" and not cpu_quant.available():
         raise ConfigError(f"ZEROPP_QUANT_BACKEND=cpu: the CPU kernels cannot be built here "
-                          f"({quant_cpu.why_not()}); unset it or set it to torch")
+                          f"({cpu_quant.why_not()}); unset it or set it to torch")
 
 
 def check_writable_dir(path: str, flag: str):

@@ -1,8 +1,8 @@
 """ZeRO stages 0-3 (and ZeRO++) for any nn.Module."""
 from zeropp.config import ConfigError, DeepSpeedConfig, OptimizerSettings, ZeroConfig
-from zeropp.engine import Engine, StepResult
-from zeropp.init import ParamInit
-from zeropp.stage0 import DDPEngine
+from zeropp.stages.engine import Engine, StepResult
+from zeropp.stages.init import ParamInit
+from zeropp.stages.stage0 import DDPEngine
 
 
 def initialize(module, config: DeepSpeedConfig, comm, device, optim: OptimizerSettings,
@@ -10,7 +10,7 @@ def initialize(module, config: DeepSpeedConfig, comm, device, optim: OptimizerSe
     """Wrap `module` in the engine for `config.zero_optimization.stage`.
 
     `module` may be built on the meta device; `param_init(name, tensor)` then
-    fills each parameter (see zeropp/init.py). A ZeRO++ switch set to "auto" must
+    fills each parameter (see zeropp/stages/init.py). A ZeRO++ switch set to "auto" must
     be resolved first (planner.auto.resolve). At world size 1 every stage
     takes the short path (DDPEngine without DDP): the shard is the weight,
     and ZeRO++ has nothing to send.
@@ -26,11 +26,11 @@ def initialize(module, config: DeepSpeedConfig, comm, device, optim: OptimizerSe
     if zero.stage == 0 or comm.topology.world_size == 1:
         cls = DDPEngine
     elif zero.stage == 1:
-        from zeropp.stage12 import Stage1Engine as cls
+        from zeropp.stages.stage12 import Stage1Engine as cls
     elif zero.stage == 2:
-        from zeropp.stage12 import Stage2Engine as cls
+        from zeropp.stages.stage12 import Stage2Engine as cls
     else:
-        from zeropp.stage3 import Stage3Engine as cls
+        from zeropp.stages.stage3 import Stage3Engine as cls
     return cls(module, config, comm, device, optim, gradient_accumulation_steps, param_init=param_init)
 
 

@@ -53,8 +53,8 @@ from __future__ import annotations
 
 import torch
 
-from zeropp.quant_format import wire_nbytes
-from zeropp.weight_deltas import BLOCK_SIZE as DELTA_BLOCK
+from zeropp.kernels.format import wire_nbytes
+from zeropp.techniques.deltas import BLOCK_SIZE as DELTA_BLOCK
 
 
 def predicted_bytes_per_param(stage: int, world: int, dtype: torch.dtype,
@@ -169,8 +169,8 @@ class AllocationTrace:
     [(site, bytes, count)]. A site is the innermost functions of this
     repository's packages (file:line of their def, as the profiler names them)
     and the operator that allocated: the outermost aten op under them, or the
-    autograd node in backward ("zeropp/quant.py:155 _torch_quantize <
-    zeropp/quant.py:186 quantize [aten::to]").
+    autograd node in backward ("zeropp/kernels/quant.py:155 _torch_quantize <
+    zeropp/kernels/quant.py:186 quantize [aten::to]").
 
         with AllocationTrace() as trace:
             step()

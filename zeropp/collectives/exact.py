@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 
 from parallel.comm import Work
-from zeropp.buffer_pool import BufferPool
-from zeropp.partition import Partition, ShardedParam, fill_rows
-from zeropp.schedule import bucketize, gradient_buckets
+from zeropp.collectives.buffer_pool import BufferPool
+from zeropp.collectives.partition import Partition, ShardedParam, fill_rows
+from zeropp.collectives.partition import bucketize, gradient_buckets
 
 
 class ShardGather:
@@ -127,7 +127,7 @@ class GradientReducer:
     """Static gradient buckets, reduce-scattered into each shard's fp32 `grad`.
 
     `shards` are every parameter's, in parameter order (`shards[i].index == i`);
-    buckets follow zeropp.schedule.gradient_buckets (reverse parameter order, as
+    buckets follow zeropp.stages.schedule.gradient_buckets (reverse parameter order, as
     backward usually produces gradients); that order only affects overlap, never
     correctness. A bucket is launched once all its gradients are in and every
     earlier bucket has been launched; `finish()` launches the rest (zeros for

@@ -10,8 +10,8 @@ import torch
 import torch.nn as nn
 
 from parallel.comm import Communicator
-from zeropp.engine import Engine, FlatState, communication_dtype, compute_dtype, split_decay
-from zeropp.init import ParamInit, materialize_rest
+from zeropp.stages.engine import Engine, FlatState, communication_dtype, compute_dtype, split_decay
+from zeropp.stages.init import ParamInit, materialize_rest
 
 DDP_BUCKET_MB = 25   # torch DDP's bucket_cap_mb (its default), which the planner models
 

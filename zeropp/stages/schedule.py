@@ -1,6 +1,6 @@
 """Stage 3's schedules as plain functions over weight indices and sizes.
 
-The engine (zeropp/stage3.py) and the planner (planner/comm.py, planner/trace.py)
+The engine (zeropp/stages/stage3.py) and the planner (planner/comm.py, planner/trace.py)
 both use these, so the planner's collectives are the engine's by construction.
 
 - `TraceRecorder`: what one forward records: the first use of each weight, one
@@ -13,33 +13,19 @@ both use these, so the planner's collectives are the engine's by construction.
 - `live_budget`: how `stage3_max_live_parameters` splits between the weights
   read outside their module, one gather bucket and the weights held.
 - `reuse_set`: the weights held from forward to backward.
-- `gradient_buckets`: the reduce buckets, in the order backward fills them.
+(`bucketize` and `gradient_buckets` are in zeropp/collectives/partition.py.)
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
+from zeropp.collectives.partition import bucketize
+
 # A weight's last use that backward needs: (checkpoint region or None, forward event count).
 Touch = tuple[object, int]
-
-
-def bucketize(items: list, size_of: Callable, limit: int) -> list[list]:
-    """Split `items` (in order) into consecutive buckets of at most `limit`
-    total size; an item larger than the limit gets a bucket of its own."""
-    buckets, current, total = [], [], 0
-    for item in items:
-        size = size_of(item)
-        if current and total + size > limit:
-            buckets.append(current)
-            current, total = [], 0
-        current.append(item)
-        total += size
-    if current:
-        buckets.append(current)
-    return buckets
 
 
 class TraceRecorder:
@@ -186,13 +172,6 @@ def reuse_set(forward_events: list[list[int]] | None, backward_events: list[list
                 held_elems += cost
         used_after_in_forward += size(event)
     return hold
-
-
-def gradient_buckets(chunks: Sequence[int], members: int, bucket_elems: int) -> list[list[int]]:
-    """Reduce buckets over weights 0..n-1 whose partition chunks are `chunks`:
-    in reverse weight order (as backward usually produces gradients), each at
-    most `bucket_elems` elements of [members, sum of chunks] rows."""
-    return bucketize(list(reversed(range(len(chunks)))), lambda i: chunks[i] * members, bucket_elems)
 
 
 TRAINING_FORWARD = ("forward", True, True)   # the trace key (phase, grad enabled, training) of a step

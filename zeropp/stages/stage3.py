@@ -1,7 +1,7 @@
 """ZeRO stage 3: the 16-bit weights are partitioned too.
 
 The engine keeps the hooks and the order of requests; a weight's states and a
-bucket's gather are in zeropp/stage3_param.py, the schedules in schedule.py.
+bucket's gather are in zeropp/stages/stage3_param.py, the schedules in schedule.py.
 
 When weights are gathered:
 - forward: a pre-hook on every module with direct parameters requests them, a post-hook releases
@@ -36,7 +36,7 @@ ZeRO++ (arXiv 2306.10209), each switch on its own:
   node group; a weight it holds is gathered from it, inside the node.
 - qgZ (`zero_quantized_gradients`): gradients go through `HierarchicalQuantizedReduce`.
 - INT4 weight deltas (`zero_quantized_weight_deltas`, with hpZ): a weight gathered
-  again from the primary partition goes as `WeightDeltas` (zeropp/weight_deltas.py).
+  again from the primary partition goes as `WeightDeltas` (zeropp/techniques/deltas.py).
 Every rank must run the same modules in forward (as with DeepSpeed and FSDP).
 """
 from __future__ import annotations
@@ -45,18 +45,18 @@ import contextlib
 
 import torch
 
-from zeropp.buffer_pool import BufferPool
-from zeropp.collectives import ShardReduce
-from zeropp.hpz import SecondaryPartition
-from zeropp.partition import Partition
-from zeropp.quant import scratch_bound, scratch_bytes
-from zeropp.quantized_collectives import QuantizedShardGather, qgz_reduce
-from zeropp.schedule import (GatherSchedule, LiveBudget, TraceRecorder, backward_order, checkpoint_region, live_budget,
+from zeropp.collectives.buffer_pool import BufferPool
+from zeropp.collectives.exact import ShardReduce
+from zeropp.techniques.hpz import SecondaryPartition
+from zeropp.collectives.partition import Partition
+from zeropp.kernels.quant import scratch_bound, scratch_bytes
+from zeropp.techniques.qgz import QuantizedShardGather, qgz_reduce
+from zeropp.stages.schedule import (GatherSchedule, LiveBudget, TraceRecorder, backward_order, checkpoint_region, live_budget,
                              restore_orders, reuse_set, saved_orders, without)
-from zeropp.sharded import ShardedEngineBase
-from zeropp.stage3_param import (BucketGather, GatheredWeights, GatherOnRead, PrimaryWeights, SavedWeightView,
+from zeropp.stages.sharded import ShardedEngineBase
+from zeropp.stages.stage3_param import (BucketGather, GatheredWeights, GatherOnRead, PrimaryWeights, SavedWeightView,
                                  Stage3Param, WeightState)
-from zeropp.weight_deltas import WeightDeltas
+from zeropp.techniques.deltas import WeightDeltas
 
 __all__ = ["Stage3Engine", "Stage3Param", "WeightState"]
 

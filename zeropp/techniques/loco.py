@@ -13,7 +13,7 @@ tracks the sum of the true gradients (tests/test_zeropp_loco.py: over 20
 reductions of the same rows, 0.1 x a step's error against 20 x).
 
 With Hadamard smoothing (`zero_hadamard_gradients`) the rows are sent rotated
-(zeropp/hadamard.py), each padded to whole blocks of B, so the buffers are [N, P
+(zeropp/techniques/hadamard.py), each padded to whole blocks of B, so the buffers are [N, P
 padded to B] in the rotated domain; `hadamard` (B, 0 = off) is part of the layout.
 
 Carried state is committed with the step (ARCHITECTURE.md, "State carried across
@@ -33,10 +33,10 @@ from __future__ import annotations
 
 import torch
 
-from zeropp.buffer_pool import BufferPool
-from zeropp.engine import FlatState
-from zeropp.quant import dequantize, quantize
-from zeropp.quant_format import Quantized
+from zeropp.collectives.buffer_pool import BufferPool
+from zeropp.collectives.partition import FlatState
+from zeropp.kernels.quant import dequantize, quantize
+from zeropp.kernels.format import Quantized
 
 KEY = "error_feedback."   # checkpoint keys: KEY + bucket index
 

@@ -1,4 +1,4 @@
-"""Triton kernels for zeropp.quant (same format, same results bit for bit).
+"""Triton kernels for zeropp.kernels.quant (same format, same results bit for bit).
 
 Every kernel works on tiles of ROWS blocks of BLOCK (a power of two) elements, one block
 per row; INT4 bytes are split into (even, odd) nibbles and joined back in element order.
@@ -7,7 +7,7 @@ Rounding: clamp to [-qmax, qmax], then
 same arithmetic as the torch path (libdevice.rint is not available under
 TRITON_INTERPRET=1).  Division is ``tl.math.div_rn`` (IEEE round to nearest), as torch.
 
-Called through zeropp.quant (dispatch for CUDA tensors); the functions here also accept CPU
+Called through zeropp.kernels.quant (dispatch for CUDA tensors); the functions here also accept CPU
 tensors when TRITON_INTERPRET=1 was set before triton was imported (tests).
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from zeropp.quant_format import QMAX, Quantized, num_blocks
+from zeropp.kernels.format import QMAX, Quantized, num_blocks
 
 _MAGIC = 12582912.0
 # No fused multiply-add: the sum of dequantized parts (a + q * s) must round like torch's
@@ -147,7 +147,7 @@ def _check_block(block_size: int):
 
 
 def quantize(x: torch.Tensor, bits: int, block_size: int, out: Quantized | None = None) -> Quantized:
-    """`out`: contiguous destination (zeropp.quant.quantize checks it); default new tensors."""
+    """`out`: contiguous destination (zeropp.kernels.quant.quantize checks it); default new tensors."""
     _check_block(block_size)
     x = x.reshape(-1)
     if not x.is_contiguous():

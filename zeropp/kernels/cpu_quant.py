@@ -1,15 +1,15 @@
-"""Compiled CPU kernels for zeropp.quant (same format, same results bit for bit).
+"""Compiled CPU kernels for zeropp.kernels.quant (same format, same results bit for bit).
 
 The torch path makes a dozen passes over every element (amax, amin, divide, clamp,
 round, cast, pack, ...); on CPU ranks that arithmetic was most of ZeRO++'s cost on a
 fast link. ``csrc/quant_cpu.c`` does each block in one pass, in fp32, in L1. It is
 built with the system C compiler (``$CC``, else ``cc``) the first time it is needed, into
-zeropp.kernel_cache (``$ZEROPP_CACHE_DIR``, default ``~/.cache/zeropp``), once per source,
+zeropp.kernels.cache (``$ZEROPP_CACHE_DIR``, default ``~/.cache/zeropp``), once per source,
 flags, compiler and CPU, so a cache shared between machines never runs code built for another
 processor; the cache checks each library's sha256 before loading it, rebuilds a bad one and
 refuses a directory other users can write (a ConfigError). Concurrent ranks build it once and
 load it with ctypes; calls release the GIL. No compiler, or a failed build: `available()` is
-False and zeropp.quant says why once, then uses the torch path.
+False and zeropp.kernels.quant says why once, then uses the torch path.
 """
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from typing import Optional
 
 import torch
 
-from zeropp import kernel_cache
-from zeropp.quant_format import Quantized
+from zeropp.kernels import cache
+from zeropp.kernels.format import Quantized
 
 _SOURCE = Path(__file__).with_name("csrc") / "quant_cpu.c"
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11"]
@@ -35,7 +35,7 @@ _WHY_NOT = ""        # why the library is not available
 def _load():
     global _WHY_NOT
     try:   # a ConfigError (a cache others can write) is the user's to fix: it propagates
-        lib = kernel_cache.load("quant_cpu", _SOURCE, _FLAGS, os.environ.get("CC", "cc"), libs=["-lm"])
+        lib = cache.load("quant_cpu", _SOURCE, _FLAGS, os.environ.get("CC", "cc"), libs=["-lm"])
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         _WHY_NOT = f"the CPU quantization kernels could not be built ({e})"
         return False
@@ -129,4 +129,4 @@ def dequantize_reduce(st: Quantized, dtype: torch.dtype, scale: float, out: torc
 
 
 def warn_unavailable():
-    warnings.warn(f"zeropp.quant: {_WHY_NOT}; using the torch path (slower on CPU)", RuntimeWarning, stacklevel=4)
+    warnings.warn(f"zeropp.kernels.quant: {_WHY_NOT}; using the torch path (slower on CPU)", RuntimeWarning, stacklevel=4)

@@ -1,4 +1,4 @@
-"""ZeRO++'s two quantized collectives, drop-in for those of zeropp/collectives.py
+"""ZeRO++'s two quantized collectives, drop-in for those of zeropp/collectives/exact.py
 (REFERENCE.md section 2):
 
 - `QuantizedShardGather` (qwZ): each member quantizes its chunks to INT8 in
@@ -12,13 +12,13 @@
   The result is the sum a reduce-scatter gives (the caller scales it), within
   the INT4 bound.
 
-- with `ErrorFeedback` (zeropp/error_feedback.py, `zeropp_loco_param`), qgZ
+- with `ErrorFeedback` (zeropp/techniques/loco.py, `zeropp_loco_param`), qgZ
   carries the quantization error of what a rank sent across nodes into its
   next reduction of the same bucket. The one lossy hop is then the inter-node
   one: inside the node the rows go exactly (an all-to-all in the
   communication dtype, on the fast link, summed in fp32), so the error lives
   in 1/L of the bucket per rank.
-- with `hadamard` (`zero_hadamard_gradients`, zeropp/hadamard.py), each row,
+- with `hadamard` (`zero_hadamard_gradients`, zeropp/techniques/hadamard.py), each row,
   zero-padded to whole quantization blocks, is rotated block by block by a
   Walsh-Hadamard transform before its first INT4 quantization (an outlier is
   spread over its block, so the block's scale no longer crushes the rest);
@@ -28,7 +28,7 @@
 
 Each charges the communicator's plain equivalent with the collective it
 replaces (parallel/comm.py), so a run reports what ZeRO-3 would have sent.
-Quantization runs in zeropp/quant.py: Triton kernels on CUDA, torch elsewhere.
+Quantization runs in zeropp/kernels/quant.py: Triton kernels on CUDA, torch elsewhere.
 Wire buffers come from the caller's `BufferPool` (counted, reused) and go back
 to it once the collective is done; dequantization writes straight into the
 result.
@@ -40,14 +40,14 @@ from typing import Callable
 import torch
 
 from parallel.comm import Work
-from zeropp.buffer_pool import BufferPool
-from zeropp.collectives import ShardGather, ShardReduce
-from zeropp.error_feedback import ErrorFeedback
-from zeropp.hadamard import check_hadamard_block, hadamard
-from zeropp.partition import Partition
-from zeropp.quant import (DEFAULT_BLOCK_SIZE, Quantized, dequantize, dequantize_reduce,
+from zeropp.collectives.buffer_pool import BufferPool
+from zeropp.collectives.exact import ShardGather, ShardReduce
+from zeropp.techniques.loco import ErrorFeedback
+from zeropp.techniques.hadamard import check_hadamard_block, hadamard
+from zeropp.collectives.partition import Partition
+from zeropp.kernels.quant import (DEFAULT_BLOCK_SIZE, Quantized, dequantize, dequantize_reduce,
                           dequantize_reduce_requantize, quantize, wire_nbytes)
-from zeropp.quant_format import num_blocks
+from zeropp.kernels.format import num_blocks
 
 
 def _take_wire(pool: BufferPool, rows: int, numel: int, bits: int,

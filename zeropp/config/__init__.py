@@ -6,7 +6,7 @@
 Config honesty: every key does what DeepSpeed documents, or it is refused with
 a ConfigError that names it and says what to do instead.
 - Keys DeepSpeed has but this engine does not implement say "not supported"
-  (the list is zeropp/config_keys.py). The value that means "off" (`"sparse_gradients": false`, a section with
+  (the list is zeropp/config/keys.py). The value that means "off" (`"sparse_gradients": false`, a section with
   `"enabled": false`) is accepted: it asks for what happens anyway.
 - Keys that choose between DeepSpeed implementations (contiguous_gradients,
   reduce_scatter, ...) accept only the value that describes this engine.
@@ -23,13 +23,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from common import ConfigError, parse_int, parse_number, refuse_value
-from zeropp.config_keys import UNSUPPORTED
-from zeropp.config_optim import OptimizerConfig, OptimizerSettings, SchedulerConfig
+from zeropp.config.keys import UNSUPPORTED
+from zeropp.config.optim import OptimizerConfig, OptimizerSettings, SchedulerConfig
 
 __all__ = ["AUTO", "AUTO_KEYS", "ConfigError", "DeepSpeedConfig", "LocoConfig", "ZeroConfig", "OptimizerSettings", "load_json"]
 
 # Smallest block sizes: a block's data bytes must be a multiple of 4 (INT8: 4 elements, INT4: 8), or
-# the fp32 scales of the next row of a wire buffer start unaligned (zeropp/quant_format.py, to_bytes).
+# the fp32 scales of the next row of a wire buffer start unaligned (zeropp/kernels/format.py, to_bytes).
 _MIN_BLOCK = {"zero_quantized_weights_block_size": 4, "zero_quantized_gradients_block_size": 8}
 _DEFAULT_REFRESH = 100   # ZeroConfig.zero_quantized_weight_deltas_refresh_interval
 
@@ -37,7 +37,7 @@ _DEFAULT_REFRESH = 100   # ZeroConfig.zero_quantized_weight_deltas_refresh_inter
 @dataclass
 class LocoConfig:
     """`zeropp_loco_param` (DeepSpeed's spelling): error feedback for qgZ's INT4 hop
-    (zeropp/quantized_collectives.py). The error carried to the next reduction is
+    (zeropp/techniques/qgz.py). The error carried to the next reduction is
     err_beta x the old one + (1 - err_beta) x this quantization's; every reset_T
     reductions of a bucket it starts again from zero."""
     err_beta: float = 0.8
@@ -71,14 +71,14 @@ class ZeroConfig:
     zero_quantized_gradients: bool | str = False
     # qgZ with error feedback (--zero-loco); None = off.
     zeropp_loco_param: LocoConfig | None = None
-    # INT4 weight deltas across nodes (--zero-quantized-weight-deltas, zeropp/weight_deltas.py;
+    # INT4 weight deltas across nodes (--zero-quantized-weight-deltas, zeropp/techniques/deltas.py;
     # needs hpZ), with a full gather of every weight each refresh_interval optimizer steps.
     zero_quantized_weight_deltas: bool = False
     zero_quantized_weight_deltas_refresh_interval: int = _DEFAULT_REFRESH
     # qgZ rotates each gradient block by a Walsh-Hadamard transform before INT4 quantization
-    # (--zero-hadamard-gradients, zeropp/hadamard.py; block = zero_quantized_gradients_block_size).
+    # (--zero-hadamard-gradients, zeropp/techniques/hadamard.py; block = zero_quantized_gradients_block_size).
     zero_hadamard_gradients: bool = False
-    # This product's keys (DeepSpeed fixes these): elements per fp32 scale (zeropp/quant.py).
+    # This product's keys (DeepSpeed fixes these): elements per fp32 scale (zeropp/kernels/quant.py).
     zero_quantized_weights_block_size: int = 256      # qwZ, INT8
     zero_quantized_gradients_block_size: int = 128    # qgZ, INT4
     allgather_partitions: bool = True        # true only
@@ -218,7 +218,7 @@ class DeepSpeedConfig:
     gradient_accumulation_steps: int | None = None
     gradient_clipping: float = 0.0
     steps_per_print: int = 10            # the default of --log-interval when the file sets it
-    wall_clock_breakdown: bool = False   # per-phase times in the log (zeropp/wall_clock.py)
+    wall_clock_breakdown: bool = False   # per-phase times in the log (zeropp/stages/wall_clock.py)
     # Dtype of gradient reductions: "fp32", "fp16", "bf16"; None = the compute dtype.
     communication_data_type: str | None = None
     # Gradient averaging, as DeepSpeed does it (see gradient_scale_factors).

@@ -17,10 +17,10 @@ States (each method asserts the one it starts from):
 
 `BucketGather` is one all-gather of several weights from a weight source: the
 primary partition (`PrimaryWeights`: over all ranks, exact or qwZ) or hpZ's
-secondary one (zeropp/hpz.py). Parameters of at most
+secondary one (zeropp/techniques/hpz.py). Parameters of at most
 `stage3_param_persistence_threshold` elements are persistent: whole on every
 rank, none of this applies to them. `GatherOnRead` and `SavedWeightView` are how
-the engine (zeropp/stage3.py) sees a weight read outside its module or saved
+the engine (zeropp/stages/stage3.py) sees a weight read outside its module or saved
 for backward.
 """
 from __future__ import annotations
@@ -30,11 +30,11 @@ import enum
 import torch
 
 from parallel.comm import Work
-from zeropp.buffer_pool import BufferPool
-from zeropp.collectives import ShardGather
-from zeropp.hpz import SecondarySlice, secondary_slice
-from zeropp.init import replace_data
-from zeropp.partition import Partition, ShardedParam
+from zeropp.collectives.buffer_pool import BufferPool
+from zeropp.collectives.exact import ShardGather
+from zeropp.techniques.hpz import SecondarySlice, secondary_slice
+from zeropp.stages.init import replace_data
+from zeropp.collectives.partition import Partition, ShardedParam
 
 
 class WeightState(enum.Enum):

@@ -15,7 +15,7 @@ relative to the typical element and INT4's 7 levels per sign resolve the rest.
   B terms added in a tree of depth log2(B), within log2(B) ulps of sum|x| per pass.
 
 Two backends, bit-identical (tests/test_hadamard.py): a Triton kernel on CUDA
-(zeropp/hadamard_triton.py, the same stages, the same fp32 adds and subtracts) and this
+(zeropp/kernels/triton_hadamard.py, the same stages, the same fp32 adds and subtracts) and this
 vectorized torch path elsewhere, which works on chunks of whole blocks with one
 reusable scratch chunk per thread (ping-pong between it and the result), so temporaries
 stay about a MB whatever the tensor.
@@ -28,7 +28,7 @@ import torch
 
 __all__ = ["hadamard", "check_hadamard_block"]
 
-_CHUNK = 1 << 18          # elements per chunk (1 MB of fp32), as zeropp/quant.py's torch path
+_CHUNK = 1 << 18          # elements per chunk (1 MB of fp32), as zeropp/kernels/quant.py's torch path
 _SCRATCH = threading.local()
 
 
@@ -79,7 +79,7 @@ def _pick(backend: str, device: torch.device) -> str:
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"backend must be auto, torch or triton, got {backend!r}")
     if backend == "auto":
-        from zeropp.quant import triton_available
+        from zeropp.kernels.quant import triton_available
         return "triton" if device.type == "cuda" and triton_available() else "torch"
     return backend
 
@@ -104,8 +104,8 @@ def hadamard(x: torch.Tensor, block_size: int, inverse: bool = False, out: torch
     if x.numel() == 0:
         return out
     if _pick(backend, x.device) == "triton":
-        from zeropp import hadamard_triton
-        hadamard_triton.hadamard(x.view(-1), out.view(-1), block_size, inverse)
+        from zeropp.kernels import triton_hadamard
+        triton_hadamard.hadamard(x.view(-1), out.view(-1), block_size, inverse)
     else:
         _torch_hadamard(x.view(-1), out.view(-1), block_size, inverse)
     return out

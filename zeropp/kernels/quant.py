@@ -1,6 +1,6 @@
 """Block-wise symmetric quantization for ZeRO++ (qwZ: INT8 weights, qgZ: INT4 gradients).
 
-One API, two backends (REFERENCE.md section 7): Triton kernels (``zeropp.quant_triton``)
+One API, two backends (REFERENCE.md section 7): Triton kernels (``zeropp.kernels.triton_quant``)
 when the tensor is on CUDA and triton imports, this vectorized torch implementation
 everywhere else.  The torch path is the reference the Triton kernels are tested against.
 
@@ -56,8 +56,8 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from zeropp import quant_cpu
-from zeropp.quant_format import (DEFAULT_BLOCK_SIZE, QMAX, Quantized, check_block_size, num_blocks,
+from zeropp.kernels import cpu_quant
+from zeropp.kernels.format import (DEFAULT_BLOCK_SIZE, QMAX, Quantized, check_block_size, num_blocks,
                                  wire_nbytes)
 
 __all__ = ["Quantized", "DEFAULT_BLOCK_SIZE", "QMAX", "forced_backend", "quantize", "dequantize", "dequantize_add",
@@ -69,12 +69,12 @@ _WARNED = False   # said once that the CPU kernels are missing
 
 
 def triton_available() -> bool:
-    """True if ``zeropp.quant_triton`` imports (triton installed)."""
+    """True if ``zeropp.kernels.triton_quant`` imports (triton installed)."""
     global _TRITON
     if _TRITON is None:
         try:
-            from zeropp import quant_triton  # noqa: F401
-            _TRITON = quant_triton
+            from zeropp.kernels import triton_quant  # noqa: F401
+            _TRITON = triton_quant
         except Exception:  # ImportError, or a broken triton install
             _TRITON = False
     return _TRITON is not False
@@ -91,7 +91,7 @@ def forced_backend() -> str:
 def _pick_backend(backend: str, device: torch.device, block_size: int,
                   dtype: Optional[torch.dtype] = None) -> str:
     """'auto' -> 'triton' for CUDA tensors when triton imports and block_size is a power of
-    two; 'cpu' (zeropp.quant_cpu, compiled) for CPU tensors of fp32/bf16/fp16 when it builds;
+    two; 'cpu' (zeropp.kernels.cpu_quant, compiled) for CPU tensors of fp32/bf16/fp16 when it builds;
     else 'torch'. ZEROPP_QUANT_BACKEND=torch (or cpu) in the environment forces that one."""
     if backend not in ("auto", "torch", "triton", "cpu"):
         raise ValueError(f"backend must be auto, torch, triton or cpu, got {backend!r}")
@@ -100,18 +100,18 @@ def _pick_backend(backend: str, device: torch.device, block_size: int,
     if backend != "auto":
         if backend == "triton" and not triton_available():
             raise RuntimeError("backend='triton' but triton is not importable")
-        if backend == "cpu" and not quant_cpu.available():
-            raise RuntimeError(f"backend='cpu': {quant_cpu.why_not()}")
+        if backend == "cpu" and not cpu_quant.available():
+            raise RuntimeError(f"backend='cpu': {cpu_quant.why_not()}")
         return backend
     if device.type == "cuda" and block_size & (block_size - 1) == 0 and triton_available():
         return "triton"
     if device.type == "cpu" and dtype in (None, torch.float32, torch.bfloat16, torch.float16):
-        if quant_cpu.supports(block_size):
+        if cpu_quant.supports(block_size):
             return "cpu"
         global _WARNED
-        if not _WARNED and not quant_cpu.available():
+        if not _WARNED and not cpu_quant.available():
             _WARNED = True
-            quant_cpu.warn_unavailable()
+            cpu_quant.warn_unavailable()
     return "torch"
 
 
@@ -299,10 +299,10 @@ def quantize(x: torch.Tensor, bits: int = 8, block_size: Optional[int] = None,
         out.check_out(x.numel(), bits, block_size)
     chosen = _pick_backend(backend, x.device, block_size, x.dtype)
     if chosen == "triton":
-        from zeropp import quant_triton
-        return quant_triton.quantize(x, bits, block_size, out=out)
+        from zeropp.kernels import triton_quant
+        return triton_quant.quantize(x, bits, block_size, out=out)
     if chosen == "cpu":
-        return quant_cpu.quantize(x, bits, block_size, out=out)
+        return cpu_quant.quantize(x, bits, block_size, out=out)
     return _torch_quantize(x, bits, block_size, out)
 
 
@@ -318,10 +318,10 @@ def dequantize(q: Quantized, dtype: torch.dtype = torch.float32, backend: str = 
                          f"{(*q.data.shape[:-1], q.numel)}, got {out.dtype} {tuple(out.shape)}")
     chosen = _pick_backend(backend, q.data.device, q.block_size, dtype)
     if chosen == "triton":
-        from zeropp import quant_triton
-        return quant_triton.dequantize(q, dtype, out=out)
+        from zeropp.kernels import triton_quant
+        return triton_quant.dequantize(q, dtype, out=out)
     if chosen == "cpu":
-        return quant_cpu.dequantize(q, dtype, out=out)
+        return cpu_quant.dequantize(q, dtype, out=out)
     _dequant_into(q, out)
     return out
 
@@ -336,7 +336,7 @@ def dequantize_add(q: Quantized, out: torch.Tensor, backend: str = "auto",
         raise ValueError(f"dequantize_add: out must have shape {(*q.data.shape[:-1], q.numel)} with "
                          f"contiguous rows, got {tuple(out.shape)}")
     if _pick_backend(backend, q.data.device, q.block_size, out.dtype) == "cpu":
-        return quant_cpu.dequantize_add(q, out)
+        return cpu_quant.dequantize_add(q, out)
     scratch = torch.empty(out.numel(), device=out.device) if scratch is None else scratch[:out.numel()]
     delta = dequantize(q, torch.float32, backend, out=scratch.view(out.shape))
     return out.copy_(delta.add_(out))
@@ -357,10 +357,10 @@ def dequantize_reduce_requantize(parts: Union[Quantized, Sequence[Quantized]], b
         out.check_out(st.numel, bits_out, block_size_out)
     chosen = _pick_backend(backend, st.data.device, st.block_size)
     if chosen == "triton" and block_size_out == st.block_size:
-        from zeropp import quant_triton
-        return quant_triton.dequantize_reduce_requantize(st, bits_out, out=out)
+        from zeropp.kernels import triton_quant
+        return triton_quant.dequantize_reduce_requantize(st, bits_out, out=out)
     if chosen == "cpu" and block_size_out == st.block_size:
-        return quant_cpu.dequantize_reduce_requantize(st, bits_out, out=out)
+        return cpu_quant.dequantize_reduce_requantize(st, bits_out, out=out)
     bs = st.block_size
     if block_size_out != bs:   # requantize the whole sum in the other block size
         total = torch.empty(st.num_blocks * bs, dtype=torch.float32, device=st.data.device)
@@ -387,10 +387,10 @@ def dequantize_reduce(parts: Union[Quantized, Sequence[Quantized]], dtype: torch
                          f"got {out.dtype} {tuple(out.shape)}")
     chosen = _pick_backend(backend, st.data.device, st.block_size, dtype)
     if chosen == "triton":
-        from zeropp import quant_triton
-        return quant_triton.dequantize_reduce(st, dtype, scale, out=out)
+        from zeropp.kernels import triton_quant
+        return triton_quant.dequantize_reduce(st, dtype, scale, out=out)
     if chosen == "cpu":
-        return quant_cpu.dequantize_reduce(st, dtype, scale, out=out)
+        return cpu_quant.dequantize_reduce(st, dtype, scale, out=out)
     factor = torch.tensor(scale, dtype=torch.float32)
     bs = st.block_size
     for b0, b1, acc in _summed_chunks(st):

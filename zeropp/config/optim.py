@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common import ConfigError, parse_int, parse_number, refuse_value
-from zeropp.config_keys import OPTIMIZER_PARAMS, SCHEDULERS
+from zeropp.config.keys import OPTIMIZER_PARAMS, SCHEDULERS
 
 
 @dataclass

@@ -10,7 +10,7 @@ communication and the optimizer step, so the training loop stays plain:
 
 `Engine` holds what every ZeRO stage shares (loss scaling, accumulation,
 clipping, learning rate). Stage 0 (`DDPEngine`, also every stage's short path at
-world size 1) is zeropp/stage0.py; the sharded stages are zeropp/sharded.py,
+world size 1) is zeropp/stages/stage0.py; the sharded stages are zeropp/stages/sharded.py,
 stage12.py, stage3.py.
 
 Gradients of 16-bit training accumulate across micro-steps in fp32
@@ -25,20 +25,10 @@ import torch
 import torch.nn as nn
 
 from parallel.comm import Communicator
+from zeropp.collectives.partition import FlatState
 from zeropp.config import DeepSpeedConfig, OptimizerSettings
-from zeropp.loss_scaler import LossScaler
-from zeropp.wall_clock import WallClock
-
-
-@dataclass
-class FlatState:
-    """One tensor of a checkpoint, flattened to 1-D. `sharded`: this rank holds
-    elements [r*c, min((r+1)*c, numel)) with c = ceil(numel / world), the
-    partition layout of zeropp/partition.py (and torch.chunk's); otherwise
-    `local` is the whole tensor, the same on every rank."""
-    local: torch.Tensor
-    numel: int
-    sharded: bool
+from zeropp.stages.loss_scaler import LossScaler
+from zeropp.stages.wall_clock import WallClock
 
 
 # State a checkpoint may carry besides the optimizer's (scalar-state key -> its name in a line)

@@ -2,7 +2,7 @@
 part of stage 3's forward gather carries only what changed since the weights
 every node already holds.
 
-With hpZ, each node keeps in its secondary partition (zeropp/hpz.py) the weights
+With hpZ, each node keeps in its secondary partition (zeropp/techniques/hpz.py) the weights
 of the last gather from the primary partition, spread over the node's ranks.
 Each rank keeps `recon`: its own primary chunk as every rank reconstructed it
 at that gather. After each optimizer step (`prepare`), each rank quantizes
@@ -53,12 +53,12 @@ import collections
 import torch
 
 from parallel.comm import Work
-from zeropp.buffer_pool import BufferPool
-from zeropp.collectives import ShardGather, gather_bucketed
-from zeropp.engine import FlatState
-from zeropp.hpz import SecondaryPartition
-from zeropp.partition import Partition
-from zeropp.quant import DEFAULT_BLOCK_SIZE, QMAX, Quantized, dequantize_add, quantize, wire_nbytes
+from zeropp.collectives.buffer_pool import BufferPool
+from zeropp.collectives.exact import ShardGather, gather_bucketed
+from zeropp.collectives.partition import FlatState
+from zeropp.techniques.hpz import SecondaryPartition
+from zeropp.collectives.partition import Partition
+from zeropp.kernels.quant import DEFAULT_BLOCK_SIZE, QMAX, Quantized, dequantize_add, quantize, wire_nbytes
 
 BLOCK_SIZE = DEFAULT_BLOCK_SIZE[4]
 DEQUANT_ELEMENTS = 1 << 22   # fp32 elements dequantized at once (16 MB): a weight's members in groups
@@ -66,7 +66,7 @@ KEY = "weight_deltas.recon."   # checkpoint keys: KEY + weight name
 
 
 class WeightDeltas:
-    """A weight source for `zeropp.stage3_param.BucketGather` (the primary partition's
+    """A weight source for `zeropp.stages.stage3_param.BucketGather` (the primary partition's
     weights, sent as INT4 deltas), and the state it needs: `recon`, the INT4 deltas
     prepared after each step, and which weights may go as deltas."""
 

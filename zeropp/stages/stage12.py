@@ -1,6 +1,6 @@
 """ZeRO stages 1 and 2: every rank holds the whole 16-bit model; fp32 master
 weights, optimizer state and the fp32 gradient partition are sharded
-(zeropp/sharded.py). After the optimizer step each rank's updated slices are
+(zeropp/stages/sharded.py). After the optimizer step each rank's updated slices are
 all-gathered back into the full weights.
 
 The two stages differ only in when a gradient goes to the reduce-scatter:
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from zeropp.partition import ShardedParam
-from zeropp.sharded import ShardedEngineBase
+from zeropp.collectives.partition import ShardedParam
+from zeropp.stages.sharded import ShardedEngineBase
 
 
 class _FullWeights(ShardedEngineBase):

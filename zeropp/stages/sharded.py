@@ -1,11 +1,11 @@
 """What the sharded stages (1, 2, 3) share: the partition of every parameter
-over the data-parallel group (zeropp/partition.py), fp32 master slices and
+over the data-parallel group (zeropp/collectives/partition.py), fp32 master slices and
 their optimizer, an fp32 gradient partition filled by the `GradientReducer`,
 the global gradient norm and the state dicts.
 
 Construction is sharded: parameters may arrive on the meta device; each is
 materialized whole (`param_init`), sliced into this rank's master (and, for
-stage 3, its 16-bit shard) and dropped before the next one (zeropp/init.py).
+stage 3, its 16-bit shard) and dropped before the next one (zeropp/stages/init.py).
 Subclasses say where the 16-bit weights live (`_adopt`, `_publish_weights`)
 and when a gradient goes to the reducer (`_on_grad`).
 """
@@ -15,11 +15,11 @@ import warnings
 
 import torch
 
-from zeropp.collectives import GradientReducer, ShardGather, ShardReduce, gather_bucketed, reducer_buffers_bound
-from zeropp.engine import Engine, FlatState, communication_dtype
-from zeropp.error_feedback import ErrorFeedback
-from zeropp.init import ParamInit, full_value, materialize_rest, replace_data
-from zeropp.partition import Partition, ShardedParam
+from zeropp.collectives.exact import GradientReducer, ShardGather, ShardReduce, gather_bucketed, reducer_buffers_bound
+from zeropp.stages.engine import Engine, FlatState, communication_dtype
+from zeropp.techniques.loco import ErrorFeedback
+from zeropp.stages.init import ParamInit, full_value, materialize_rest, replace_data
+from zeropp.collectives.partition import Partition, ShardedParam
 
 class ShardedEngineBase(Engine):
     shard_class = ShardedParam   # stage 3 adds gather state

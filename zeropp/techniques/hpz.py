@@ -9,7 +9,7 @@ place of a gather over the world. The slices hold exactly the values the
 primary gather produced, so results are bit-identical to plain ZeRO-3. They go
 stale after each optimizer step and each load of weights (`invalidate`).
 
-`SecondaryPartition` is a weight source for `zeropp.stage3_param.BucketGather`,
+`SecondaryPartition` is a weight source for `zeropp.stages.stage3_param.BucketGather`,
 like the primary partition, and counts its own bytes: each gather charges the
 communicator with the world gather it replaces (the plain equivalent,
 parallel/comm.py), as qwZ's and qgZ's collectives do.
@@ -21,14 +21,14 @@ from dataclasses import dataclass
 import torch
 
 from parallel.comm import Work
-from zeropp.collectives import ShardGather
-from zeropp.partition import Partition
+from zeropp.collectives.exact import ShardGather
+from zeropp.collectives.partition import Partition
 
 
 @dataclass(frozen=True)
 class SecondarySlice:
     """A weight's place in the secondary partition: the primary's layout over
-    the h members of the group (zeropp/partition.py)."""
+    the h members of the group (zeropp/collectives/partition.py)."""
     chunk: int      # elements per member (padded)
     lo: int         # this member's elements [lo, hi) of the flat weight
     hi: int
@@ -85,7 +85,7 @@ class SecondaryPartition:
         else:
             self._fresh.discard(s.index)
 
-    # -- a weight source (zeropp.stage3_param.BucketGather) ------------------------------
+    # -- a weight source (zeropp.stages.stage3_param.BucketGather) ------------------------------
     def chunk(self, s) -> int:
         return s.secondary_slice.chunk
 

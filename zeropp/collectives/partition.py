@@ -19,9 +19,21 @@ primary partition); ZeRO++'s hpZ adds a secondary partition inside a node.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
 import torch.nn as nn
+
+
+@dataclass
+class FlatState:
+    """One tensor of a checkpoint, flattened to 1-D. `sharded`: this rank holds
+    elements [r*c, min((r+1)*c, numel)) with c = ceil(numel / world), the
+    partition layout of zeropp/collectives/partition.py (and torch.chunk's); otherwise
+    `local` is the whole tensor, the same on every rank."""
+    local: torch.Tensor
+    numel: int
+    sharded: bool
 
 
 @dataclass(frozen=True)
@@ -67,3 +79,26 @@ def fill_rows(rows: torch.Tensor, flat: torch.Tensor, chunk: int):
         full += 1
     if full < rows.shape[0]:
         rows[full:].zero_()
+
+
+def bucketize(items: list, size_of: Callable, limit: int) -> list[list]:
+    """Split `items` (in order) into consecutive buckets of at most `limit`
+    total size; an item larger than the limit gets a bucket of its own."""
+    buckets, current, total = [], [], 0
+    for item in items:
+        size = size_of(item)
+        if current and total + size > limit:
+            buckets.append(current)
+            current, total = [], 0
+        current.append(item)
+        total += size
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def gradient_buckets(chunks: Sequence[int], members: int, bucket_elems: int) -> list[list[int]]:
+    """Reduce buckets over weights 0..n-1 whose partition chunks are `chunks`:
+    in reverse weight order (as backward usually produces gradients), each at
+    most `bucket_elems` elements of [members, sum of chunks] rows."""
+    return bucketize(list(reversed(range(len(chunks)))), lambda i: chunks[i] * members, bucket_elems)
