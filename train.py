@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 import zeropp
+from zeropp import techniques
 from data.gpt_dataset import build_train_valid_test_datasets
 from data.sampler import build_data_loader
 from data.stats import unigram_entropy
@@ -130,12 +131,7 @@ def print_job(args, topology, cfg, engine, device, vocab_size: int):
 
 
 def zeropp_label(zero) -> str:
-    on = [name for name, enabled in (("qwZ", zero.zero_quantized_weights),
-                                     ("hpZ", zero.zero_hpz_partition_size > 1),
-                                     ("qgZ", zero.zero_quantized_gradients),
-                                     ("LoCo", zero.zeropp_loco_param is not None),
-                                     ("Hadamard", zero.zero_hadamard_gradients),
-                                     ("INT4 weight deltas", zero.zero_quantized_weight_deltas)) if enabled]
+    on = techniques.names(zero)
     return f"ZeRO-3 + ZeRO++ ({', '.join(on)})" if on else f"ZeRO stage {zero.stage}"
 
 
@@ -180,11 +176,8 @@ def print_summary(args, topology, cross_node: CrossNodeTraffic, engine):
         print_rank0(f"> cross-node bytes per iteration (mean over ranks): {sent:.2f} MB with "
                     f"{zeropp_label(args.ds_config.zero_optimization)}; ZeRO-3 without ZeRO++ would send "
                     f"{plain:.2f} MB ({sent / plain if plain else 1.0:.3f}x)")
-    deltas = getattr(engine, "deltas", None)
-    if deltas is not None and deltas.arrivals:
-        print_rank0(f"> INT4 weight deltas: {deltas.sent} of {deltas.arrivals} weight gathers from the primary "
-                    f"partition went as deltas ({100 * deltas.sent / deltas.arrivals:.1f}%); the others in full "
-                    f"(first gathers, every {deltas.refresh_interval} steps, after a load, large deltas)")
+    for line in engine.summary():
+        print_rank0(f"> {line}")
 
 
 def run(argv=None) -> int:

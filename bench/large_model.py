@@ -59,6 +59,7 @@ from model import GPT, num_parameters
 from parallel.comm import Communicator
 from parallel.topology import topology_from_env
 from parallel.spawn import run_distributed
+from zeropp.memory import memory_report
 
 
 def state_crcs(engine) -> dict:
@@ -147,8 +148,7 @@ def rank_main(rank, world, a):
         losses.append(loss.item())
         swap = max(swap, rss_mb("VmSwap"))
     peaks = engine.peak_buffers()
-    hpz = getattr(engine, "secondary_partition", None)   # stage 3 with hpZ
-    peaks["hpz_secondary_bytes"] = 0 if hpz is None else hpz.flat.untyped_storage().nbytes()
+    peaks["hpz_secondary_bytes"] = memory_report(engine)["hpz_secondary_bytes"]   # stage 3 with hpZ
     out = {"rank": rank, "start_rss_mb": start_rss, "peak_rss_after_construction_mb": after_construct,
            "peak_rss_mb": rss_mb("VmHWM"), "swap_after_steps_mb": swap, "construct_s": construct_s, "step_s": step_s,
            "losses": losses, "peaks": peaks, "num_parameters": num_parameters(cfg)}

@@ -5,8 +5,8 @@ split into bytes that stay inside its node and bytes that cross to another
 node (the traffic ZeRO++ exists to cut), per phase of the step and per
 collective.
 
-Charge model (what `wire_bytes` computes; REFERENCE.md section 5)
------------------------------------------------------------------
+Charge model (what `wire_bytes` computes; the ring algorithms of NCCL's collectives, NVIDIA NCCL docs)
+-------------------------------------------------------------------------------------------
 Let the group have n members, taken in ascending global-rank order (node-major,
 as torchrun lays ranks out and as NCCL builds its rings), and let succ(me) be
 the member after me in that order, wrapping around: ring[(i + 1) % n].

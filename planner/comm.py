@@ -1,13 +1,15 @@
 """The collectives one training iteration issues, and the bytes each rank sends.
 
-The list follows the engines step by step (zeropp/stages/stage3.py, sharded.py,
-collectives.py, quantized_collectives.py), using their own pieces for every
-size (zeropp/stages/schedule.py): `live_budget` sizes and `gather_buckets` cuts the forward
-and backward gather buckets, `backward_order` and `reuse_set` decide the backward order and
-which weights stay live from forward to backward, `gradient_buckets` cuts the
-gradient buckets, `zeropp.kernels.quant.wire_nbytes` sizes quantized payloads. Each rank's
-bytes, intra- and inter-node, come from `parallel.comm.wire_bytes`, the
-Communicator's own charge model (NCCL rings; all-to-all direct).
+The engine's own parts say what they send: `zeropp.build.plan_parts` builds, on the meta
+device and without process groups, the weight sources, gradient reduction and carried parts
+the engine would build for the job (the techniques of the registry, zeropp/techniques), and
+each answers `plan()` with its collectives (zeropp/collectives/protocols.py
+`PlannedCollective`); the buckets and orders come from the engine's schedule functions
+(zeropp/stages/schedule.py: `live_budget`, `gather_buckets`, `backward_order`, `reuse_set`;
+zeropp/collectives/partition.py: `gradient_buckets`). Each rank's bytes, intra- and
+inter-node, come from `parallel.comm.wire_bytes`, the Communicator's own charge model (NCCL
+rings; all-to-all direct). What this module keeps is the steady state: which source a
+gather reads from in a step after the first.
 
 Per iteration (A = gradient accumulation steps, micro-step m = 0..A-1):
 - forward_gather, per micro-step, one all-gather per schedule bucket of T
@@ -33,7 +35,7 @@ Per iteration (A = gradient accumulation steps, micro-step m = 0..A-1):
   and of a 4-byte flag per partitioned weight), then the
   persistent weights (stage 3) or all weights (stages 1-2) all-gathered in
   allgather_bucket_size buckets.
-Stage 0 (zeropp.stages.engine.DDPEngine, torch DDP): grad_reduce is one all-reduce
+Stage 0 (zeropp.stages.stage0.DDPEngine, torch DDP): grad_reduce is one all-reduce
 per DDP bucket, S = bucket elements x c, on the last micro-step in fp32
 (no_sync before it) and on every micro-step in 16-bit; nothing else (every
 rank holds the whole gradient, so the norm needs no collective). The buckets
@@ -43,31 +45,22 @@ once it reaches its limit.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
+
+import torch
 
 from parallel.comm import wire_bytes
 from parallel.topology import Topology
 from zeropp.config import ZeroConfig
+from zeropp.build import plan_parts
+from zeropp.collectives.protocols import PlannedCollective as Collective
 from zeropp.stages.stage0 import DDP_BUCKET_MB
-from zeropp.kernels.format import wire_nbytes
 from zeropp.collectives.partition import bucketize, gradient_buckets
 from zeropp.stages.schedule import backward_order, gather_buckets, live_budget, reuse_set, without
-from zeropp.techniques.deltas import BLOCK_SIZE as DELTA_BLOCK
 
 PHASES = ("forward_gather", "backward_gather", "grad_reduce", "optimizer")
-
-
-@dataclass
-class Collective:
-    phase: str
-    op: str            # all_gather, reduce_scatter, all_reduce, all_to_all (parallel/comm.py OPS)
-    group: str         # world, secondary (hpZ group), intra (my node), inter (my local index on every node),
-                       # strided (my index in every hpZ group)
-    nbytes: int        # the size argument wire_bytes takes (see parallel/comm.py)
-    quant_elements: int = 0   # elements through (de)quantization kernels around this collective
-    quant_bits: int = 0       # 8 (qwZ) or 4 (qgZ)
-    micro_step: int = 0
 
 
 @dataclass
@@ -81,46 +74,32 @@ class Step:
 
 
 def iteration_collectives(shards, trace, zero: ZeroConfig, world: int, ranks_per_node: int,
-                          accumulation: int, weight_bytes: int, grad_bytes: int) -> Step:
+                          accumulation: int, weight_bytes: int, grad_bytes: int, rank: int = 0) -> Step:
     """The collectives of one steady-state iteration (after the first, whose
-    schedules are still being recorded). `shards`: one rank's layout
+    schedules are still being recorded). `shards`: rank `rank`'s layout
     (planner.trace.shard_layout); sizes are the same on every rank."""
     step = Step()
-    add = step.collectives.append
-    nodes, local = world // ranks_per_node, ranks_per_node
-    hpz = zero.stage == 3 and 1 < zero.zero_hpz_partition_size < world
-    qw_block, qg_block = zero.zero_quantized_weights_block_size, zero.zero_quantized_gradients_block_size
-
-    deltas = hpz and zero.zero_quantized_weight_deltas
-    # zero_hadamard_gradients (zeropp/techniques/hadamard.py): qgZ's rows rotated before INT4 and the sum rotated
-    # back: the same bytes; its elements are costed as (de)quantization work
-    hadamard = int(zero.stage == 3 and bool(zero.zero_quantized_gradients) and zero.zero_hadamard_gradients)
-    partitioned = [s for s in shards if not s.persistent] if deltas else []
-
-    def gather(bucket, phase, m, secondary):
-        if deltas and not secondary and phase == "forward_gather":
-            # zeropp/techniques/deltas.py: INT4 deltas across nodes, then inside the hpZ group with the
-            # previous weights' secondary slices beside them (rows padded to 4 bytes)
-            wire = sum(wire_nbytes(shards[i].chunk, 4, DELTA_BLOCK) for i in bucket)
-            add(Collective(phase, "all_gather", "strided", wire,
-                           quant_elements=world * sum(shards[i].chunk for i in bucket), quant_bits=4, micro_step=m))
-            base = sum(shards[i].secondary_slice.chunk for i in bucket) * weight_bytes
-            add(Collective(phase, "all_gather", "secondary",
-                           wire * world // zero.zero_hpz_partition_size + -(-base // 4) * 4, micro_step=m))
-            return
-        if secondary:
-            total = sum(shards[i].secondary_slice.chunk for i in bucket)
-            add(Collective(phase, "all_gather", "secondary", total * weight_bytes, micro_step=m))
-            return
-        total = sum(shards[i].chunk for i in bucket)
-        if zero.zero_quantized_weights:
-            add(Collective(phase, "all_gather", "world", wire_nbytes(total, 8, qw_block),
-                           quant_elements=(1 + world) * total, quant_bits=8, micro_step=m))
-        else:
-            add(Collective(phase, "all_gather", "world", total * weight_bytes, micro_step=m))
-
     if zero.stage == 0:
         return _ddp_collectives(step, [s.numel for s in shards], accumulation, weight_bytes, grad_bytes)
+    # The engine's own parts for this job (zeropp/build.py), on "meta": each says what it sends.
+    dtype = {2: torch.float16, 4: torch.float32}[weight_bytes]
+    sources, reduction, carried = plan_parts(zero, Topology(world, rank, ranks_per_node), shards, dtype)
+
+    def add(collectives, m=0):
+        step.collectives.extend(dataclasses.replace(c, micro_step=m) for c in collectives)
+
+    def gather(bucket, phase, m, secondary):
+        """Steady state: the weights' first gather of a step (micro-step 0, forward) from the primary
+        partition, as deltas when they are on; hpZ's copy holds them for every later one."""
+        weights = [shards[i] for i in bucket]
+        if secondary:
+            add(sources.secondary.plan(weights, phase), m)
+        elif sources.deltas is not None and phase == "forward_gather":
+            add(sources.deltas.plan(weights, phase), m)
+        else:
+            add(sources.primary.plan(weights, phase), m)
+
+    hpz = sources is not None and sources.secondary is not None
     if zero.stage == 3:
         numels = [s.numel for s in shards]
         order = backward_order(trace.touch)
@@ -143,42 +122,14 @@ def iteration_collectives(shards, trace, zero: ZeroConfig, world: int, ranks_per
         if zero.stage == 1 and m < accumulation - 1:
             continue  # stage 1 reduces once, at the accumulation boundary
         for b in grad_buckets:
-            total = sum(s.chunk for s in b)
-            if zero.stage == 3 and zero.zero_quantized_gradients and zero.zeropp_loco_param is not None:
-                # error feedback (zeropp/techniques/loco.py): an exact all-to-all inside the node (summed
-                # in fp32), then INT4 across with the carried error: quantize and dequantize N rows,
-                # dequantize N parts
-                padded = -(-total // qg_block) * qg_block
-                if local > 1:
-                    add(Collective("grad_reduce", "all_to_all", "intra", local * nodes * total * grad_bytes,
-                                   micro_step=m))
-                if nodes > 1:
-                    add(Collective("grad_reduce", "all_to_all", "inter", nodes * wire_nbytes(padded, 4, qg_block),
-                                   quant_elements=(3 * nodes + hadamard * (nodes + 1)) * padded, quant_bits=4,
-                                   micro_step=m))
-            elif zero.stage == 3 and zero.zero_quantized_gradients:
-                padded = -(-total // qg_block) * qg_block
-                q = (2 * world + nodes) * padded   # quantize W rows, dequantize-requantize them, dequantize N
-                q += hadamard * (world + 1) * padded   # the transform of the W rows, its inverse on the sum
-                if local > 1:
-                    add(Collective("grad_reduce", "all_to_all", "intra",
-                                   local * wire_nbytes(nodes * padded, 4, qg_block), quant_elements=q, quant_bits=4,
-                                   micro_step=m))
-                    q = 0
-                if nodes > 1:
-                    add(Collective("grad_reduce", "all_to_all", "inter",
-                                   nodes * wire_nbytes(padded, 4, qg_block), quant_elements=q, quant_bits=4,
-                                   micro_step=m))
-            else:
-                add(Collective("grad_reduce", "reduce_scatter", "world", total * grad_bytes, micro_step=m))
+            add(reduction.plan(sum(s.chunk for s in b), grad_bytes), m)
 
-    add(Collective("optimizer", "all_reduce", "world", 8))   # the squared gradient norm, float64
-    if deltas:   # each owner quantizes its deltas; one int32 flag per weight says which go in full
-        add(Collective("optimizer", "all_reduce", "world", 4 * len(partitioned),
-                       quant_elements=sum(s.chunk for s in partitioned), quant_bits=4))
+    add([Collective("optimizer", "all_reduce", "world", 8)])   # the squared gradient norm, float64
+    for part in carried.values():
+        add(part.plan_step())
     published = [s for s in shards if s.persistent] if zero.stage == 3 else list(shards)
     for b in bucketize(published, lambda s: s.chunk * world, zero.allgather_bucket_size):
-        add(Collective("optimizer", "all_gather", "world", sum(s.chunk for s in b) * weight_bytes))
+        add([Collective("optimizer", "all_gather", "world", sum(s.chunk for s in b) * weight_bytes)])
     return step
 
 

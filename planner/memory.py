@@ -61,7 +61,7 @@ def model_state_bytes(shards, stage: int, weight_bytes: int, optimizer_type: str
 
 def _replicated_state_bytes(numels: list[int], weight_bytes: int, optimizer_type: str,
                            momentum: float) -> dict[str, int]:
-    """Stage 0 (zeropp.stages.engine.DDPEngine): every state whole on every rank; the
+    """Stage 0 (zeropp.stages.stage0.DDPEngine): every state whole on every rank; the
     gradient is fp32 (the masters' in 16-bit training)."""
     n = sum(numels)
     if optimizer_type in ("adam", "adamw"):

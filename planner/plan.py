@@ -23,6 +23,7 @@ from planner.memory import buffer_bytes, formula_bytes, model_state_bytes
 from planner.timing import Timing, iteration_time
 from planner.trace import ModelTrace, shard_layout, trace_model
 from training.checkpoint import checkpoint_bytes, optimizer_moments
+from zeropp import techniques
 from zeropp.config import DeepSpeedConfig, OptimizerSettings, ZeroConfig
 from zeropp.stages.engine import communication_dtype, compute_dtype
 from zeropp.kernels.format import wire_nbytes
@@ -64,12 +65,7 @@ class ConfigPlan:
 def label(zero: ZeroConfig) -> str:
     if zero.stage != 3:
         return f"ZeRO-{zero.stage}"
-    on = [name for name, enabled in (("qwZ", zero.zero_quantized_weights),
-                                     (f"hpZ {zero.zero_hpz_partition_size}", zero.zero_hpz_partition_size > 1),
-                                     ("qgZ", zero.zero_quantized_gradients),
-                                     ("LoCo", zero.zeropp_loco_param is not None),
-                                     ("Hadamard", zero.zero_hadamard_gradients),
-                                     ("INT4 weight deltas", zero.zero_quantized_weight_deltas)) if enabled]
+    on = techniques.names(zero, detailed=True)
     return f"ZeRO++ ({', '.join(on)})" if on else "ZeRO-3"
 
 
@@ -96,7 +92,7 @@ def plan_config(job: Job, zero: ZeroConfig, trace: ModelTrace, cluster: Cluster 
     layouts = {r: shard_layout(trace, world, r, zero.stage, zero.stage3_param_persistence_threshold, hpz)
                for r in (ranks if ranks is not None else ranks_to_plan(world, rpn))}
     shards = layouts[min(layouts)]
-    step = iteration_collectives(shards, trace, zero, world, rpn, job.accumulation, w, g)
+    step = iteration_collectives(shards, trace, zero, world, rpn, job.accumulation, w, g, rank=min(layouts))
     opt = job.optimizer
     memory = model_state_bytes(shards, zero.stage, w, opt.type, opt.momentum, hpz_on)
     k = (8 if opt.type != "sgd" else (4 if opt.momentum else 0)) + (4 if w != 4 else 0)

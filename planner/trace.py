@@ -1,8 +1,8 @@
 """The real model on the meta device, and the real engine's view of it.
 
 `trace_model` builds `model.GPT(GPTConfig)` on "meta" (no memory), runs one
-training forward pass there with hooks like the stage 3 engine's
-(zeropp/stages/stage3.py), and records with the engine's own `TraceRecorder`
+training forward pass there under the stage 3 engine's own hooks
+(zeropp/stages/stage3_hooks.py) over a recorder that gathers nothing, and records with the engine's own `TraceRecorder`
 (zeropp/stages/schedule.py) what the engine records in a step:
 - `events`: the first use of each partitioned weight, one list per module
   request, in forward order (the engine's trace, from which its forward
@@ -16,7 +16,7 @@ training forward pass there with hooks like the stage 3 engine's
   in the compute dtype, inside each block and outside.
 
 `shard_layout` asks the engine's own classes how the weights split:
-zeropp.collectives.partition.ShardedParam / zeropp.stages.stage3.Stage3Param built on a
+zeropp.collectives.partition.ShardedParam / zeropp.stages.stage3_param.Stage3Param built on a
 `Partition(group=None, size=N, rank=r)` (no process group), then
 `Stage3Param.place()` for persistence and hpZ's secondary slice.
 """
@@ -29,8 +29,9 @@ import torch
 
 from model import GPT, GPTConfig
 from zeropp.collectives.partition import Partition, ShardedParam
-from zeropp.stages.schedule import TraceRecorder, checkpoint_region
-from zeropp.stages.stage3 import Stage3Param
+from zeropp.stages.schedule import TraceRecorder
+from zeropp.stages.stage3_hooks import Stage3Hooks
+from zeropp.stages.stage3_param import Stage3Param
 
 
 @dataclass
@@ -64,78 +65,76 @@ def build_meta_model(cfg: GPTConfig, dtype: torch.dtype) -> GPT:
         return GPT(cfg).to(dtype)
 
 
+class _Recording:
+    """Stands in for the engine's `WeightGathers` under the engine's own stage-3 hooks
+    (zeropp/stages/stage3_hooks.py): it records what the engine records in a training forward
+    and gathers nothing. A weight counts as live while a module that owns it runs; every saved
+    tensor passes `owner()`, where the ones that are not weights add to the activation bytes."""
+    phase: str | None = None
+
+    def __init__(self, weights: list[Stage3Param], trace: ModelTrace):
+        self.recorder = TraceRecorder()
+        self.gathered = self
+        self.trace = trace
+        self.block: int | None = None       # the transformer block running now
+        self._by_id = {id(s.param): s for s in weights}
+        self._running: list[list[Stage3Param]] = []
+        self._saved_ids: set[int] = set()
+
+    def owner(self, x: torch.Tensor) -> Stage3Param | None:
+        for cand in (x, x._base):
+            s = self._by_id.get(id(cand)) if cand is not None else None
+            if s is not None:   # a weight (or a view of one): the engine's pack notes partitioned ones
+                return None if s.persistent else s
+        base = x._base if x._base is not None else x
+        if id(base) not in self._saved_ids:
+            self._saved_ids.add(id(base))
+            nbytes = base.numel() * base.element_size()
+            if self.block is None:
+                self.trace.saved_other_bytes += nbytes
+            else:
+                self.trace.saved_block_bytes[self.block] += nbytes
+        return None
+
+    def request(self, weights: list[Stage3Param]):
+        self.recorder.first_uses([s.index for s in weights if not s.persistent])
+        self._running.append(weights)
+
+    def forward_done(self, weights: list[Stage3Param]):
+        self._running.pop()
+
+    def read(self, s: Stage3Param):
+        if not any(s in ws for ws in self._running):
+            self.recorder.read_outside(s.index)
+
+    def begin(self, phase: str):
+        self.phase = phase
+
+    def end(self):
+        self.phase = None
+
+
 def trace_model(cfg: GPTConfig, dtype: torch.dtype, micro_batch: int, seq_length: int,
                 persist_threshold: int) -> ModelTrace:
-    """One forward of the real model on "meta" under the engine's bookkeeping
-    (see the module docstring); weights of at most `persist_threshold`
-    elements are persistent and leave no event."""
+    """One forward of the real model on "meta" under the engine's hooks (see the module
+    docstring); weights of at most `persist_threshold` elements are persistent and leave no
+    event."""
     model = build_meta_model(cfg, dtype)
     model.train()
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    index = {id(p): i for i, (_, p) in enumerate(named)}
-    partitioned = {i for i, (_, p) in enumerate(named) if p.numel() > persist_threshold}
-    recorder = TraceRecorder()
-    trace = ModelTrace(cfg=cfg, names=[n for n, _ in named], numels=[p.numel() for _, p in named],
-                       events=recorder.events, touch=recorder.touch, outside=recorder.outside)
-    regions = []          # keeps region objects alive (their identity is the key)
-    where = {"block": None}
-    saved_ids: set[int] = set()
+    weights = [Stage3Param(i, n, p, Partition(group=None, size=1, rank=0)) for i, (n, p) in enumerate(named)]
+    for s in weights:
+        s.place(persist_threshold, None)
+    trace = ModelTrace(cfg=cfg, names=[n for n, _ in named], numels=[p.numel() for _, p in named], events=[])
     trace.saved_block_bytes = [0] * cfg.num_layers
-
-    def pack(x):
-        if not isinstance(x, torch.Tensor):
-            return x
-        for cand in (x, x._base):
-            if cand is not None and id(cand) in index:   # a weight (or a view of one)
-                i = index[id(cand)]
-                if i in partitioned:
-                    recorder.saved(i)
-                return x
-        base = x._base if x._base is not None else x
-        if id(base) not in saved_ids:
-            saved_ids.add(id(base))
-            nbytes = base.numel() * base.element_size()
-            if where["block"] is None:
-                trace.saved_other_bytes += nbytes
-            else:
-                trace.saved_block_bytes[where["block"]] += nbytes
-        return x
-
-    running: list[list[int]] = []     # the direct weights of each module in forward now
-
-    class NoteOutside(dict):   # a module's `_parameters`, as the engine's GatherOnRead
-        def __getitem__(self, key):
-            p = dict.__getitem__(self, key)
-            i = index.get(id(p))
-            if running and i in partitioned and not any(i in ws for ws in running):
-                recorder.read_outside(i)
-            return p
-
-    def pre_forward(module, args):
-        direct = [index[id(p)] for p in module.parameters(recurse=False) if id(p) in index]
-        direct = [i for i in direct if i in partitioned]
-        running.append(direct)
-        recorder.first_uses(direct)
-        region = checkpoint_region(pack)
-        if region is not None and direct:
-            regions.append(region)
-            recorder.recomputed(direct, region)
-
-    hooks = [m.register_forward_pre_hook(pre_forward) for m in model.modules()]
-    def post_forward(module, args, output):
-        running.pop()
-
-    hooks += [m.register_forward_hook(post_forward, always_call=True) for m in model.modules()]
-    for m in model.modules():
-        m._parameters = NoteOutside(m._parameters)
+    rec = _Recording(weights, trace)
+    trace.events, trace.touch, trace.outside = rec.recorder.events, rec.recorder.touch, rec.recorder.outside
+    hooks = Stage3Hooks(model, {id(s.param): s for s in weights}, rec)
     for b, block in enumerate(model.blocks):
-        hooks.append(block.register_forward_pre_hook(lambda m, a, b=b: where.__setitem__("block", b)))
-        hooks.append(block.register_forward_hook(lambda m, a, o: where.__setitem__("block", None)))
+        block.register_forward_pre_hook(lambda m, a, b=b: setattr(rec, "block", b))
+        block.register_forward_hook(lambda m, a, o: setattr(rec, "block", None))
     tokens = torch.zeros(micro_batch, seq_length, dtype=torch.long, device="meta")
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-        model(tokens, tokens)
-    for h in hooks:
-        h.remove()
+    hooks.forward(model, tokens, tokens)
     item = torch.empty((), dtype=dtype).element_size()
     trace.block_input_bytes = micro_batch * seq_length * cfg.hidden_size * item
     if cfg.checkpoint_activations:   # what each block saves, from a run without checkpointing
@@ -143,7 +142,6 @@ def trace_model(cfg: GPTConfig, dtype: torch.dtype, micro_batch: int, seq_length
                             seq_length, persist_threshold)
         trace.saved_block_bytes = plain.saved_block_bytes
         trace.saved_other_bytes = plain.saved_other_bytes
-    trace.regions = regions
     return trace
 
 

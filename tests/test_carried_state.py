@@ -127,7 +127,7 @@ def resume_with_deltas(rank, world_size, path):
         again.append(loss.item())
     a, b = snapshot(straight), snapshot(resumed)
     return dict(losses=losses[3:], again=again, same=[k for k in a[0] if torch.equal(a[0][k], b[0][k])],
-                keys=list(a[0]), scalars=(a[1], b[1]), sent=resumed.deltas.sent)
+                keys=list(a[0]), scalars=(a[1], b[1]), sent=resumed.weights.sources.deltas.sent)
 
 
 def test_resume_with_weight_deltas_is_bit_identical(tmp_path):

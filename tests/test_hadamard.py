@@ -27,7 +27,7 @@ from tests.distributed import run_distributed  # noqa: E402
 from tests.test_zeropp import ARGS, QGZ, int4_bound  # noqa: E402
 from tests.test_zeropp_loco import LOCO, ZERO3_TRAINING_TOLERANCE, train  # noqa: E402
 from zeropp.techniques import hadamard as hd  # noqa: E402
-from zeropp.techniques.loco import ErrorFeedback  # noqa: E402
+from zeropp.techniques.loco import CompensatedReduce, ErrorFeedback  # noqa: E402
 from zeropp.collectives.partition import Partition  # noqa: E402
 from zeropp.techniques.qgz import HierarchicalQuantizedReduce  # noqa: E402
 
@@ -278,8 +278,9 @@ def loco_hadamard_reductions(rank, world_size, steps):
     every = outlier_rows((world_size, world_size, 1000), 128, 3, 8.0)
     exact = every[:, rank].sum(0)
     out = {}
-    for name, feedback in (("plain", None), ("loco", ErrorFeedback(0.0, 1024))):
-        reduce = HierarchicalQuantizedReduce(comm, 128, feedback, hadamard=True)
+    for name, feedback in (("plain", None), ("loco", ErrorFeedback(0.0, 1024, hadamard=128))):
+        reduce = (CompensatedReduce(comm, 128, feedback, hadamard=True) if feedback
+                  else HierarchicalQuantizedReduce(comm, 128, hadamard=True))
         total, first = torch.zeros(1000), None
         for _ in range(steps):
             mine = torch.empty(1000)

@@ -16,7 +16,7 @@ import pytest
 
 from common import ConfigError
 from tests.test_train import corpus, flags  # noqa: F401  (corpus is a fixture)
-from zeropp.kernels import cache, cpu_quant
+from zeropp.kernels import cache as kernel_cache, cpu_quant as quant_cpu
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_cc = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler")
@@ -26,17 +26,17 @@ pytestmark = needs_cc
 CHECK = """
     import warnings, torch
     from common import ConfigError
-    from zeropp.kernels import quant, cpu_quant
+    from zeropp.kernels import quant, cpu_quant as quant_cpu
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         try:
-            ok = cpu_quant.available()
+            ok = quant_cpu.available()
         except ConfigError as e:
             print("refused:", e)
             raise SystemExit(2)
     for m in w:
         print("warning:", m.message)
-    assert ok, cpu_quant.why_not()
+    assert ok, quant_cpu.why_not()
     x = torch.randn(5000, generator=torch.Generator().manual_seed(0)) * 3
     for bits in (8, 4):
         ref, got = quant.quantize(x, bits, 64, backend="torch"), quant.quantize(x, bits, 64, backend="cpu")
@@ -171,7 +171,7 @@ def test_a_cache_directory_others_can_write_is_refused_with_one_line(compiler, t
 
 def _load(cache, monkeypatch):
     monkeypatch.setenv("ZEROPP_CACHE_DIR", str(cache))
-    return cache.load("quant_cpu", cpu_quant._SOURCE, cpu_quant._FLAGS, os.environ.get("CC", "cc"),
+    return kernel_cache.load("quant_cpu", quant_cpu._SOURCE, quant_cpu._FLAGS, os.environ.get("CC", "cc"),
                              libs=["-lm"])
 
 

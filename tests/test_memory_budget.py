@@ -76,7 +76,7 @@ def live_run(rank, world_size, live):
                       "reduce_bucket_size": live, "stage3_max_reuse_distance": 10**9}, dtype="fp32")
     for step in range(3):
         _step(engine, rank, step)
-    largest_module = max(sum(s.numel for s in ws) for ws in engine._mod_weights.values())
+    largest_module = max(sum(s.numel for s in ws) for ws in engine.parts.hooks.module_weights.values())
     return engine.peak_buffers(), largest_module, engine.module.wte.weight.numel()
 
 

@@ -93,7 +93,7 @@ def gpt_stage3_checks(rank, world_size):
     model = GPT(GPTConfig(**CFG))
     engine = make_engine(model, 3, world_size, comm=comm, zero={"stage3_max_reuse_distance": 0})
     stats = comm_per_step(engine, comm, x)
-    held_first = sum(engine.shards[i].numel for i in engine._reuse)   # held for backward at reuse 0
+    held_first = sum(engine.shards[i].numel for i in engine.parts.hooks.gathers.reuse)   # held for backward at reuse 0
     weights = engine.module_state_dict()
     engine.eval()
     probe = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(9))

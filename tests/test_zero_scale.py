@@ -273,7 +273,8 @@ def streaming_run(rank, world_size):
                               "stage3_max_reuse_distance": 0,
                               "stage3_max_live_parameters": int(numel * 0.6)})
     log = []
-    issue, request = engine._issue, engine._request
+    gathers = engine.parts.hooks.gathers
+    issue, request = gathers._issue, gathers.request
 
     def traced_request(params):
         log.append(("request", [s.index for s in params if s.state.value == "released"]))
@@ -285,7 +286,7 @@ def streaming_run(rank, world_size):
             log.append(("issue", todo))
         issue(params)
 
-    engine._request, engine._issue = traced_request, traced_issue
+    gathers.request, gathers._issue = traced_request, traced_issue
     comm = engine.comm
     x = torch.randint(0, 96, (2, 17), generator=torch.Generator().manual_seed(rank))
     peaks, calls = [], []

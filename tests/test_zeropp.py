@@ -205,7 +205,7 @@ def hpz_run(rank, world_size, zero, ranks_per_node, checkpoint, accum=2, steps=3
         for _ in range(2):
             comm.reset_stats()
             evals.append((engine(tokens(rank, 99)[:, :-1]).float().sum().item(), summed(comm)[1]))
-    groups = engine.secondary_partition
+    groups = engine.weights.sources.secondary
     return {"losses": losses, "weights": engine.module_state_dict(), "crossing": crossing, "evals": evals,
             "group": None if groups is None else torch.distributed.get_process_group_ranks(groups.group),
             "memory": memory_report(engine)}

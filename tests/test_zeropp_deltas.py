@@ -13,7 +13,7 @@ from tests.distributed import run_distributed
 from tests.test_zeropp import ARGS, HPZ, QGZ, QWZ, gpt, make_engine, mean_over_ranks, tokens
 from zeropp.memory import memory_report
 from zeropp.kernels.format import wire_nbytes
-from zeropp.techniques import deltas
+from zeropp.techniques import deltas as weight_deltas
 from zeropp.techniques.deltas import BLOCK_SIZE, WeightDeltas
 
 DELTAS = {**HPZ, "zero_quantized_weight_deltas": True}
@@ -93,17 +93,17 @@ def test_a_delta_goes_while_its_int4_step_is_within_int8s_and_not_beyond(dtype):
     small = (torch.rand(300, generator=g) - 0.5) * 2 * (7 / 127) * 0.9 * 0.05 * amax   # well within
     d, s = _one_weight(w, (w.float() - small).to(dtype))
     d.prepare()
-    assert d.ready(s)
+    assert d.holds(s)
     big = torch.zeros(300)
     big[5] = 0.2 * amax   # one element moves by a fifth of the largest weight of its block
     d, s = _one_weight(w, (w.float() - big).to(dtype))
     d.prepare()
-    assert not d.ready(s)
+    assert not d.holds(s)
     nan = w.clone()
     nan[7] = float("nan")
     d, s = _one_weight(nan, w)
     d.prepare()
-    assert not d.ready(s)
+    assert not d.holds(s)
 
 
 def test_every_weight_is_refreshed_each_interval_and_after_a_load():
@@ -112,11 +112,11 @@ def test_every_weight_is_refreshed_each_interval_and_after_a_load():
     ready = []
     for _ in range(6):
         d.prepare()
-        ready.append(d.ready(s))
+        ready.append(d.holds(s))
     assert ready == [True, True, False, True, True, False]
     d.forget()
     d.prepare()
-    assert not d.ready(s)
+    assert not d.holds(s)
 
 
 # --------------------------------------------------------------------------------------
@@ -124,14 +124,14 @@ def test_every_weight_is_refreshed_each_interval_and_after_a_load():
 # --------------------------------------------------------------------------------------
 def gathered_errors(rank, world_size, interval, steps, dequant_elements=None):
     """Train in bf16 with deltas; at each step compare every weight gathered as a delta with
-    the exact one (the fp32 master rounded to bf16) against the bound of weight_deltas.py:
+    the exact one (the fp32 master rounded to bf16) against the bound of techniques/deltas.py:
     max|w|/254 over its block (member j's chunk of the weight, in blocks of 128 from its
     start) plus half a bf16 ulp of the value and an fp32 rounding of the sum."""
     if dequant_elements is not None:   # receivers dequantize a weight's members a few at a time
         weight_deltas.DEQUANT_ELEMENTS = dequant_elements   # this rank's process only
     engine = make_engine(gpt(), world_size, {**DELTAS, "zero_quantized_weight_deltas_refresh_interval": interval},
                          lr=1e-3, **BF16)
-    deltas = engine.deltas
+    deltas = engine.weights.sources.deltas
     arrived = []
     plain_arrived = deltas.arrived
     deltas.arrived = lambda s, full: (arrived.append((s, full.detach().float().clone())), plain_arrived(s, full))
@@ -186,7 +186,7 @@ def train(rank, world_size, zero, steps=16):
     losses, fwd = [], None
     for step in range(steps):
         x = tokens(rank, step % 6, n=4)
-        refresh = set(engine.deltas._refresh) if engine.deltas is not None else set()
+        refresh = set(engine.weights.sources.deltas._refresh) if engine.weights.sources.deltas is not None else set()
         engine.comm.reset_stats()
         loss = engine(x[:, :-1], x[:, 1:])
         if step == steps - 1:
@@ -199,21 +199,21 @@ def train(rank, world_size, zero, steps=16):
     out = dict(losses=losses, fwd_inter=fwd, measured=report["measured_bytes"]["parameters"],
                predicted=report["predicted_bytes"]["parameters"],
                within={k: b["within"] for k, b in report["buffers"].items()})
-    if engine.deltas is not None:
-        part = engine.deltas.weights
+    if engine.weights.sources.deltas is not None:
+        part = engine.weights.sources.deltas.weights
         # across nodes: the first hop only, among the ranks at my index in their node (hpZ 2)
         across = list(range(rank % 2, world_size, 2))
         ring = wire_bytes("all_gather", across, rank, 1, lambda r: r // 2)[1]   # inter bytes per byte of input
         out["expected_fwd_inter"] = ring * sum(s.chunk * 2 if s.index in refresh else wire_nbytes(s.chunk, 4, 128)
                                                for s in part)
-        out["delta_state_bytes"] = engine.deltas.recon.numel() * 2 + engine.deltas.flat.numel()
+        out["delta_state_bytes"] = engine.weights.sources.deltas.recon.numel() * 2 + engine.weights.sources.deltas.flat.numel()
         out["refresh_last"] = refresh
         engine.eval()
-        recon = engine.deltas.recon.clone()
+        recon = engine.weights.sources.deltas.recon.clone()
         with torch.no_grad():
             x = tokens(rank, 99)
             engine(x[:, :-1], x[:, 1:])
-        out["eval_left_recon_alone"] = torch.equal(recon, engine.deltas.recon)
+        out["eval_left_recon_alone"] = torch.equal(recon, engine.weights.sources.deltas.recon)
     return out
 
 
@@ -267,7 +267,7 @@ def deltas_save(rank, world, path):
     engine = deltas_engine(world, 2)
     train_steps(engine, rank, world, range(4))
     save_checkpoint(path, 4, engine, 4 * GLOBAL_BATCH, META)
-    return engine.deltas.sent, train_steps(engine, rank, world, range(4, 8))
+    return engine.weights.sources.deltas.sent, train_steps(engine, rank, world, range(4, 8))
 
 
 def deltas_load(rank, world, path, ranks_per_node):
@@ -276,9 +276,9 @@ def deltas_load(rank, world, path, ranks_per_node):
     engine = deltas_engine(world, ranks_per_node, seed=1)
     load_checkpoint(path, engine)
     losses = train_steps(engine, rank, world, [4])
-    first = engine.deltas.sent
+    first = engine.weights.sources.deltas.sent
     losses += train_steps(engine, rank, world, range(5, 8))
-    return first, engine.deltas.sent, losses
+    return first, engine.weights.sources.deltas.sent, losses
 
 
 @pytest.mark.parametrize("world, ranks_per_node", [(4, 2), (8, 4)], ids=["same layout", "2x4 ranks"])

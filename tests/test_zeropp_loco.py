@@ -11,7 +11,8 @@ from tests.distributed import run_distributed
 from tests.test_zeropp import ARGS, QGZ, gpt, make_engine, mean_over_ranks, tokens
 from zeropp.memory import memory_report
 from zeropp.collectives.partition import Partition
-from zeropp.techniques.qgz import ErrorFeedback, HierarchicalQuantizedReduce
+from zeropp.techniques.loco import CompensatedReduce, ErrorFeedback
+from zeropp.techniques.qgz import HierarchicalQuantizedReduce
 
 LOCO = {**QGZ, "zeropp_loco_param": {"err_beta": 0.8, "reset_T": 1024}}
 # as tests/test_zeropp.py's qwZ/qgZ training check: each step's loss within 2% of ZeRO-3's, the
@@ -72,7 +73,7 @@ def repeated_reductions(rank, world_size, local, beta, steps):
     exact = every[:, rank].sum(0)
     out = {}
     for name, feedback in (("plain", None), ("loco", ErrorFeedback(beta, 1024))):
-        reduce = HierarchicalQuantizedReduce(comm, error_feedback=feedback)
+        reduce = CompensatedReduce(comm, error_feedback=feedback) if feedback else HierarchicalQuantizedReduce(comm)
         total, first_err = torch.zeros(1000), None
         for step in range(steps):
             mine = torch.empty(1000)
@@ -106,7 +107,7 @@ def one_node_exact(rank, world_size):
     comm = Communicator(topo)
     rows = torch.randn(world_size, 300, generator=torch.Generator().manual_seed(rank))
     mine = torch.empty(300)
-    HierarchicalQuantizedReduce(comm, error_feedback=ErrorFeedback(0.8, 1)).start(
+    CompensatedReduce(comm, error_feedback=ErrorFeedback(0.8, 1)).start(
         rows, mine, Partition(None, world_size, rank), "grad_reduce").wait()
     every = torch.stack([torch.randn(world_size, 300, generator=torch.Generator().manual_seed(r))
                          for r in range(world_size)])
@@ -187,7 +188,7 @@ def loco_save(rank, world, path, loco):
     engine = loco_engine(world, 2, loco)
     train_steps(engine, rank, world, range(3))
     save_checkpoint(path, 3, engine, 3 * GLOBAL_BATCH, META)
-    saved = {k: v.clone() for k, v in engine.error_feedback.buffers.items()} if loco else {}
+    saved = {k: v.clone() for k, v in engine.parts.carried["error_feedback"].buffers.items()} if loco else {}
     return saved, train_steps(engine, rank, world, range(3, 6))
 
 
@@ -196,7 +197,7 @@ def loco_load(rank, world, path, ranks_per_node):
     from training.checkpoint import load_checkpoint
     engine = loco_engine(world, ranks_per_node, seed=1)
     load_checkpoint(path, engine)
-    ef = engine.error_feedback
+    ef = engine.parts.carried["error_feedback"]
     loaded = {k: v.clone() for k, v in ef.buffers.items()}
     return loaded, dict(ef.reductions), train_steps(engine, rank, world, range(3, 6))
 

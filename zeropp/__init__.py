@@ -13,7 +13,7 @@ def initialize(module, config: DeepSpeedConfig, comm, device, optim: OptimizerSe
     fills each parameter (see zeropp/stages/init.py). A ZeRO++ switch set to "auto" must
     be resolved first (planner.auto.resolve). At world size 1 every stage
     takes the short path (DDPEngine without DDP): the shard is the weight,
-    and ZeRO++ has nothing to send.
+    and ZeRO++ has nothing to send. Stages 1-3 are composed by zeropp/build.py.
     """
     zero = config.zero_optimization
     if zero.auto_switches():
@@ -24,14 +24,9 @@ def initialize(module, config: DeepSpeedConfig, comm, device, optim: OptimizerSe
     if comm.topology.world_size > 1:
         zero.validate_topology(comm.topology.ranks_per_node, comm.topology.world_size)
     if zero.stage == 0 or comm.topology.world_size == 1:
-        cls = DDPEngine
-    elif zero.stage == 1:
-        from zeropp.stages.stage12 import Stage1Engine as cls
-    elif zero.stage == 2:
-        from zeropp.stages.stage12 import Stage2Engine as cls
-    else:
-        from zeropp.stages.stage3 import Stage3Engine as cls
-    return cls(module, config, comm, device, optim, gradient_accumulation_steps, param_init=param_init)
+        return DDPEngine(module, config, comm, device, optim, gradient_accumulation_steps, param_init=param_init)
+    from zeropp.build import build_sharded_engine
+    return build_sharded_engine(module, config, comm, device, optim, gradient_accumulation_steps, param_init)
 
 
 __all__ = ["initialize", "ConfigError", "DeepSpeedConfig", "ZeroConfig", "Engine", "DDPEngine",

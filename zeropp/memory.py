@@ -53,8 +53,7 @@ from __future__ import annotations
 
 import torch
 
-from zeropp.kernels.format import wire_nbytes
-from zeropp.techniques.deltas import BLOCK_SIZE as DELTA_BLOCK
+from zeropp.techniques import MEMORY_KEYS
 
 
 def predicted_bytes_per_param(stage: int, world: int, dtype: torch.dtype,
@@ -115,22 +114,13 @@ def memory_report(engine) -> dict:
     """This rank's model-state bytes, measured and predicted, by category."""
     stage = engine.config.zero_optimization.stage
     world = engine.comm.topology.world_size
-    psi = _num_params(engine)
+    psi = engine.num_trained_parameters()
     if world == 1:
         stage = 0  # every stage runs unsharded at world size 1
     per = predicted_bytes_per_param(stage, world, engine.dtype, _optimizer_bytes(engine))
-    hpz = getattr(engine, "secondary_partition", None)   # stage 3 with hpZ
-    secondary = hpz.flat if hpz is not None else None
-    if hpz is not None:
-        per["parameters"] += engine.dtype.itemsize / hpz.size
-    topo = engine.comm.topology
-    feedback = getattr(engine, "error_feedback", None)
-    feedback = feedback.tensors() if feedback is not None else []
-    if engine.config.zero_optimization.zeropp_loco_param is not None and topo.num_nodes > 1:
-        per["gradients"] += 8 / topo.ranks_per_node   # qgZ's fp32 error, 1/L of the gradients, and the pending one
-    deltas = getattr(engine, "deltas", None)   # INT4 weight deltas: recon and the INT4 deltas
-    if deltas is not None:
-        per["parameters"] += (engine.dtype.itemsize + wire_nbytes(1 << 20, 4, DELTA_BLOCK) / (1 << 20)) / world
+    lines = engine.memory_lines()   # what the techniques keep: hpZ's copy, LoCo's errors, the deltas'
+    for line in lines:
+        per[line.kind] += line.bytes_per_param
     measured = measure(engine.model_state_tensors())
     predicted = {k: v * psi for k, v in per.items()}
     total_m, total_p = sum(measured.values()), sum(predicted.values())
@@ -147,18 +137,9 @@ def memory_report(engine) -> dict:
         "peaks": peaks,
         "buffers": buffers,
         "buffer_bounds_bytes": sum(b["bound"] or 0 for b in buffers.values()),
-        "hpz_secondary_bytes": 0 if secondary is None else secondary.untyped_storage().nbytes(),
-        "error_feedback_bytes": sum(b.untyped_storage().nbytes() for b in feedback),
-        "weight_deltas_bytes": 0 if deltas is None else sum(t.untyped_storage().nbytes()
-                                                            for t in (deltas.recon, deltas.flat)),
+        **{key: 0 for key in MEMORY_KEYS},
+        **{line.name: sum(t.untyped_storage().nbytes() for t in line.tensors) for line in lines},
     }
-
-
-def _num_params(engine) -> int:
-    shards = getattr(engine, "shards", None)
-    if shards is not None:  # stage 3 weights are placeholders: use the recorded sizes
-        return sum(s.numel for s in shards)
-    return sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
 
 
 class AllocationTrace:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from zeropp.kernels.format import Quantized, wire_nbytes
+
 
 class BufferPool:
     def __init__(self, device, budget: int | None = None):
@@ -47,3 +49,15 @@ class BufferPool:
     @property
     def in_use_bytes(self) -> int:
         return sum(b.numel() for b in self._in_use.values())
+
+
+def take_wire(pool: BufferPool, rows: int, numel: int, bits: int,
+               block_size: int) -> tuple[torch.Tensor, list[Quantized]]:
+    """A wire buffer [rows, nbytes] from `pool` and, per row, its Quantized view of `numel`
+    elements (scales then data, `Quantized.to_bytes`'s layout): the quantizers write
+    straight into it, with no quantized copy or staging buffer besides."""
+    nbytes = wire_nbytes(numel, bits, block_size)
+    buf = pool.take(rows * nbytes, torch.uint8).view(rows, nbytes)
+    views = [Quantized.from_bytes(buf[i], numel, bits, block_size) for i in range(rows)]
+    assert all(v.scales.data_ptr() == buf[i].data_ptr() for i, v in enumerate(views)), "unaligned wire buffer"
+    return buf, views

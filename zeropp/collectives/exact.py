@@ -17,21 +17,42 @@ reduction) without touching the engines. Around them:
 from __future__ import annotations
 
 import torch
+from torch.distributed import ReduceOp
 
 from parallel.comm import Work
 from zeropp.collectives.buffer_pool import BufferPool
-from zeropp.collectives.partition import Partition, ShardedParam, fill_rows
-from zeropp.collectives.partition import bucketize, gradient_buckets
+from zeropp.collectives.partition import Partition, ShardedParam, bucketize, fill_rows, gradient_buckets
+from zeropp.collectives.protocols import PlannedCollective
 
 
 class ShardGather:
     """All-gather: `inp` [total] is this member's chunks laid end to end; the
-    result is [N, total], row j from member j."""
+    result is [N, total], row j from member j. Also callable in the shape of FSDP2's
+    `AllGather` comm (torch.distributed.fsdp, `FSDPModule.set_custom_all_gather`):
+    `allocate(size, dtype=, device=)` and `__call__(output, input, group, async_op)`."""
 
     delivers_rows = False   # True: `start` also takes out=deliver(j, row) (qwZ)
+    phase = "other"         # what a call in FSDP2's shape is counted under (parallel/comm.py)
 
     def __init__(self, comm):
         self.comm = comm
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, async_op: bool = False):
+        """Flat `output_tensor` = every member's `input_tensor`, member order."""
+        n = output_tensor.numel() // input_tensor.numel()
+        work = self.start(input_tensor, Partition(group, n, -1), self.phase, async_op,
+                          out=output_tensor.view(n, input_tensor.numel()))
+        return _returned(work, async_op)
+
+    def bytes_per_element(self, elem_bytes: int, members: int) -> float:
+        """Pool bytes per gathered element while in flight: the [N, total] rows and the input."""
+        return elem_bytes * (1 + 1 / members)
+
+    def plan(self, phase: str, total: int, elem_bytes: int, members: int) -> list[PlannedCollective]:
+        return [PlannedCollective(phase, "all_gather", "world", total * elem_bytes)]
 
     def start(self, inp: torch.Tensor, partition: Partition, phase: str, async_op: bool = True,
               out: torch.Tensor | None = None, plain: bool = True, pool: BufferPool | None = None):
@@ -51,15 +72,45 @@ class ShardGather:
 
 class ShardReduce:
     """Reduce-scatter: `rows` [N, total] summed over members, row j to member j
-    (into `out` [total])."""
+    (into `out` [total]). Also callable in the shape of FSDP2's `ReduceScatter` comm
+    (`FSDPModule.set_custom_reduce_scatter`), with `op` SUM or AVG."""
+
+    phase = "other"
 
     def __init__(self, comm):
         self.comm = comm
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op=ReduceOp.SUM,
+                 async_op: bool = False):
+        """Flat `input_tensor` = N chunks; chunk j summed (or averaged) over members into member j's
+        `output_tensor`."""
+        if op not in (ReduceOp.SUM, ReduceOp.AVG):
+            raise ValueError(f"{type(self).__name__} sums (or averages); got reduce op {op}")
+        n = input_tensor.numel() // output_tensor.numel()
+        work = self.start(input_tensor.view(n, output_tensor.numel()), output_tensor, Partition(group, n, -1),
+                          self.phase, async_op)
+        if op == ReduceOp.AVG:
+            work = Work(work, then=lambda: output_tensor.div_(n))
+        return _returned(work, async_op)
 
     def inflight_bytes(self, bucket_elems: int, elem_bytes: int = 4) -> int:
         """Pooled bytes of a bucket's reduction while in flight, besides the bucket's
         own rows and result (none here); `elem_bytes`: the communication dtype's."""
         return 0
+
+    def expect(self, bucket_totals: dict[int, int], topology, device):
+        """The gradient buckets to come (index -> sum of chunks): a reduction that keeps state
+        per bucket lays it out here."""
+
+    def plan(self, total: int, elem_bytes: int) -> list[PlannedCollective]:
+        return [PlannedCollective("grad_reduce", "reduce_scatter", "world", total * elem_bytes)]
+
+    def carried_parts(self) -> dict:
+        """The state this reduction carries from step to step, by scalar-state key (none here)."""
+        return {}
 
     def start(self, rows: torch.Tensor, out: torch.Tensor, partition: Partition, phase: str,
               async_op: bool = True, pool: BufferPool | None = None, key: int = 0):
@@ -71,6 +122,14 @@ class ShardReduce:
         work = self.comm.reduce_scatter(out, rows.view(-1), group=partition.group, async_op=async_op,
                                         phase=phase)
         return Work(work, out)
+
+
+def _returned(work: Work, async_op: bool) -> Work | None:
+    """FSDP2's comm contract: the handle when asynchronous, else done on return (None)."""
+    if async_op:
+        return work
+    work.wait()
+    return None
 
 
 def gather_bucketed(gather: ShardGather, shards: list[ShardedParam], chunk_of, consume,
@@ -235,6 +294,11 @@ class GradientReducer:
         b.rows = b.out = b.work = None
         b.borrowed = False
         b.filled = set()
+
+    def buffers_bound(self) -> int:
+        """The most bytes `pool` holds (reducer_buffers_bound over this reducer's buckets)."""
+        return reducer_buffers_bound([b.total for b in self.buckets], self.partition.size,
+                                     torch.finfo(self.comm_dtype).bits // 8, self.overlap, self.reduce.inflight_bytes)
 
     def missing(self) -> list[ShardedParam]:
         """Shards whose gradient has not come in this backward (before finish())."""

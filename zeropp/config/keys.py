@@ -1,4 +1,4 @@
-"""DeepSpeed's key names that zeropp/config.py checks against, as data.
+"""DeepSpeed's key names that zeropp/config/__init__.py checks against, as data.
 
 - UNSUPPORTED: keys DeepSpeed reads that this engine does not implement, by
   section, each with a test for its "off" value (accepted: it asks for what

@@ -1,4 +1,4 @@
-"""DeepSpeed JSON's optimizer and scheduler sections (zeropp/config.py builds
+"""DeepSpeed JSON's optimizer and scheduler sections (zeropp/config/__init__.py builds
 them), and `OptimizerSettings`, what the engine builds its optimizer from.
 The schedule formulas live in training/lr_schedule.py."""
 from __future__ import annotations

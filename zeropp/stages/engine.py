@@ -11,7 +11,7 @@ communication and the optimizer step, so the training loop stays plain:
 `Engine` holds what every ZeRO stage shares (loss scaling, accumulation,
 clipping, learning rate). Stage 0 (`DDPEngine`, also every stage's short path at
 world size 1) is zeropp/stages/stage0.py; the sharded stages are zeropp/stages/sharded.py,
-stage12.py, stage3.py.
+stage12.py, stage3*.py, composed by zeropp/build.py.
 
 Gradients of 16-bit training accumulate across micro-steps in fp32
 (DeepSpeed's data_types.grad_accum_dtype = fp32).
@@ -68,6 +68,20 @@ def communication_dtype(config: DeepSpeedConfig) -> torch.dtype:
     """Gradients are reduced in `communication_data_type` (default: the compute dtype)."""
     name = config.communication_data_type
     return _DTYPES[name] if name else compute_dtype(config)
+
+
+def make_optimizer(s: OptimizerSettings, device, decay: list[torch.Tensor], no_decay: list[torch.Tensor]):
+    """torch's optimizer for `s` over two groups: with weight decay (matrices) and without."""
+    groups = [{"params": decay, "weight_decay": s.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]]
+    if not groups:  # a rank that owns no element (more ranks than elements)
+        groups = [{"params": [torch.zeros(0, device=device, requires_grad=True)]}]
+    # foreach=True: one fused pass over all tensors, also on CPU.
+    if s.type == "sgd":
+        return torch.optim.SGD(groups, lr=s.lr, momentum=s.momentum, foreach=True)
+    cls = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}[s.type]
+    return cls(groups, lr=s.lr, betas=s.betas, eps=s.eps, foreach=True)
 
 
 class Engine:
@@ -156,18 +170,19 @@ class Engine:
         return self.train(False)
 
     # -- helpers for subclasses -------------------------------------------
+    def summary(self) -> list[str]:
+        """Lines for the end of a run, from the parts that have one (train.py prints them)."""
+        return []
+
+    def memory_lines(self) -> list:
+        """What techniques keep besides the model states (zeropp/collectives/protocols.py MemoryLine)."""
+        return []
+
+    def num_trained_parameters(self) -> int:
+        return sum(p.numel() for p in self.module.parameters() if p.requires_grad)
+
     def _make_optimizer(self, decay: list[torch.Tensor], no_decay: list[torch.Tensor]):
-        s = self.optim_settings
-        groups = [{"params": decay, "weight_decay": s.weight_decay},
-                  {"params": no_decay, "weight_decay": 0.0}]
-        groups = [g for g in groups if g["params"]]
-        if not groups:  # a rank that owns no element (more ranks than elements)
-            groups = [{"params": [torch.zeros(0, device=self.device, requires_grad=True)]}]
-        # foreach=True: one fused pass over all tensors, also on CPU.
-        if s.type == "sgd":
-            return torch.optim.SGD(groups, lr=s.lr, momentum=s.momentum, foreach=True)
-        cls = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}[s.type]
-        return cls(groups, lr=s.lr, betas=s.betas, eps=s.eps, foreach=True)
+        return make_optimizer(self.optim_settings, self.device, decay, no_decay)
 
     def _optimizer_tensors(self) -> list[torch.Tensor]:
         return [t for st in self.optimizer.state.values() for t in st.values() if torch.is_tensor(t)]

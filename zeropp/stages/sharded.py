@@ -1,125 +1,76 @@
-"""What the sharded stages (1, 2, 3) share: the partition of every parameter
-over the data-parallel group (zeropp/collectives/partition.py), fp32 master slices and
-their optimizer, an fp32 gradient partition filled by the `GradientReducer`,
-the global gradient norm and the state dicts.
+"""ZeRO stages 1-3 as one engine composed of parts (built by zeropp/build.py):
 
-Construction is sharded: parameters may arrive on the meta device; each is
-materialized whole (`param_init`), sliced into this rank's master (and, for
-stage 3, its 16-bit shard) and dropped before the next one (zeropp/stages/init.py).
-Subclasses say where the 16-bit weights live (`_adopt`, `_publish_weights`)
-and when a gradient goes to the reducer (`_on_grad`).
+- `weights`, the parameter store: whole on every rank (`FullWeights`, stages 1-2) or partitioned
+  with the weight sources a gather reads from (`PartitionedWeights`, stage 3);
+- `masters`: the fp32 master slices, the fp32 gradient partition and the optimizer;
+- `gradients`, when a gradient goes to the `reducer`: as autograd produces it (stages 2-3) or
+  at the accumulation boundary (stage 1); the reducer's reduction is the plain reduce-scatter
+  or a technique's (qgZ, LoCo);
+- `hooks` (stage 3): the module and saved-tensor hooks and the order of gathers;
+- `carried`: the state carried from step to step besides the optimizer's (LoCo's error
+  feedback, the INT4 weight deltas), by its scalar-state key (zeropp/collectives/protocols.py
+  `CarriedState`).
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
+from dataclasses import dataclass, field
 
 import torch
 
-from zeropp.collectives.exact import GradientReducer, ShardGather, ShardReduce, gather_bucketed, reducer_buffers_bound
-from zeropp.stages.engine import Engine, FlatState, communication_dtype
-from zeropp.techniques.loco import ErrorFeedback
-from zeropp.stages.init import ParamInit, full_value, materialize_rest, replace_data
-from zeropp.collectives.partition import Partition, ShardedParam
+from zeropp.collectives.exact import GradientReducer, ShardGather, gather_bucketed, reducer_buffers_bound
+from zeropp.collectives.partition import FlatState, Partition, ShardedParam
+from zeropp.stages.engine import Engine
+from zeropp.stages.masters import Masters
 
-class ShardedEngineBase(Engine):
-    shard_class = ShardedParam   # stage 3 adds gather state
 
-    def __init__(self, module, config, comm, device, optim, gradient_accumulation_steps=1,
-                 param_init: ParamInit | None = None):
+@dataclass
+class ShardedParts:
+    partition: Partition
+    shards: list[ShardedParam]
+    weights: object                 # FullWeights | PartitionedWeights
+    masters: Masters
+    reducer: GradientReducer
+    gradients: object               # ImmediateGradients | AccumulatedGradients
+    gather: ShardGather             # exact: state dicts
+    hooks: object | None = None     # Stage3Hooks
+    carried: dict = field(default_factory=dict)   # scalar-state key -> CarriedState part
+
+
+class ShardedEngine(Engine):
+    def __init__(self, module, config, comm, device, optim, gradient_accumulation_steps: int, parts: ShardedParts):
         super().__init__(module, config, comm, device, optim, gradient_accumulation_steps)
         self.zero = config.zero_optimization
-        topo = comm.topology
-        self.partition = Partition(group=None, size=topo.world_size, rank=topo.rank)
+        self.parts = parts
+        self.partition, self.shards, self.weights = parts.partition, parts.shards, parts.weights
         self.world, self.rank = self.partition.size, self.partition.rank
-        self._scratch_peak = 0    # the optimizer step's temporaries (_step_by_bucket)
-        self.gather = ShardGather(comm)   # exact: state dicts, stage 1/2 weights, persistent weights
-        self.reduce = self._gradient_reduce()
-
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        self.params = [p for _, p in named]
-        self.shards = [self.shard_class(i, n, p, self.partition) for i, (n, p) in enumerate(named)]
+        self.masters, self.optimizer, self.reducer = parts.masters, parts.masters.optimizer, parts.reducer
+        self.params = [s.param for s in self.shards]
         self.shard_of = {id(s.param): s for s in self.shards}
-        # Untrained parameters and buffers are materialized whole, in the compute dtype.
-        materialize_rest(module, param_init, device, self.dtype, skip=set(self.shard_of))
-        for p in module.parameters():
-            if id(p) not in self.shard_of:
-                p.data = p.data.to(device=device, dtype=self.dtype)
-        for b in module.buffers():
-            b.data = b.data.to(device)
-
-        self._allocate_partitions()
-        for s in self.shards:  # one full parameter alive at a time
-            full = full_value(s.name, s.param, param_init, device).view(-1)
-            self._adopt(s, full)
-            if self.dtype == torch.float32:
-                s.master = self._weight_slice(s)  # fp32: the master is this rank's slice of the weight
-            else:
-                s.master.copy_(full[s.lo:s.hi])
-            del full
-        owned = [s for s in self.shards if s.valid]
-        self.optimizer = self._make_optimizer([s.master for s in owned if s.decay],
-                                              [s.master for s in owned if not s.decay])
-
-        pre, post = config.gradient_scale_factors(self.world)
-        # The same layout over a group of its own (parallel/topology.py: gradient_group).
-        reduce_partition = Partition(group=topo.gradient_group, size=self.world, rank=self.rank)
-        self.reducer = GradientReducer(
-            self.reduce, self.shards, reduce_partition, self.zero.reduce_bucket_size,
-            communication_dtype(config), device, self.zero.overlap, pre=pre, post=post)
-        self.reducer.pool.budget = self._gradient_buffers_bound()
-        if self.error_feedback is not None:
-            self.error_feedback.expect({b.index: (topo.num_nodes, b.total) for b in self.reducer.buckets},
-                                       self.world, topo.num_nodes, device)
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._grad_hook)
 
-    def _gradient_reduce(self) -> ShardReduce:
-        return ShardReduce(self.comm)
+    # -- forward and backward ---------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        if self.parts.hooks is None:
+            return self.module(*args, **kwargs)
+        return self.parts.hooks.forward(self.module, *args, **kwargs)
 
-    def _allocate_partitions(self):
-        """fp32 gradient partition and (16-bit training) fp32 masters: one flat
-        buffer each, a view per shard."""
-        n = sum(s.valid for s in self.shards)
-        self.grad_flat = torch.zeros(n, dtype=torch.float32, device=self.device)
-        self.master_flat = (torch.empty(n, dtype=torch.float32, device=self.device)
-                            if self.dtype != torch.float32 else None)
-        off = 0
-        for s in self.shards:
-            s.grad = self.grad_flat[off:off + s.valid]
-            if self.master_flat is not None:
-                s.master = self.master_flat[off:off + s.valid]
-            off += s.valid
+    def _backward(self, loss):
+        phase = self.parts.hooks.backward() if self.parts.hooks is not None else contextlib.nullcontext()
+        with phase:
+            self.parts.gradients.begin(self.is_gradient_accumulation_boundary())
+            super()._backward(loss)
+            if self.parts.gradients.reduce_now():
+                with self.clock.phase("backward_allreduce"):
+                    self._finish_reduction()
 
-    def _adopt(self, s: ShardedParam, full_fp32: torch.Tensor):
-        """Keep what this stage holds of the weight (full: fp32, flat), in place
-        where it already has storage (the fp32 master may be a view of it)."""
-        raise NotImplementedError
-
-    def _weight_slice(self, s: ShardedParam) -> torch.Tensor:
-        """This rank's `valid` elements of the compute-dtype weight."""
-        raise NotImplementedError
-
-    def _set_whole(self, param: torch.Tensor, full_fp32: torch.Tensor):
-        """A parameter every rank holds whole: new data, or a copy into the old."""
-        if param.is_meta or param.dtype != self.dtype or param.device != full_fp32.device:
-            replace_data(param, full_fp32.view(param.shape).to(self.dtype, copy=True))
-        else:
-            param.data.copy_(full_fp32.view(param.shape))
-
-    # -- gradients ------------------------------------------------------------------
     def _grad_hook(self, p):
-        s = self.shard_of[id(p)]
         g, p.grad = p.grad, None
-        self._on_grad(s, g)
-
-    def _on_grad(self, s: ShardedParam, grad: torch.Tensor):
-        raise NotImplementedError
+        self.parts.gradients.add(self.shard_of[id(p)], g)
 
     def _finish_reduction(self):
-        with self.clock.phase("backward_allreduce"):
-            self._finish_reduction_untimed()
-
-    def _finish_reduction_untimed(self):
         missing = self.reducer.missing()
         if missing and not self.zero.ignore_unused_parameters:
             names = ", ".join(s.name for s in missing[:5]) + (", ..." if len(missing) > 5 else "")
@@ -130,49 +81,20 @@ class ShardedEngineBase(Engine):
 
     # -- Engine hooks ---------------------------------------------------------------
     def _grad_norm_sq(self) -> float:
-        # vector_norm reduces without a temporary copy of the (large) partition
-        t = torch.linalg.vector_norm(self.grad_flat).to(torch.float64).square().reshape(1)
-        self.comm.all_reduce(t, group=self.partition.group, phase="optimizer")  # inf/nan reach every rank
-        return t.item()
+        return self.masters.grad_norm_sq(self.comm, self.partition.group)
 
     def _apply_update(self, coef: float):
-        for s in self.shards:
-            if s.valid:
-                s.master.grad = s.grad.mul_(coef)
-        self._step_by_bucket()
-        for s in self.shards:
-            s.master.grad = None
-        self._publish_weights()
+        self.masters.step(coef, self.reducer.buckets, self._scratch_per_element())
+        self.weights.publish(self.masters.flat is None)
 
     def _end_step(self, applied: bool):
-        for part in self._carried_parts().values():
+        for part in self.parts.carried.values():
             note = part.end_step(applied)
             if note:
                 warnings.warn(f"step {self.global_step + 1}, rank {self.rank}: {note}")
 
-    def _step_by_bucket(self):
-        """optimizer.step() over one gradient bucket's masters at a time: torch's foreach
-        implementations allocate temporaries the size of what one call steps (Adam: the
-        square root of the second moment), so the scratch is at most a bucket's share, not
-        the whole shard. Each element is updated by the same operations as in one call;
-        the optimizer's state stays keyed by the same masters (checkpoints unchanged)."""
-        groups = self.optimizer.param_groups
-        whole = [g["params"] for g in groups]
-        member = [{id(p) for p in ps} for ps in whole]
-        try:
-            for b in self.reducer.buckets:
-                masters = [s.master for s in b.shards if s.valid]
-                parts = [[m for m in masters if id(m) in ids] for ids in member]
-                if not any(parts):
-                    continue
-                for g, part in zip(groups, parts):
-                    g["params"] = part
-                self.optimizer.step()
-                stepped = sum(m.numel() for m in masters)
-                self._scratch_peak = max(self._scratch_peak, stepped * self._scratch_per_element())
-        finally:
-            for g, ps in zip(groups, whole):
-                g["params"] = ps
+    def _zero_grad(self):
+        self.masters.grad_flat.zero_()
 
     def _scratch_per_element(self) -> int:
         """Bytes per stepped element of the optimizer's temporaries (torch/optim/adam.py,
@@ -180,30 +102,13 @@ class ShardedEngineBase(Engine):
         s = self.optim_settings
         return (4 if s.weight_decay else 0) if s.type == "sgd" else 4
 
-    def _scratch_bound(self) -> int:
-        """A bucket's share of this rank's elements (or its largest weight's), x the above."""
-        owned = sum(s.valid for s in self.shards)
-        largest = max((s.valid for s in self.shards), default=0)
-        share = -(-self.zero.reduce_bucket_size // self.world)
-        return min(owned, max(share, largest)) * self._scratch_per_element()
-
-    def _publish_weights(self):
-        raise NotImplementedError
-
-    def _zero_grad(self):
-        self.grad_flat.zero_()
-
-    def _gather_weights(self, shards, chunk_of, consume, dtype, phase):
-        gather_bucketed(self.gather, shards, chunk_of, consume, self.partition, dtype, self.device,
-                        self.zero.allgather_bucket_size, phase)
-
-    # -- checkpoint state --------------------------------------------------------------
+    # -- state dicts ------------------------------------------------------------------
     def module_state_dict(self) -> dict:
         """Full fp32 weights on every rank (collective)."""
         full = {}
-        self._gather_weights(self.shards, lambda s: s.master,
-                             lambda s, t: full.__setitem__(s.index, t.view(s.shape).cpu().clone()),
-                             torch.float32, "other")
+        gather_bucketed(self.parts.gather, self.shards, lambda s: s.master,
+                        lambda s, t: full.__setitem__(s.index, t.view(s.shape).cpu().clone()),
+                        self.partition, torch.float32, self.device, self.zero.allgather_bucket_size, "other")
         out = {}
         for k, v in self.module.state_dict(keep_vars=True).items():
             s = self.shard_of.get(id(v))
@@ -224,9 +129,8 @@ class ShardedEngineBase(Engine):
                 if full.numel() != s.numel:
                     raise ValueError(f"load_module_state_dict: {s.name} has {s.numel} elements, "
                                      f"got {full.numel()} (shape {tuple(s.shape)})")
-                self._adopt(s, full)
-                if self.master_flat is not None:  # fp32: the master is the weight, already set
-                    s.master.copy_(full[s.lo:s.hi])
+                self.weights.adopt(s, full)
+                self.masters.load(s, full)
             for p in self.module.parameters():
                 if id(p) not in self.shard_of:
                     name = next(k for k, q in named.items() if q is p)
@@ -234,11 +138,9 @@ class ShardedEngineBase(Engine):
             for n, b in self.module.named_buffers():
                 if n in sd:
                     b.copy_(sd[n])
-        self._weights_changed()
+        self.weights.changed()
 
-    def _weights_changed(self):
-        """Hook: the weights were replaced from outside (a state-dict load)."""
-
+    # -- checkpoint state --------------------------------------------------------------
     def checkpoint_state(self, for_load: bool = False, optimizer: bool = True) -> dict:
         """This rank's slices: the fp32 masters and their optimizer state (see Engine)."""
         out = self._replicated_module_state()
@@ -250,60 +152,69 @@ class ShardedEngineBase(Engine):
                 for key in self._moment_names():
                     local = self._moment(s.master, key, for_load) if s.valid else empty
                     out[f"optim.{key}.{s.name}"] = FlatState(local, s.numel, sharded=True)
-            out["optim.step"] = self._step_entry([s.master for s in self.shards if s.valid])
-            for part in self._carried_parts().values():
+            out["optim.step"] = self._step_entry([s.master for s in self.masters.owned])
+            for part in self.parts.carried.values():
                 out.update(part.checkpoint_state(self.world))
         return out
 
-    @property
-    def error_feedback(self) -> ErrorFeedback | None:
-        """qgZ's error feedback (zeropp_loco_param), when the gradient reduction keeps one."""
-        return getattr(self.reduce, "error_feedback", None)
-
-    def _carried_parts(self) -> dict:
-        """State carried from step to step besides the optimizer's, by its scalar-state key. Each
-        part commits at `end_step(applied)` (ARCHITECTURE.md: "State carried across steps"),
-        saves `checkpoint_state(world)` and `scalar_state()`, and on a load either takes them
-        back (`carried(saved)`) or resets and says so (`load_scalar_state(saved)` -> a line)."""
-        ef = self.error_feedback
-        return {"error_feedback": ef} if ef is not None else {}
-
     def scalar_state(self) -> dict:
         out = super().scalar_state()
-        for key, part in self._carried_parts().items():
+        for key, part in self.parts.carried.items():
             out[key] = part.scalar_state()
+        if self.parts.hooks is not None:   # stage 3: the recorded gather orders
+            out["schedule"] = self.parts.hooks.gathers.scalar_state()
         return out
 
     def load_scalar_state(self, sd: dict) -> list[str]:
+        if self.parts.hooks is not None:
+            self.parts.hooks.gathers.load_scalar_state(sd.get("schedule"))
         notes = super().load_scalar_state(sd)
-        parts = self._carried_parts()
-        for key, part in parts.items():
+        for key, part in self.parts.carried.items():
             note = part.load_scalar_state(sd.get(key))
             notes += [note] if note else []
         return notes
 
     def uncarried_state(self, saved_scalar_state: dict) -> list[str]:
         out = []
-        for key, part in self._carried_parts().items():
+        for key, part in self.parts.carried.items():
             if not part.carried(saved_scalar_state.get(key)):
                 out += list(part.checkpoint_state(self.world))
         return out
 
     def checkpoint_loaded(self, state: dict):
-        self._publish_weights()   # masters -> 16-bit weights, gathered where this stage keeps them whole
-        self._weights_changed()
-        self._set_optimizer_step(state, [s.master for s in self.shards if s.valid])
+        self.weights.publish(self.masters.flat is None)   # masters -> weights, gathered where kept whole
+        self.weights.changed()
+        self._set_optimizer_step(state, [s.master for s in self.masters.owned])
 
+    # -- memory -------------------------------------------------------------------------
     def _optimizer_tensors(self) -> list[torch.Tensor]:
-        return super()._optimizer_tensors() + [s.master for s in self.shards if s.valid]
+        return super()._optimizer_tensors() + [s.master for s in self.masters.owned]
+
+    def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        out = {"parameters": self.weights.tensors(),
+               "gradients": [self.masters.grad_flat] + self.parts.gradients.tensors(),
+               "optimizer": self._optimizer_tensors()}
+        for line in self.memory_lines():   # listed once more is counted once (zeropp/memory.py)
+            out[line.kind] = out[line.kind] + line.tensors
+        return out
+
+    def summary(self) -> list[str]:
+        return [line for part in self.parts.carried.values() if (line := part.summary())]
+
+    def memory_lines(self) -> list:
+        """What the techniques' parts keep (zeropp/collectives/protocols.py MemoryLine)."""
+        return self.weights.memory_lines() + [part.memory() for part in self.parts.carried.values()]
+
+    def num_trained_parameters(self) -> int:
+        return sum(s.numel for s in self.shards)   # stage 3's weights are placeholders
 
     def peak_buffers(self) -> dict:
         """Measured peaks during steps, next to the configured bounds (bytes)."""
-        return {"gradient_buckets_peak": self.reducer.pool.peak_bytes,
-                "gradient_buckets_bound": self._gradient_buffers_bound(),
-                "optimizer_scratch_peak": self._scratch_peak, "optimizer_scratch_bound": self._scratch_bound()}
-
-    def _gradient_buffers_bound(self) -> int:
-        r = self.reducer
-        return reducer_buffers_bound([b.total for b in r.buckets], self.world, torch.finfo(r.comm_dtype).bits // 8,
-                                     r.overlap, self.reduce.inflight_bytes)
+        per = self._scratch_per_element()
+        peaks = {"gradient_buckets_peak": self.reducer.pool.peak_bytes,
+                 "gradient_buckets_bound": self.reducer.buffers_bound(),
+                 "optimizer_scratch_peak": self.masters.scratch_peak,
+                 "optimizer_scratch_bound": self.masters.scratch_bound(self.zero.reduce_bucket_size, self.world, per)}
+        if self.parts.hooks is not None:
+            peaks.update(self.parts.hooks.peak_buffers())
+        return peaks

@@ -19,9 +19,8 @@ States (each method asserts the one it starts from):
 primary partition (`PrimaryWeights`: over all ranks, exact or qwZ) or hpZ's
 secondary one (zeropp/techniques/hpz.py). Parameters of at most
 `stage3_param_persistence_threshold` elements are persistent: whole on every
-rank, none of this applies to them. `GatherOnRead` and `SavedWeightView` are how
-the engine (zeropp/stages/stage3.py) sees a weight read outside its module or saved
-for backward.
+rank, none of this applies to them. `SavedWeightView` is how the
+hooks (zeropp/stages/stage3_hooks.py) see a weight saved for backward.
 """
 from __future__ import annotations
 
@@ -119,13 +118,13 @@ class Stage3Param(ShardedParam):
             self.full.untyped_storage().resize_(0)
             replace_data(self.param, self._placeholder.expand(self.shape))
 
-    def _start_gather(self, bucket: BucketGather):
+    def start_gather(self, bucket: BucketGather):
         assert self.state is WeightState.RELEASED, self.state
         self.full.untyped_storage().resize_(self.nbytes)
         self._gathered.allocated(self)
         self.state, self.bucket = WeightState.GATHERING, bucket
 
-    def _arrive(self, values: torch.Tensor):
+    def arrive(self, values: torch.Tensor):
         """The gather is done: `values` (flat, `numel`) become the weight."""
         assert self.state is WeightState.GATHERING, self.state
         if values.data_ptr() != self.full.data_ptr():
@@ -160,6 +159,22 @@ class PrimaryWeights:
 
     def __init__(self, partition: Partition, flat: torch.Tensor, gather: ShardGather, keeper=None):
         self.partition, self.flat, self.gather, self.keeper = partition, flat, gather, keeper
+        self.delivers_rows = gather.delivers_rows
+
+    def holds(self, s: Stage3Param) -> bool:
+        return True
+
+    def bytes_per_element(self, elem_bytes: int) -> float:
+        return self.gather.bytes_per_element(elem_bytes, self.partition.size)
+
+    def fixed_bytes(self) -> int:
+        return 0
+
+    def tensors(self) -> list[torch.Tensor]:
+        return []   # its shards are the parameter store's
+
+    def plan(self, weights: list[Stage3Param], phase: str) -> list:
+        return self.gather.plan(phase, sum(s.chunk for s in weights), self.flat.element_size(), self.partition.size)
 
     def chunk(self, s: Stage3Param) -> int:
         return s.chunk
@@ -185,7 +200,7 @@ class BucketGather:
         self.weights, self.source, self.pool = weights, source, pool
         n = source.partition.size
         for s in weights:
-            s._start_gather(self)
+            s.start_gather(self)
         chunks = [source.chunk(s) for s in weights]
         slices = [source.slice(s) for s in weights]
         flat = source.flat
@@ -205,7 +220,7 @@ class BucketGather:
             out = None
         elif len(weights) == 1 and first.numel == chunks[0] * n:
             out = first.full.view(n, chunks[0])
-        elif source.gather.delivers_rows:
+        elif source.delivers_rows:
             out = self._deliver
         else:
             out = pool.take(n * total, flat.dtype).view(n, total)
@@ -231,7 +246,7 @@ class BucketGather:
         off = 0
         for s in self.weights:  # each weight out of the bucket into its own storage
             c = self.source.chunk(s)
-            s._arrive(s.full.view(-1) if rows is None else rows[:, off:off + c].reshape(-1)[:s.numel])
+            s.arrive(s.full.view(-1) if rows is None else rows[:, off:off + c].reshape(-1)[:s.numel])
             self.source.arrived(s, s.full)
             off += c
         for t in self._taken:
@@ -244,22 +259,3 @@ class SavedWeightView:
 
     def __init__(self, weight: Stage3Param, tensor: torch.Tensor):
         self.weight, self.tensor = weight, tensor
-
-
-class GatherOnRead(dict):
-    """A module's `_parameters`: reading a released weight during a phase gathers it."""
-
-    def __init__(self, engine, items):
-        super().__init__(items)
-        self._engine = engine
-
-    def __getitem__(self, key):
-        p = dict.__getitem__(self, key)
-        eng = self._engine
-        if eng._phase is not None and p is not None:
-            s = eng.shard_of.get(id(p))
-            if s is not None and not s.persistent and s.state is not WeightState.LIVE:
-                if eng._phase == "forward":
-                    eng._read_outside.add(s.index)
-                eng._request([s])
-        return p

@@ -36,7 +36,7 @@ Refresh: a full gather (qwZ's INT8, or exact) instead of the delta, for a weight
   - whose delta is not small: in some block the INT4 step exceeds the INT8 step
     of its new values, or is not finite. Each owner checks its chunk and one
     all-reduce (MAX) of a flag per weight after the step makes it agreed.
-Evaluation gathers exact weights and leaves all of this alone (stage3.py).
+Evaluation gathers exact weights and leaves all of this alone (zeropp/stages/stage3_weights.py).
 
 Carried state (ARCHITECTURE.md): `prepare` runs only after an applied step
 (`end_step`); a skipped step leaves the deltas, `recon` and the count alone.
@@ -55,6 +55,8 @@ import torch
 from parallel.comm import Work
 from zeropp.collectives.buffer_pool import BufferPool
 from zeropp.collectives.exact import ShardGather, gather_bucketed
+from zeropp.collectives.protocols import MemoryLine, PlannedCollective
+from zeropp.collectives.two_hop import TwoHops
 from zeropp.collectives.partition import FlatState
 from zeropp.techniques.hpz import SecondaryPartition
 from zeropp.collectives.partition import Partition
@@ -63,6 +65,7 @@ from zeropp.kernels.quant import DEFAULT_BLOCK_SIZE, QMAX, Quantized, dequantize
 BLOCK_SIZE = DEFAULT_BLOCK_SIZE[4]
 DEQUANT_ELEMENTS = 1 << 22   # fp32 elements dequantized at once (16 MB): a weight's members in groups
 KEY = "weight_deltas.recon."   # checkpoint keys: KEY + weight name
+MEMORY_KEY = "weight_deltas_bytes"
 
 
 class WeightDeltas:
@@ -71,6 +74,7 @@ class WeightDeltas:
     prepared after each step, and which weights may go as deltas."""
 
     writes_weights = True   # BucketGather: start() writes the gathered values into the weights
+    delivers_rows = False
 
     def __init__(self, partition: Partition, comm, weights: list, param_flat: torch.Tensor,
                  secondary: SecondaryPartition, refresh_interval: int, across: Partition, within: Partition):
@@ -94,7 +98,7 @@ class WeightDeltas:
             off += self._wire_bytes[s.index]
         self._based: set[int] = set()     # weights whose recon (and the nodes' copies) are a base
         self._refresh: set[int] = set()   # weights to gather in full this step
-        self._queue: collections.deque[_TwoHopGather] = collections.deque()   # second hops not started
+        self._queue: collections.deque[TwoHops] = collections.deque()   # second hops not started
         self.steps = 0
         self.arrivals = self.sent = 0     # weights gathered from the primary partition / as deltas
 
@@ -123,7 +127,7 @@ class WeightDeltas:
     def _small_delta(self, s) -> torch.Tensor:
         """Quantize my chunk's delta into its wire slice; whether it is small (a bool on the device)."""
         new = s.shard.float()
-        q = quantize(new - self._recon[s.index].float(), 4, BLOCK_SIZE, out=self._view(s, self._wire[s.index]))
+        q = quantize(new - self._recon[s.index].float(), 4, BLOCK_SIZE, out=Quantized.from_bytes(self._wire[s.index], s.chunk, 4, BLOCK_SIZE))
         nb = q.scales.numel()
         amax = torch.nn.functional.pad(new, (0, nb * BLOCK_SIZE - new.numel())).view(nb, -1).abs().amax(1)
         # NaN compares False; an infinite scale would pass as inf <= inf: not small either way
@@ -134,7 +138,7 @@ class WeightDeltas:
         self._based.clear()
         self._refresh.clear()
 
-    def ready(self, s) -> bool:
+    def holds(self, s) -> bool:
         """`s` can be gathered as a delta (the same answer on every rank)."""
         return s.index in self._based and s.index not in self._refresh
 
@@ -179,10 +183,6 @@ class WeightDeltas:
         return None
 
     # -- a weight source ---------------------------------------------------------------
-    @staticmethod
-    def _view(s, wire: torch.Tensor) -> Quantized:
-        return Quantized.from_bytes(wire, s.chunk, 4, BLOCK_SIZE)
-
     def chunk(self, s) -> int:
         return self._wire_bytes[s.index]
 
@@ -190,10 +190,20 @@ class WeightDeltas:
         return self._wire[s.index]
 
     def start(self, weights: list, inp: torch.Tensor, phase: str, out, pool: BufferPool) -> Work:
-        """`inp`: my INT4 deltas of `weights`, end to end."""
-        sec, h = self.secondary, self.within.size
+        """`inp`: my INT4 deltas of `weights`, end to end. Hop 1 gathers them over `across`; hop 2,
+        over my hpZ group, what hop 1 brought with my slices of the previous weights beside it."""
+        sec, h, w = self.secondary, self.within.size, self.across.size
         base = [sec.slice(s) for s in weights]   # my slices of the previous weights: hop 2 carries them
-        hops = _TwoHopGather(self.comm, inp, base, self.across, self.within, phase, pool)
+        base_bytes = sum(b.numel() for b in base) * sec.flat.element_size()
+        first = w * inp.numel()   # bytes (a multiple of 4: whole INT4 wires)
+        width = first + -(-base_bytes // 4) * 4   # rows stay 4-byte aligned
+        send = pool.take(width, torch.uint8)
+        torch.cat([b.view(torch.uint8) for b in base], out=send[first:first + base_bytes])
+        rows = pool.take(h * width, torch.uint8).view(h, width)
+        hop1 = self.comm.all_gather(send[:first], inp, group=self.across.group, async_op=True, phase=phase,
+                                    plain=False)
+        hops = TwoHops(hop1, lambda: self.comm.all_gather(rows.view(-1), send, group=self.within.group,
+                                                          async_op=True, phase=phase, plain=False))
         self._queue.append(hops)
         self.comm.charge_plain("all_gather", self.partition.group,
                                sum(s.chunk for s in weights) * sec.flat.element_size())
@@ -203,7 +213,9 @@ class WeightDeltas:
             while self._queue[0] is not hops:   # second hops in issue order, the same on every rank
                 self._queue.popleft().start_second()
             self._queue.popleft()
-            deltas, previous = hops.wait()   # [h, W/h, bytes]: the row of rank j = g h + i is [i, g]; [h, slices]
+            hops.wait()
+            deltas = rows[:, :first].view(h, w, inp.numel())   # the row of rank j = g h + i is [i, g]
+            previous = rows[:, first:first + base_bytes].view(sec.flat.dtype)   # [h, slices]
             off = 0
             for s, b in zip(weights, base):   # member i's slice of the previous weights, row by row
                 c, flat = b.numel(), s.full.view(-1)
@@ -212,90 +224,97 @@ class WeightDeltas:
                     if hi > lo:
                         flat[lo:hi].copy_(previous[i, off:off + hi - lo])
                 off += c
-            row = pool.take(self._dequant_elements(weights), torch.float32)   # scratch off the CPU path
+            row = pool.take(dequant_elements(weights, self.partition.size), torch.float32)   # scratch off the CPU path
             off = 0
             for s in weights:
-                self._add_deltas(s, deltas[..., off:off + self._wire_bytes[s.index]], row)
+                add_deltas(s, deltas[..., off:off + self._wire_bytes[s.index]], row, h, self.partition.size)
                 off += self._wire_bytes[s.index]
             pool.give(row)
-            hops.give_back()
+            pool.give(send)
+            pool.give(rows)
             return None
-        return Work(hops.first, then=finish)
+        return Work(hop1, then=finish)
 
-    def _add_deltas(self, s, wires: torch.Tensor, scratch: torch.Tensor):
-        """Add every member's dequantized delta to `s.full` (which holds the previous weights).
-        `wires`: [h, W/h, bytes], member g h + i's INT4 at [i, g]; for each index i, members
-        0 .. R h - 1 (R whole rounds of h chunks) are strided rows of both, a group at a time."""
-        c, h, flat = s.chunk, self.within.size, s.full.view(-1)
-        rounds = s.numel // c // h
-        by_index = flat[:rounds * h * c].view(rounds, h, c)
-        group = self._members_at_once(s)
-        for i in range(h):
-            for g in range(0, rounds, group):
-                q = Quantized.from_bytes(wires[i, g:g + group], c, 4, BLOCK_SIZE)
-                dequantize_add(q, by_index[g:g + group, i], scratch=scratch)
-        for m in range(rounds * h, -(-s.numel // c)):   # the rest, one member at a time (the last may be short)
-            piece = flat[m * c:min((m + 1) * c, s.numel)]
-            dequantize_add(Quantized.from_bytes(wires[m % h, m // h], c, 4, BLOCK_SIZE).row(0, piece.numel()),
-                           piece, scratch=scratch)
-
-    def _members_at_once(self, s) -> int:
-        return max(1, min(self.partition.size, DEQUANT_ELEMENTS // s.chunk))
-
-    def _dequant_elements(self, weights) -> int:
-        return max(self._members_at_once(s) * s.chunk for s in weights)
-
-    def dequant_buffer_bytes(self) -> int:
+    def fixed_bytes(self) -> int:
         """The fp32 buffer a gather dequantizes into (one gather finishes at a time)."""
-        return 4 * self._dequant_elements(self.weights) if self.weights else 0
+        return 4 * dequant_elements(self.weights, self.partition.size) if self.weights else 0
 
     def arrived(self, s, full: torch.Tensor):
         self.keep(s, full)
 
-    def inflight_bytes_per_element(self, elem_bytes: int) -> float:
+    def carried_parts(self) -> dict:
+        return {"weight_deltas": self}
+
+    def summary(self) -> str | None:
+        if not self.arrivals:
+            return None
+        return (f"INT4 weight deltas: {self.sent} of {self.arrivals} weight gathers from the primary partition went "
+                f"as deltas ({100 * self.sent / self.arrivals:.1f}%); the others in full (first gathers, every "
+                f"{self.refresh_interval} steps, after a load, large deltas)")
+
+    def plan(self, weights: list, phase: str) -> list[PlannedCollective]:
+        """INT4 deltas across the ranks at my index in their hpZ groups, then those rows and the
+        previous weights' secondary slices inside the group (rows padded to 4 bytes)."""
+        wire = sum(self._wire_bytes[s.index] for s in weights)
+        world, h = self.partition.size, self.secondary.size
+        base = sum(s.secondary_slice.chunk for s in weights) * self.secondary.flat.element_size()
+        return [PlannedCollective(phase, "all_gather", "strided", wire,
+                                  quant_elements=world * sum(s.chunk for s in weights), quant_bits=4),
+                PlannedCollective(phase, "all_gather", "secondary", wire * world // h + -(-base // 4) * 4)]
+
+    def plan_step(self) -> list[PlannedCollective]:
+        """After a step each owner quantizes its deltas; one int32 flag per weight says which go in full."""
+        return [PlannedCollective("optimizer", "all_reduce", "world", 4 * len(self.weights),
+                                  quant_elements=sum(s.chunk for s in self.weights), quant_bits=4)]
+
+    def memory(self) -> MemoryLine:
+        """`recon` (w/N bytes a parameter) and the INT4 deltas (about 0.53/N)."""
+        per = (self.recon.element_size() + wire_nbytes(1 << 20, 4, BLOCK_SIZE) / (1 << 20)) / self.partition.size
+        return MemoryLine(MEMORY_KEY, "parameters", [self.recon, self.flat], per)
+
+    def bytes_per_element(self, elem_bytes: int) -> float:
         """Gather-pool bytes per gathered element: the previous weights sent (b/h) and received
         (b), the INT4 wire (per element: the most of any weight, a small chunk pads to a whole
         block) sent (1/W), received by the first hop (1/h) and the second (1), and copied a
-        group of members at a time (at most 1), besides `dequant_buffer_bytes` (and up to 3
+        group of members at a time (at most 1), besides `fixed_bytes` (and up to 3
         bytes of padding a row, in the bound's constant)."""
         w, h = self.partition.size, self.secondary.size
         wire = max((self._wire_bytes[s.index] / s.chunk for s in self.weights), default=0)
         return elem_bytes * (1 + 1 / h) + wire * (2 + 1 / h + 1 / w)
 
 
-class _TwoHopGather:
-    """Two all-gathers: `inp` over `across` (the ranks at my index in their groups), then, over
-    `within` (my group), what that brought with my `base` tensors beside it. The second starts
-    on `start_second()` (or `wait()`), once the first is done."""
+def members_at_once(s, world: int) -> int:
+    """Members of weight `s` dequantized at once (DEQUANT_ELEMENTS fp32 elements at most)."""
+    return max(1, min(world, DEQUANT_ELEMENTS // s.chunk))
 
-    def __init__(self, comm, inp: torch.Tensor, base: list[torch.Tensor], across: Partition, within: Partition,
-                 phase: str, pool: BufferPool):
-        self.comm, self.within, self.phase, self.pool = comm, within, phase, pool
-        self.base_dtype, self.base_numel = base[0].dtype, sum(b.numel() for b in base)
-        first = across.size * inp.numel()   # bytes (a multiple of 4: whole INT4 wires)
-        width = first + -(-self.base_numel * base[0].element_size() // 4) * 4   # rows stay 4-byte aligned
-        self.send = pool.take(width, torch.uint8)
-        torch.cat([b.view(torch.uint8) for b in base], out=self.send[first:first + self.base_numel * base[0].element_size()])
-        self.first = comm.all_gather(self.send[:first], inp, group=across.group, async_op=True, phase=phase,
-                                     plain=False)
-        self.rows = pool.take(within.size * width, torch.uint8).view(within.size, width)
-        self.shape = (within.size, across.size, inp.numel())
-        self.second: Work | None = None
 
-    def start_second(self):
-        if self.second is None:
-            self.first.wait()
-            self.second = self.comm.all_gather(self.rows.view(-1), self.send, group=self.within.group,
-                                               async_op=True, phase=self.phase, plain=False)
+def dequant_elements(weights, world: int) -> int:
+    """The fp32 elements a gather of `weights` dequantizes into at once."""
+    return max(members_at_once(s, world) * s.chunk for s in weights)
 
-    def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The [h, W/h, bytes] rows of the first hop and the [h, base elements] of the base."""
-        self.start_second()
-        self.second.wait()
-        first = self.shape[1] * self.shape[2]
-        base = self.rows[:, first:first + self.base_numel * self.base_dtype.itemsize].view(self.base_dtype)
-        return self.rows[:, :first].view(self.shape), base
 
-    def give_back(self):
-        self.pool.give(self.send)
-        self.pool.give(self.rows)
+def add_deltas(s, wires: torch.Tensor, scratch: torch.Tensor, h: int, world: int):
+    """Add every member's dequantized delta to `s.full` (which holds the previous weights).
+    `wires`: [h, W/h, bytes], member g h + i's INT4 at [i, g]; for each index i, members
+    0 .. R h - 1 (R whole rounds of h chunks) are strided rows of both, a group at a time."""
+    c, flat = s.chunk, s.full.view(-1)
+    rounds = s.numel // c // h
+    by_index = flat[:rounds * h * c].view(rounds, h, c)
+    group = members_at_once(s, world)
+    for i in range(h):
+        for g in range(0, rounds, group):
+            q = Quantized.from_bytes(wires[i, g:g + group], c, 4, BLOCK_SIZE)
+            dequantize_add(q, by_index[g:g + group, i], scratch=scratch)
+    for m in range(rounds * h, -(-s.numel // c)):   # the rest, one member at a time (the last may be short)
+        piece = flat[m * c:min((m + 1) * c, s.numel)]
+        dequantize_add(Quantized.from_bytes(wires[m % h, m // h], c, 4, BLOCK_SIZE).row(0, piece.numel()),
+                       piece, scratch=scratch)
+
+
+def build(ctx) -> WeightDeltas | None:
+    """The deltas keep what arrives in hpZ's partition: nothing to build without it."""
+    if ctx.secondary is None:
+        return None
+    return WeightDeltas(ctx.groups.world, ctx.comm, ctx.weights, ctx.flat, ctx.secondary,
+                        ctx.zero.zero_quantized_weight_deltas_refresh_interval, ctx.groups.deltas_across,
+                        ctx.groups.deltas_within)

@@ -109,3 +109,8 @@ def hadamard(x: torch.Tensor, block_size: int, inverse: bool = False, out: torch
     else:
         _torch_hadamard(x.view(-1), out.view(-1), block_size, inverse)
     return out
+
+
+def build(ctx) -> int:
+    """The technique's part: the block qgZ's rows are rotated in, its quantization block."""
+    return ctx.zero.zero_quantized_gradients_block_size

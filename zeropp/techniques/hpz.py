@@ -1,4 +1,4 @@
-"""hpZ: ZeRO++'s secondary weight partition (REFERENCE.md section 2).
+"""hpZ: ZeRO++'s secondary weight partition (arXiv 2306.10209, section 3.2; DeepSpeed's ZeRO++ tutorial).
 
 When a weight arrives from the primary partition (over all ranks), each rank
 keeps a slice of it partitioned over its group of h ranks inside the node:
@@ -22,7 +22,11 @@ import torch
 
 from parallel.comm import Work
 from zeropp.collectives.exact import ShardGather
+from zeropp.collectives.protocols import MemoryLine, PlannedCollective
 from zeropp.collectives.partition import Partition
+
+
+MEMORY_KEY = "hpz_secondary_bytes"
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,7 @@ class SecondaryPartition:
     which of them hold the current step's values."""
 
     writes_weights = False
+    delivers_rows = False
 
     def __init__(self, partition: Partition, comm, weights: list, dtype: torch.dtype, device):
         """`weights`: the partitioned Stage3Params, each already `place`d."""
@@ -86,6 +91,24 @@ class SecondaryPartition:
             self._fresh.discard(s.index)
 
     # -- a weight source (zeropp.stages.stage3_param.BucketGather) ------------------------------
+    def bytes_per_element(self, elem_bytes: int) -> float:
+        return self.gather.bytes_per_element(elem_bytes, self.size)
+
+    def fixed_bytes(self) -> int:
+        return 0
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.flat]
+
+    def plan(self, weights: list, phase: str) -> list[PlannedCollective]:
+        """Inside the group: the secondary chunks, exact."""
+        total = sum(s.secondary_slice.chunk for s in weights)
+        return [PlannedCollective(phase, "all_gather", "secondary", total * self.flat.element_size())]
+
+    def memory(self) -> MemoryLine:
+        """The 16-bit weights again, over the h ranks of the group: w/h bytes a parameter."""
+        return MemoryLine(MEMORY_KEY, "parameters", [self.flat], self.flat.element_size() / self.size)
+
     def chunk(self, s) -> int:
         return s.secondary_slice.chunk
 
@@ -99,3 +122,10 @@ class SecondaryPartition:
 
     def arrived(self, s, full: torch.Tensor):
         pass   # already here
+
+
+def build(ctx) -> SecondaryPartition | None:
+    """None when the group is the whole world (the primary partition itself: nothing to add)."""
+    if ctx.groups.hpz is None:
+        return None
+    return SecondaryPartition(ctx.groups.hpz, ctx.comm, ctx.weights, ctx.dtype, ctx.device)

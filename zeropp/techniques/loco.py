@@ -33,16 +33,22 @@ from __future__ import annotations
 
 import torch
 
+from parallel.comm import Work
 from zeropp.collectives.buffer_pool import BufferPool
+from zeropp.collectives.protocols import MemoryLine, PlannedCollective
+from zeropp.collectives.two_hop import TwoHops
 from zeropp.collectives.partition import FlatState
-from zeropp.kernels.quant import dequantize, quantize
-from zeropp.kernels.format import Quantized
+from zeropp.kernels.quant import DEFAULT_BLOCK_SIZE, dequantize, quantize
+from zeropp.kernels.format import Quantized, wire_nbytes
+from zeropp.techniques.hadamard import hadamard
+from zeropp.techniques.qgz import HierarchicalQuantizedReduce
 
 KEY = "error_feedback."   # checkpoint keys: KEY + bucket index
+MEMORY_KEY = "error_feedback_bytes"
 
 
 class ErrorFeedback:
-    def __init__(self, beta: float, reset_every: int):
+    def __init__(self, beta: float, reset_every: int, hadamard: int = 0):
         self.beta, self.reset_every = beta, reset_every
         self.buffers: dict[int, torch.Tensor] = {}      # the error after the last applied step
         self.reductions: dict[int, int] = {}
@@ -50,7 +56,7 @@ class ErrorFeedback:
         self._pending_reductions: dict[int, int] = {}   # buckets reduced this step -> their new count
         self.shapes: dict[int, tuple[int, int]] = {}   # every bucket's buffer shape (`expect`)
         self.layout: dict = {}
-        self.hadamard = 0   # the rotation's block size when the rows are rotated (set by qgZ), 0: none
+        self.hadamard = hadamard   # the rotation's block size when the rows are rotated, 0: none
 
     def expect(self, shapes: dict[int, tuple[int, int]], world: int, nodes: int, device):
         """The buckets to come (index -> [N, P]) and the job's shape: what a checkpoint records.
@@ -69,9 +75,18 @@ class ErrorFeedback:
             err = store[key] = torch.zeros(tuple(shape), dtype=torch.float32, device=self.device)
         return err
 
-    def tensors(self) -> list[torch.Tensor]:
-        """Every buffer this keeps (memory reports): the committed errors and the pending ones."""
-        return list(self.buffers.values()) + list(self._pending.values())
+    def summary(self) -> str | None:
+        return None
+
+    def plan_step(self) -> list[PlannedCollective]:
+        return []
+
+    def memory(self) -> MemoryLine:
+        """The committed errors and the pending ones: an fp32 error for 1/L of the gradients, twice
+        (none on one node)."""
+        nodes = self.layout.get("nodes", 1)
+        per = 8 * nodes / self.layout["world"] if nodes > 1 else 0.0
+        return MemoryLine(MEMORY_KEY, "gradients", list(self.buffers.values()) + list(self._pending.values()), per)
 
     def send(self, key: int, rows: torch.Tensor, dests: list[Quantized], pool: BufferPool):
         """Quantize rows [N, total] plus the carried error into `dests` (INT4 wire rows); the new
@@ -147,3 +162,113 @@ class ErrorFeedback:
         return (f"qgZ's error feedback starts from zero: saved on {was['world']} ranks in {was['nodes']} nodes "
                 f"with {len(was['shapes'])} gradient buckets, now {now['world']} ranks in {now['nodes']} nodes "
                 f"with {len(now['shapes'])} (its buffers follow that layout)")
+
+
+class CompensatedReduce(HierarchicalQuantizedReduce):
+    """qgZ with LoCo's error feedback: exact inside the node, INT4 with the carried error across."""
+
+    def __init__(self, comm, block_size: int = DEFAULT_BLOCK_SIZE[4], error_feedback: ErrorFeedback | None = None,
+                 hadamard: bool = False):
+        super().__init__(comm, block_size, hadamard)
+        self.error_feedback = error_feedback
+
+    def expect(self, bucket_totals: dict[int, int], topology, device):
+        self.error_feedback.expect({k: (topology.num_nodes, t) for k, t in bucket_totals.items()},
+                                   topology.world_size, topology.num_nodes, device)
+
+    def carried_parts(self) -> dict:
+        return {"error_feedback": self.error_feedback}
+
+    def plan(self, total: int, elem_bytes: int) -> list[PlannedCollective]:
+        """An exact all-to-all inside the node (summed in fp32), then INT4 across with the carried
+        error: quantize and dequantize N rows, dequantize N parts (Hadamard: N rows and the sum
+        rotated besides)."""
+        nodes, local, bs = self.nodes, self.local, self.block_size
+        padded = -(-total // bs) * bs
+        out = []
+        if local > 1:
+            out.append(PlannedCollective("grad_reduce", "all_to_all", "intra", local * nodes * total * elem_bytes))
+        if nodes > 1:
+            q = (3 * nodes + int(self.hadamard) * (nodes + 1)) * padded
+            out.append(PlannedCollective("grad_reduce", "all_to_all", "inter", nodes * wire_nbytes(padded, 4, bs),
+                                         quant_elements=q, quant_bits=4))
+        return out
+
+    def inflight_bytes(self, bucket_elems: int, elem_bytes: int = 4) -> int:
+        # at most (all counted as if alive at once): the exact first hop's reordered rows and
+        # what it received (the bucket each, `elem_bytes` an element), then in fp32 the node sums
+        # (1/L of it), x (1/L) and one row (1/W <= 1/N), and the second hop's INT4 wire, sent and
+        # received; Hadamard: the rotated node sums (1/L) beside x
+        padded = self._padded(bucket_elems)
+        sums = (3 if self.hadamard else 2) / self.local
+        return (2 * elem_bytes * padded + 4 * padded * (sums + 1 / self.nodes)
+                + 2 * wire_nbytes(padded, 4, self.block_size))
+
+    def _reduce(self, by_node: torch.Tensor, out: torch.Tensor, phase: str, async_op: bool, pool: BufferPool,
+                key: int) -> Work:
+        """qgZ with error feedback: inside the node the reordered rows (slot b*N + a <- row a*L + b)
+        go exactly, in the communication dtype, by an all-to-all, and each rank sums the L rows
+        it received in fp32: a reduce-scatter's bytes without its 16-bit sum (and gloo runs a
+        reduce-scatter as an all-reduce: twice the bytes). Then the node's sums for owners of
+        local index b go across nodes in INT4 with the carried error (`ErrorFeedback.send`).
+        One node: the exact sum is the whole reduction (nothing crosses a node)."""
+        nodes, local, total = by_node.shape
+        ef = self.error_feedback
+
+        def send_across(dests: list[Quantized]):   # with Hadamard, the node sums rotated
+            if not self.hadamard:
+                ef.send(key, node_sum, dests, pool)
+                return
+            n = self._row_numel(total)
+            rotated = pool.take(nodes * n, torch.float32).view(nodes, n)
+            rotated[:, :total].copy_(node_sum)
+            rotated[:, total:].zero_()
+            hadamard(rotated.view(-1), self.block_size)
+            ef.send(key, rotated, dests, pool)
+            pool.give(rotated)
+
+        if local == 1:
+            node_sum, first = by_node[:, 0], None
+        else:
+            send = pool.take(local * nodes * total, by_node.dtype).view(local, nodes, total)
+            send.copy_(by_node.transpose(0, 1))
+            recv = pool.take(send.numel(), by_node.dtype).view_as(send)
+            node_sum = pool.take(nodes * total, torch.float32).view(nodes, total)
+            first = self.comm.all_to_all(recv.view(-1), send.view(-1), group=self.intra_group,
+                                         async_op=async_op, phase=phase, plain=False)
+
+        def sum_in_node():   # once the first hop is done: the L received rows summed in fp32, in order
+            pool.give(send)
+            node_sum.copy_(recv[0])
+            for part in recv[1:]:
+                node_sum.add_(part)   # (torch.sum(dtype=float32) of 16-bit rows is ~5x slower on CPU)
+            pool.give(recv)
+
+        if nodes == 1:
+            def finish():
+                if first is None:   # one rank: its own rows are the sum
+                    return out.copy_(node_sum[0])
+                sum_in_node()
+                out.copy_(node_sum[0])
+                pool.give(node_sum)
+                return out
+            return Work(first, then=finish)
+
+        def second() -> Work:
+            if first is not None:
+                sum_in_node()
+            work = self._inter_hop(send_across, out, total, phase, async_op, pool)
+            if first is not None:
+                pool.give(node_sum)
+            return work
+
+        if first is None:
+            return second()
+        return TwoHops(first, second)
+
+
+def build(ctx) -> CompensatedReduce:
+    """qgZ's reduction with the error carried (the config requires qgZ with LoCo)."""
+    loco = ctx.zero.zeropp_loco_param
+    return CompensatedReduce(ctx.comm, ctx.zero.zero_quantized_gradients_block_size,
+                             ErrorFeedback(loco.err_beta, loco.reset_T, ctx.rotation), bool(ctx.rotation))

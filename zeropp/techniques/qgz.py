@@ -1,37 +1,20 @@
-"""ZeRO++'s two quantized collectives, drop-in for those of zeropp/collectives/exact.py
-(REFERENCE.md section 2):
+"""qgZ (ZeRO++, arXiv 2306.10209 section 3.3): the gradient reduce-scatter replaced by two
+all-to-alls of INT4 blocks, inside each node, then between the ranks of the same local
+index, with a dequantize-sum-requantize between the hops. The result is the sum a
+reduce-scatter gives (the caller scales it), within the INT4 bound.
 
-- `QuantizedShardGather` (qwZ): each member quantizes its chunks to INT8 in
-  blocks (one fp32 scale per block), the bytes are all-gathered and every
-  member dequantizes all rows, its own included, so all ranks compute with the
-  same weights. Used for the weights stage 3 gathers to compute with; state
-  dicts and persistent weights keep the exact gather.
-- `HierarchicalQuantizedReduce` (qgZ): replaces the gradient reduce-scatter
-  by two all-to-alls of INT4 blocks: inside each node, then between the ranks
-  of the same local index, with a dequantize-sum-requantize between the hops.
-  The result is the sum a reduce-scatter gives (the caller scales it), within
-  the INT4 bound.
+With `hadamard` (`zero_hadamard_gradients`, zeropp/techniques/hadamard.py; Hadamard smoothing
+as in SDP4Bit, arXiv 2410.15526), each row, zero-padded to whole quantization blocks, is
+rotated block by block by a Walsh-Hadamard transform before its first INT4 quantization (an
+outlier is spread over its block, so the block's scale no longer crushes the rest); being
+linear, the sums stay rotated through every hop, and the final sum is rotated back once
+(dequantized into a pooled fp32 row, inverse, copied into the result). With LoCo's error
+feedback the reduction is zeropp/techniques/loco.py's `CompensatedReduce`.
 
-- with `ErrorFeedback` (zeropp/techniques/loco.py, `zeropp_loco_param`), qgZ
-  carries the quantization error of what a rank sent across nodes into its
-  next reduction of the same bucket. The one lossy hop is then the inter-node
-  one: inside the node the rows go exactly (an all-to-all in the
-  communication dtype, on the fast link, summed in fp32), so the error lives
-  in 1/L of the bucket per rank.
-- with `hadamard` (`zero_hadamard_gradients`, zeropp/techniques/hadamard.py), each row,
-  zero-padded to whole quantization blocks, is rotated block by block by a
-  Walsh-Hadamard transform before its first INT4 quantization (an outlier is
-  spread over its block, so the block's scale no longer crushes the rest);
-  being linear, the sums stay rotated through every hop (and the error
-  feedback lives in the rotated domain), and the final sum is rotated back
-  once (dequantized into a pooled fp32 row, inverse, copied into the result).
-
-Each charges the communicator's plain equivalent with the collective it
-replaces (parallel/comm.py), so a run reports what ZeRO-3 would have sent.
-Quantization runs in zeropp/kernels/quant.py: Triton kernels on CUDA, torch elsewhere.
-Wire buffers come from the caller's `BufferPool` (counted, reused) and go back
-to it once the collective is done; dequantization writes straight into the
-result.
+It charges the communicator's plain equivalent with the reduce-scatter it replaces
+(parallel/comm.py), so a run reports what ZeRO-3 would have sent. Wire buffers come from
+the caller's `BufferPool` (counted, reused) and go back to it once the collective is done;
+dequantization writes straight into the result.
 """
 from __future__ import annotations
 
@@ -40,104 +23,15 @@ from typing import Callable
 import torch
 
 from parallel.comm import Work
-from zeropp.collectives.buffer_pool import BufferPool
-from zeropp.collectives.exact import ShardGather, ShardReduce
-from zeropp.techniques.loco import ErrorFeedback
-from zeropp.techniques.hadamard import check_hadamard_block, hadamard
+from zeropp.collectives.buffer_pool import BufferPool, take_wire
+from zeropp.collectives.exact import ShardReduce
 from zeropp.collectives.partition import Partition
-from zeropp.kernels.quant import (DEFAULT_BLOCK_SIZE, Quantized, dequantize, dequantize_reduce,
-                          dequantize_reduce_requantize, quantize, wire_nbytes)
+from zeropp.collectives.protocols import PlannedCollective
+from zeropp.collectives.two_hop import TwoHops
 from zeropp.kernels.format import num_blocks
-
-
-def _take_wire(pool: BufferPool, rows: int, numel: int, bits: int,
-               block_size: int) -> tuple[torch.Tensor, list[Quantized]]:
-    """A wire buffer [rows, nbytes] from `pool` and, per row, its Quantized view of `numel`
-    elements (scales then data, `Quantized.to_bytes`'s layout): the quantizers write
-    straight into it, with no quantized copy or staging buffer besides."""
-    nbytes = wire_nbytes(numel, bits, block_size)
-    buf = pool.take(rows * nbytes, torch.uint8).view(rows, nbytes)
-    views = [Quantized.from_bytes(buf[i], numel, bits, block_size) for i in range(rows)]
-    assert all(v.scales.data_ptr() == buf[i].data_ptr() for i, v in enumerate(views)), "unaligned wire buffer"
-    return buf, views
-
-
-class QuantizedShardGather(ShardGather):
-    """qwZ: all-gather of INT8 blocks; the result is [N, total] in `inp`'s dtype, or,
-    when `out` is a function `deliver(j, row)`, each member's row in turn: dequantized
-    into one pooled [total] buffer and handed over, so the [N, total] rows are never
-    materialized (stage 3 copies each row's pieces straight into the weights)."""
-
-    delivers_rows = True
-
-    def __init__(self, comm, block_size: int = DEFAULT_BLOCK_SIZE[8]):
-        super().__init__(comm)
-        self.block_size = block_size
-
-    def start(self, inp: torch.Tensor, partition: Partition, phase: str, async_op: bool = True,
-              out: torch.Tensor | None = None, plain: bool = True, pool: BufferPool | None = None):
-        n, total = partition.size, inp.numel()
-        deliver = out if callable(out) else None
-        if out is None:
-            out = torch.empty(n, total, dtype=inp.dtype, device=inp.device)
-        if n == 1:
-            if deliver is not None:
-                deliver(0, inp)
-                return Work(result=None)
-            out[0].copy_(inp)
-            return Work(result=out)
-        pool = pool or BufferPool(inp.device)
-        send, (mine,) = _take_wire(pool, 1, total, 8, self.block_size)
-        send = send.view(-1)
-        quantize(inp, 8, self.block_size, out=mine)
-        recv = pool.take(n * send.numel(), torch.uint8).view(n, send.numel())
-        work = self.comm.all_gather(recv.view(-1), send, group=partition.group, async_op=async_op,
-                                    phase=phase, plain=False)
-        if plain:
-            self.comm.charge_plain("all_gather", partition.group, total * inp.element_size())
-
-        def finish():
-            pool.give(send)
-            if deliver is None:
-                dequantize(Quantized.from_bytes(recv, total, 8, self.block_size), out.dtype, out=out)
-            else:
-                row = pool.take(total, inp.dtype)
-                for j in range(n):
-                    deliver(j, dequantize(Quantized.from_bytes(recv[j], total, 8, self.block_size), inp.dtype,
-                                          out=row))
-                pool.give(row)
-            pool.give(recv)
-            return None if deliver is not None else out
-        return Work(work, then=finish)
-
-
-class _TwoHops(Work):
-    """Two collectives in a row: `second()`, called once the first is done (by
-    progress() or wait()), starts the second, whose result is the result."""
-
-    def __init__(self, first: Work, second: Callable[[], Work]):
-        super().__init__()
-        self._first, self._start_second = first, second
-        self._second: Work | None = None
-
-    def _begin_second(self):
-        self._first.wait()
-        self._second = self._start_second()
-
-    def progress(self) -> bool:
-        if self._second is None:
-            if not self._first.is_completed():
-                return False
-            self._begin_second()
-        return self._second.is_completed()
-
-    def is_completed(self) -> bool:
-        return self._second is not None and self._second.is_completed()
-
-    def wait(self):
-        if self._second is None:
-            self._begin_second()
-        return self._second.wait()
+from zeropp.kernels.quant import (DEFAULT_BLOCK_SIZE, Quantized, dequantize_reduce, dequantize_reduce_requantize,
+                                  quantize, wire_nbytes)
+from zeropp.techniques.hadamard import check_hadamard_block, hadamard
 
 
 class HierarchicalQuantizedReduce(ShardReduce):
@@ -162,16 +56,12 @@ class HierarchicalQuantizedReduce(ShardReduce):
     `hadamard`: step 1 quantizes each padded row rotated, step 5 rotates the sum back.
     """
 
-    def __init__(self, comm, block_size: int = DEFAULT_BLOCK_SIZE[4], error_feedback: ErrorFeedback | None = None,
-                 hadamard: bool = False):
+    def __init__(self, comm, block_size: int = DEFAULT_BLOCK_SIZE[4], hadamard: bool = False):
         super().__init__(comm)
         self.block_size = block_size
-        self.error_feedback = error_feedback
         self.hadamard = hadamard
         if hadamard:
             check_hadamard_block(block_size)
-            if error_feedback is not None:   # its buffers hold rotated rows
-                error_feedback.hadamard = block_size
         topo = comm.topology
         self.nodes, self.local = topo.num_nodes, topo.ranks_per_node
         self.intra_group, self.inter_group = topo.intra_node_group, topo.inter_node_group
@@ -186,15 +76,25 @@ class HierarchicalQuantizedReduce(ShardReduce):
         # before it is quantized, and the sum back once the last hop is in
         padded = self._padded(bucket_elems)
         row = 4 * -(-padded // (self.nodes * self.local)) if self.hadamard else 0
-        if self.error_feedback is None:
-            return 2 * wire_nbytes(padded, 4, self.block_size) + row
-        # with error feedback, at most (all counted as if alive at once): the exact first hop's
-        # reordered rows and what it received (the bucket each, `elem_bytes` an element), then
-        # in fp32 the node sums (1/L of it), x (1/L) and one row (1/W <= 1/N), and the second
-        # hop's INT4 wire, sent and received; Hadamard: the rotated node sums (1/L) beside x
-        sums = (3 if self.hadamard else 2) / self.local
-        return (2 * elem_bytes * padded + 4 * padded * (sums + 1 / self.nodes)
-                + 2 * wire_nbytes(padded, 4, self.block_size))
+        return 2 * wire_nbytes(padded, 4, self.block_size) + row
+
+    def plan(self, total: int, elem_bytes: int) -> list[PlannedCollective]:
+        """An all-to-all of L x wire_nbytes(N P) inside the node, then of N x wire_nbytes(P) between
+        nodes (P: `total` padded to whole blocks); (2W + N) P elements through the INT4 kernels
+        (quantize W rows, dequantize-requantize them, dequantize N), Hadamard's transform of the W
+        rows and its inverse on the sum besides."""
+        nodes, local, bs = self.nodes, self.local, self.block_size
+        padded = -(-total // bs) * bs
+        q = (2 * nodes * local + nodes) * padded + int(self.hadamard) * (nodes * local + 1) * padded
+        out = []
+        if local > 1:
+            out.append(PlannedCollective("grad_reduce", "all_to_all", "intra", local * wire_nbytes(nodes * padded, 4, bs),
+                                         quant_elements=q, quant_bits=4))
+            q = 0
+        if nodes > 1:
+            out.append(PlannedCollective("grad_reduce", "all_to_all", "inter", nodes * wire_nbytes(padded, 4, bs),
+                                         quant_elements=q, quant_bits=4))
+        return out
 
     def _row_numel(self, total: int) -> int:
         """Elements of a wire row: `total`, or, rotated, `total` padded to whole blocks (the
@@ -224,17 +124,21 @@ class HierarchicalQuantizedReduce(ShardReduce):
 
     def start(self, rows: torch.Tensor, out: torch.Tensor, partition: Partition, phase: str,
               async_op: bool = True, pool: BufferPool | None = None, key: int = 0):
-        """`key`: which bucket this is (error feedback keeps one error per bucket)."""
-        nodes, local, bs = self.nodes, self.local, self.block_size
+        """`key`: which bucket this is (a reduction that keeps state per bucket needs it)."""
+        nodes, local = self.nodes, self.local
         world, total = rows.shape
         if world != nodes * local:
             raise ValueError("qgZ reduces over the whole world, laid out as nodes x ranks per node")
         pool = pool or BufferPool(rows.device)
-        padded = -(-total // bs) * bs
         self.comm.charge_plain("reduce_scatter", None, total * rows.element_size())
-        by_node = rows.view(nodes, local, total)
-        if self.error_feedback is not None:
-            return self._start_compensated(by_node, out, phase, async_op, pool, key)
+        return self._reduce(rows.view(nodes, local, total), out, phase, async_op, pool, key)
+
+    def _reduce(self, by_node: torch.Tensor, out: torch.Tensor, phase: str, async_op: bool, pool: BufferPool,
+                key: int) -> Work:
+        """Steps 1-5 on the rows [N, L, total]."""
+        nodes, local, total = by_node.shape
+        bs = self.block_size
+        padded = -(-total // bs) * bs
         n = self._row_numel(total)
 
         def quantize_rows(pairs):   # (row, its INT4 destination); Hadamard: one fp32 row to rotate in
@@ -248,7 +152,7 @@ class HierarchicalQuantizedReduce(ShardReduce):
             return self._inter_hop(lambda dests: quantize_rows(zip(by_node[:, 0], dests)), out, total, phase,
                                    async_op, pool)
         # 1. slot b*N + a <- row a*L + b, each padded to whole blocks (zeros), in INT4
-        send, per_dest = _take_wire(pool, local, nodes * padded, 4, bs)
+        send, per_dest = take_wire(pool, local, nodes * padded, 4, bs)
         quantize_rows((by_node[a, b], per_dest[b].row(a, n)) for b in range(local) for a in range(nodes))
         recv = pool.take(send.numel(), torch.uint8).view_as(send)
         # 2. inside the node
@@ -274,76 +178,14 @@ class HierarchicalQuantizedReduce(ShardReduce):
             pool.give(recv)
             return work
 
-        return _TwoHops(first, second)
-
-    def _start_compensated(self, by_node: torch.Tensor, out: torch.Tensor, phase: str, async_op: bool,
-                           pool: BufferPool, key: int) -> Work:
-        """qgZ with error feedback: inside the node the reordered rows (slot b*N + a <- row a*L + b)
-        go exactly, in the communication dtype, by an all-to-all, and each rank sums the L rows
-        it received in fp32: a reduce-scatter's bytes without its 16-bit sum (and gloo runs a
-        reduce-scatter as an all-reduce: twice the bytes). Then the node's sums for owners of
-        local index b go across nodes in INT4 with the carried error (`ErrorFeedback.send`).
-        One node: the exact sum is the whole reduction (nothing crosses a node)."""
-        nodes, local, total = by_node.shape
-        ef = self.error_feedback
-
-        def send_across(dests: list[Quantized]):   # with Hadamard, the node sums rotated
-            if not self.hadamard:
-                ef.send(key, node_sum, dests, pool)
-                return
-            n = self._row_numel(total)
-            rotated = pool.take(nodes * n, torch.float32).view(nodes, n)
-            rotated[:, :total].copy_(node_sum)
-            rotated[:, total:].zero_()
-            hadamard(rotated.view(-1), self.block_size)
-            ef.send(key, rotated, dests, pool)
-            pool.give(rotated)
-
-        if local == 1:
-            node_sum, first = by_node[:, 0], None
-        else:
-            send = pool.take(local * nodes * total, by_node.dtype).view(local, nodes, total)
-            send.copy_(by_node.transpose(0, 1))
-            recv = pool.take(send.numel(), by_node.dtype).view_as(send)
-            node_sum = pool.take(nodes * total, torch.float32).view(nodes, total)
-            first = self.comm.all_to_all(recv.view(-1), send.view(-1), group=self.intra_group,
-                                         async_op=async_op, phase=phase, plain=False)
-
-        def sum_in_node():   # once the first hop is done: the L received rows summed in fp32, in order
-            pool.give(send)
-            node_sum.copy_(recv[0])
-            for part in recv[1:]:
-                node_sum.add_(part)   # (torch.sum(dtype=float32) of 16-bit rows is ~5x slower on CPU)
-            pool.give(recv)
-
-        if nodes == 1:
-            def finish():
-                if first is None:   # one rank: its own rows are the sum
-                    return out.copy_(node_sum[0])
-                sum_in_node()
-                out.copy_(node_sum[0])
-                pool.give(node_sum)
-                return out
-            return Work(first, then=finish)
-
-        def second() -> Work:
-            if first is not None:
-                sum_in_node()
-            work = self._inter_hop(send_across, out, total, phase, async_op, pool)
-            if first is not None:
-                pool.give(node_sum)
-            return work
-
-        if first is None:
-            return second()
-        return _TwoHops(first, second)
+        return TwoHops(first, second)
 
     def _inter_hop(self, fill: Callable[[list[Quantized]], None], out: torch.Tensor, total: int, phase: str,
                    async_op: bool, pool: BufferPool) -> Work:
         """4-5: `fill(dests)` writes the INT4 row for node a (`total` elements; rotated, `total`
         padded to whole blocks) into `dests[a]`, its slot of the wire buffer."""
         nodes, bs = self.nodes, self.block_size
-        send, per_node = _take_wire(pool, nodes, self._row_numel(total), 4, bs)
+        send, per_node = take_wire(pool, nodes, self._row_numel(total), 4, bs)
         fill(per_node)
         recv = pool.take(send.numel(), torch.uint8).view_as(send)
         work = self.comm.all_to_all(recv.view(-1), send.view(-1), group=self.inter_group, phase=phase,
@@ -357,9 +199,5 @@ class HierarchicalQuantizedReduce(ShardReduce):
         return Work(work, then=finish)
 
 
-def qgz_reduce(comm, zero) -> HierarchicalQuantizedReduce:
-    """qgZ as `zero` (a ZeroConfig) sets it up: its block size, LoCo's error feedback, Hadamard."""
-    loco = zero.zeropp_loco_param
-    feedback = ErrorFeedback(loco.err_beta, loco.reset_T) if loco is not None else None
-    return HierarchicalQuantizedReduce(comm, zero.zero_quantized_gradients_block_size, feedback,
-                                       zero.zero_hadamard_gradients)
+def build(ctx) -> HierarchicalQuantizedReduce:
+    return HierarchicalQuantizedReduce(ctx.comm, ctx.zero.zero_quantized_gradients_block_size, bool(ctx.rotation))
