@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from zeropp.techniques.hadamard import hadamard
+from zeropp.kernels.hadamard import hadamard
 from zeropp.kernels import cpu_quant
 from zeropp.kernels.quant import dequantize, quantize
 

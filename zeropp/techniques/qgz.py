@@ -43,7 +43,7 @@ from parallel.comm import Work
 from zeropp.collectives.buffer_pool import BufferPool
 from zeropp.collectives.exact import ShardGather, ShardReduce
 from zeropp.techniques.loco import ErrorFeedback
-from zeropp.techniques.hadamard import check_hadamard_block, hadamard
+from zeropp.kernels.hadamard import check_hadamard_block, hadamard
 from zeropp.collectives.partition import Partition
 from zeropp.kernels.quant import (DEFAULT_BLOCK_SIZE, Quantized, dequantize, dequantize_reduce,
                           dequantize_reduce_requantize, quantize, wire_nbytes)
