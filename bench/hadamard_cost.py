@@ -1,4 +1,4 @@
-"""Host cost of qgZ's Hadamard smoothing (`zero_hadamard_gradients`, zeropp/techniques/hadamard.py)
+"""Host cost of qgZ's Hadamard smoothing (`zero_hadamard_gradients`, zeropp/kernels/hadamard.py)
 against the INT4 quantization it precedes, on this machine's CPU.
 
     .venv/bin/python -m bench.hadamard_cost            # ~2.5M fp32 elements, blocks of 128
@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from zeropp.techniques.hadamard import hadamard
+from zeropp.kernels.hadamard import hadamard
 from zeropp.kernels import cpu_quant
 from zeropp.kernels.quant import dequantize, quantize
 

@@ -1,5 +1,5 @@
 """Hadamard smoothing of qgZ's INT4 gradient blocks (`zero_hadamard_gradients`,
-zeropp/techniques/hadamard.py): the transform against an explicit Hadamard matrix, its inverse, the
+zeropp/kernels/hadamard.py): the transform against an explicit Hadamard matrix, its inverse, the
 Triton kernel bit for bit against the torch path, the configuration, the collective's
 error (within the INT4 bound, smaller than without on blocks with outliers), error
 feedback in the rotated domain and its checkpoint layout, and training.
@@ -26,7 +26,7 @@ from parallel.topology import Topology  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 from tests.test_zeropp import ARGS, QGZ, int4_bound  # noqa: E402
 from tests.test_zeropp_loco import LOCO, ZERO3_TRAINING_TOLERANCE, train  # noqa: E402
-from zeropp.techniques import hadamard as hd  # noqa: E402
+from zeropp.kernels import hadamard as hd  # noqa: E402
 from zeropp.techniques.loco import CompensatedReduce, ErrorFeedback  # noqa: E402
 from zeropp.collectives.partition import Partition  # noqa: E402
 from zeropp.techniques.qgz import HierarchicalQuantizedReduce  # noqa: E402

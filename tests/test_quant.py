@@ -17,7 +17,7 @@ _CUDA = torch.cuda.is_available()
 if not _CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
 
-from zeropp.kernels import quant  # noqa: E402
+from zeropp.kernels import quant, torch_quant  # noqa: E402
 from zeropp.kernels.quant import DEFAULT_BLOCK_SIZE, QMAX, Quantized  # noqa: E402
 
 SIZES = [1, 7, 127, 128, 129, 1000]
@@ -193,7 +193,7 @@ def test_dequantize_reduce(dtype):
 def test_chunked_torch_path_equals_one_pass_and_writes_into_out(monkeypatch, bits, bs, dtype):
     """The torch path works chunk by chunk (bounded temporaries); chunk boundaries, a
     padded last block and `out=` give the same bits as one pass over the whole tensor."""
-    n, k = 3 * quant._CHUNK + bs // 2 + 1, 3
+    n, k = 3 * torch_quant._CHUNK + bs // 2 + 1, 3
     xs = [_rand(n, dtype, seed=s) for s in range(k)]
 
     def everything():
@@ -207,9 +207,9 @@ def test_chunked_torch_path_equals_one_pass_and_writes_into_out(monkeypatch, bit
                 quant.dequantize(st, dtype, backend="torch")]
 
     chunked = everything()
-    monkeypatch.setattr(quant, "_CHUNK", 1 << 30)
-    monkeypatch.setattr(quant, "_STACKED_CHUNK", 1 << 30)
-    monkeypatch.setattr(quant, "_SCRATCH", threading.local())   # the whole-tensor slots die with the test
+    monkeypatch.setattr(torch_quant, "_CHUNK", 1 << 30)
+    monkeypatch.setattr(torch_quant, "_STACKED_CHUNK", 1 << 30)
+    monkeypatch.setattr(torch_quant, "_SCRATCH", threading.local())   # the whole-tensor slots die with the test
     whole = everything()
     for a, b in zip(chunked, whole):
         assert torch.equal(a, b)
@@ -220,8 +220,8 @@ def test_scratch_stays_within_its_bound_and_strided_packing_gives_the_same_bits(
     """The torch path keeps its chunk temporaries for reuse; with many stacked rows (ranks)
     they stay within scratch_bound (which the engine reports), and the int16 (un)packing of
     INT4 equals the plain strided one (kept for big-endian hosts)."""
-    monkeypatch.setattr(quant, "_SCRATCH", threading.local())
-    n = quant._CHUNK // 2 + 77
+    monkeypatch.setattr(torch_quant, "_SCRATCH", threading.local())
+    n = torch_quant._CHUNK // 2 + 77
     xs = torch.randn(rows, n, dtype=torch.bfloat16)
 
     def everything():
@@ -235,7 +235,7 @@ def test_scratch_stays_within_its_bound_and_strided_packing_gives_the_same_bits(
     fast = everything()
     held = quant.scratch_bytes("cpu")
     assert 0 < held <= quant.scratch_bound(256, rows)
-    monkeypatch.setattr(quant, "_LITTLE_ENDIAN", False)
+    monkeypatch.setattr(torch_quant, "_LITTLE_ENDIAN", False)
     for a, b in zip(fast, everything()):
         assert torch.equal(a, b)
 

@@ -1,8 +1,8 @@
-"""The block-quantized format both quantization backends share (zeropp/kernels/quant.py
+"""The block-quantized format the quantization backends share (zeropp/kernels/quant.py
 documents it in full): `Quantized` (INT8 or packed INT4 data plus one fp32 scale
 per block), its wire layout (`to_bytes` / `from_bytes`: scales, then data) and
-its sizes. The torch path (zeropp/kernels/quant.py) and the Triton kernels
-(zeropp/kernels/triton_quant.py) both import this module and not each other's.
+its sizes. The torch path (zeropp/kernels/torch_quant.py), the C kernels (cpu_quant.py)
+and the Triton kernels (triton_quant.py) all import this module and not each other's.
 """
 from __future__ import annotations
 

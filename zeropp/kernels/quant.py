@@ -1,8 +1,10 @@
 """Block-wise symmetric quantization for ZeRO++ (qwZ: INT8 weights, qgZ: INT4 gradients).
 
-One API, two backends (REFERENCE.md section 7): Triton kernels (``zeropp.kernels.triton_quant``)
-when the tensor is on CUDA and triton imports, this vectorized torch implementation
-everywhere else.  The torch path is the reference the Triton kernels are tested against.
+One API, three backends giving the same bits, chosen in one place (`kernel`): Triton
+kernels (``zeropp.kernels.triton_quant``) when the tensor is on CUDA and triton imports, C
+kernels (``zeropp.kernels.cpu_quant``) for CPU tensors when they build, and the vectorized
+torch reference (``zeropp.kernels.torch_quant``) everywhere else; `kernel` also chooses the
+backend of the Hadamard transform (zeropp/kernels/hadamard.py).
 
 Format
 ------
@@ -50,19 +52,17 @@ positive size, even for INT4) and multiples of 8, so the wire buffer of ``to_byt
 from __future__ import annotations
 
 import os
-import sys
-import threading
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
-from zeropp.kernels import cpu_quant
-from zeropp.kernels.format import (DEFAULT_BLOCK_SIZE, QMAX, Quantized, check_block_size, num_blocks,
-                                 wire_nbytes)
+from zeropp.kernels import cpu_quant, torch_quant
+from zeropp.kernels.format import DEFAULT_BLOCK_SIZE, QMAX, Quantized, check_block_size, wire_nbytes
+from zeropp.kernels.torch_quant import scratch_bound, scratch_bytes
 
 __all__ = ["Quantized", "DEFAULT_BLOCK_SIZE", "QMAX", "forced_backend", "quantize", "dequantize", "dequantize_add",
            "dequantize_reduce_requantize", "dequantize_reduce", "wire_nbytes", "triton_available",
-           "scratch_bytes", "scratch_bound"]
+           "scratch_bytes", "scratch_bound", "kernel"]
 
 _TRITON = None
 _WARNED = False   # said once that the CPU kernels are missing
@@ -88,179 +88,46 @@ def forced_backend() -> str:
     return backend
 
 
-def _pick_backend(backend: str, device: torch.device, block_size: int,
-                  dtype: Optional[torch.dtype] = None) -> str:
-    """'auto' -> 'triton' for CUDA tensors when triton imports and block_size is a power of
-    two; 'cpu' (zeropp.kernels.cpu_quant, compiled) for CPU tensors of fp32/bf16/fp16 when it builds;
-    else 'torch'. ZEROPP_QUANT_BACKEND=torch (or cpu) in the environment forces that one."""
+def kernel(op: str, backend: str, device: torch.device, block_size: int,
+           dtype: Optional[torch.dtype] = None, torch_impl: Optional[Callable] = None) -> Optional[Callable]:
+    """The function that runs `op` (a function name of the backend modules, or 'hadamard')
+    for `backend` on tensors of `device`, `block_size` and `dtype` (None: any): `op` of the
+    chosen backend's module, else torch_quant's (only it quantizes a sum in other blocks,
+    'dequantize_reduce_quantize'), else None (no backend but the C one adds in one pass).
+    Quantization: 'auto' -> 'triton' for CUDA tensors when triton imports and block_size is
+    a power of two; 'cpu' (zeropp.kernels.cpu_quant, compiled) for CPU tensors of
+    fp32/bf16/fp16 when it builds; else 'torch'. ZEROPP_QUANT_BACKEND=torch (or cpu) in the
+    environment forces that one.
+    'hadamard' (no C kernel, no environment override): 'auto' -> Triton for CUDA tensors when
+    triton imports, else `torch_impl` (zeropp/kernels/hadamard.py's: that module imports this one)."""
+    if op == "hadamard":
+        if backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"backend must be auto, torch or triton, got {backend!r}")
+        if backend == "triton" or (backend == "auto" and device.type == "cuda" and triton_available()):
+            from zeropp.kernels import triton_hadamard
+            return triton_hadamard.hadamard
+        return torch_impl
     if backend not in ("auto", "torch", "triton", "cpu"):
         raise ValueError(f"backend must be auto, torch, triton or cpu, got {backend!r}")
     if backend == "auto":
         backend = forced_backend()
-    if backend != "auto":
-        if backend == "triton" and not triton_available():
-            raise RuntimeError("backend='triton' but triton is not importable")
-        if backend == "cpu" and not cpu_quant.available():
-            raise RuntimeError(f"backend='cpu': {cpu_quant.why_not()}")
-        return backend
-    if device.type == "cuda" and block_size & (block_size - 1) == 0 and triton_available():
-        return "triton"
-    if device.type == "cpu" and dtype in (None, torch.float32, torch.bfloat16, torch.float16):
-        if cpu_quant.supports(block_size):
-            return "cpu"
-        global _WARNED
-        if not _WARNED and not cpu_quant.available():
-            _WARNED = True
-            cpu_quant.warn_unavailable()
-    return "torch"
-
-
-# ---------------------------------------------------------------------------------------
-# torch reference implementation: whole blocks at a time, in chunks of about _CHUNK
-# elements, so temporaries stay small (about a MB, in cache) whatever the tensor
-
-_CHUNK = 1 << 18   # 1 MB of fp32: per-op overhead amortized, temporaries still in cache
-_STACKED_CHUNK = 4 * _CHUNK   # elements of a chunk over all the rows of a stacked tensor
-_SCRATCH = threading.local()
-_LITTLE_ENDIAN = sys.byteorder == "little"   # INT4 (un)packing reads a pair of int8 as one int16
-
-
-def _scratch(slot: str, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A reusable temporary for one chunk (contents undefined). The same few slots serve every
-    call, so a chunk's temporaries are not allocated and freed each time (on CPU a freed MB
-    can go back to the OS and page-fault in again: one INT8 quantization of 327,680 bf16
-    elements took 0.55-1.5 ms in a loop here, a steady 0.36 with the slots). At most
-    `scratch_bound` bytes per thread (about 11 MB)."""
-    numel = 1
-    for d in shape:
-        numel *= d
-    nbytes = max(1, numel * dtype.itemsize)
-    slots = _SCRATCH.__dict__.setdefault(torch.device(device), {})
-    buf = slots.get(slot)
-    if buf is None or buf.numel() < nbytes:
-        buf = slots[slot] = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    return buf[:nbytes].view(dtype).view(shape)
-
-
-def _chunks(num_blocks_: int, block_size: int, rows: int = 1):
-    """(first block, last block + 1) of each chunk: _CHUNK elements of each row, and at
-    most _STACKED_CHUNK over `rows` stacked tensors, so that the temporaries stay bounded
-    however many rows (ranks) there are, and the chunks few (per-op overhead)."""
-    step = max(1, min(_CHUNK, _STACKED_CHUNK // rows) // block_size)
-    for b0 in range(0, num_blocks_, step):
-        yield b0, min(num_blocks_, b0 + step)
-
-
-def scratch_bytes(device) -> int:
-    """Bytes the torch path's scratch slots hold now in this thread (for `device`)."""
-    return sum(b.numel() for b in _SCRATCH.__dict__.get(torch.device(device), {}).values())
-
-
-def scratch_bound(block_size: int, rows: int = 1) -> int:
-    """The most `scratch_bytes` can reach for blocks of `block_size` and up to `rows` stacked
-    tensors (a chunk is at least one block of every row). Bytes per element of a chunk: of
-    one row, input, quotient, sum and term (fp32), int8, pack and pack_low (1 each); of all
-    its rows, product (fp32), unpacked and unpacked_low (int16 per pair: 1 each)."""
-    return 19 * max(_CHUNK, block_size) + 6 * max(_STACKED_CHUNK, block_size * rows)
-
-
-def _quantize_blocks(xb: torch.Tensor, bits: int, data_out: torch.Tensor, scales_out: torch.Tensor):
-    """xb: fp32 [nb, bs] -> the quantized blocks into `data_out` (int8 [nb * bs], or packed
-    uint8 [nb * bs / 2] for INT4) and `scales_out` (fp32 [nb])."""
-    qmax = QMAX[bits]
-    # max|x| without an |x| temporary (amax and amin propagate NaN; aminmax is slower on CPU)
-    scales = torch.maximum(xb.amax(dim=-1), xb.amin(dim=-1).neg_(), out=scales_out)
-    scales.div_(qmax)
-    finite = torch.isfinite(scales)
-    safe = torch.where((scales == 0) | ~finite, torch.ones_like(scales), scales)
-    y = torch.div(xb, safe.unsqueeze(-1), out=_scratch("quotient", xb.shape, torch.float32, xb.device))
-    # clamp guards subnormal scales; round is ties-to-even, as the Triton kernels' rint trick
-    y.clamp_(-qmax, qmax).round_()
-    if not bool(finite.all()):  # non-finite block: data 0, the scale carries inf/nan
-        y.masked_fill_(~finite.unsqueeze(-1), 0.0)
-    if bits == 8:
-        data_out.copy_(y.view(-1))
-    else:  # two values per byte, low nibble = even element
-        q = _scratch("int8", (y.numel(),), torch.int8, y.device)
-        q.copy_(y.view(-1))
-        if not _LITTLE_ENDIAN:
-            torch.bitwise_or(q[0::2] & 0xF, q[1::2] << 4, out=data_out.view(torch.int8))
-            return
-        # Each pair as one int16 (q[2i] the low byte): contiguous ops, ~3x faster on CPU
-        # than the strided q[0::2], q[1::2].
-        pair = q.view(torch.int16)
-        byte = _scratch("pack", pair.shape, torch.int16, y.device)
-        low = _scratch("pack_low", pair.shape, torch.int16, y.device)
-        torch.bitwise_right_shift(pair, 4, out=byte).bitwise_and_(0xF0)     # q[2i+1]'s nibble, bits 4-7
-        byte.bitwise_or_(torch.bitwise_and(pair, 0x0F, out=low))             # q[2i]'s nibble, bits 0-3
-        data_out.copy_(byte)
-
-
-def _unpack4(b: torch.Tensor) -> torch.Tensor:
-    """uint8 [..., m] -> int8 [..., 2m]: arithmetic shifts sign-extend each nibble (4-bit
-    two's complement). Built as one int16 per byte, the low nibble in the low byte, so
-    every op is contiguous (~3x faster on CPU than writing out[..., 0] and out[..., 1])."""
-    if not _LITTLE_ENDIAN:
-        out = _scratch("unpacked", (*b.shape[:-1], b.shape[-1], 2), torch.int8, b.device)
-        torch.bitwise_right_shift((b << 4).view(torch.int8), 4, out=out[..., 0])
-        torch.bitwise_right_shift(b.view(torch.int8), 4, out=out[..., 1])
-        return out.flatten(-2)
-    word = _scratch("unpacked", b.shape, torch.int16, b.device)
-    low = _scratch("unpacked_low", b.shape, torch.int16, b.device)
-    word.copy_(b)                                                              # 0..255
-    torch.bitwise_left_shift(word, 12, out=low).bitwise_right_shift_(12).bitwise_and_(0xFF)
-    word.bitwise_left_shift_(8).bitwise_right_shift_(4).bitwise_and_(-256)    # high nibble, high byte
-    return word.bitwise_or_(low).view(torch.int8)
-
-
-def _values(q: Quantized, b0: int, b1: int) -> torch.Tensor:
-    """int8 [..., b1 - b0, bs]: the quantized values of blocks [b0, b1), unpacked."""
-    bs = q.block_size
-    if q.bits == 8:
-        vals = q.data[..., b0 * bs:b1 * bs]
-    else:
-        vals = _unpack4(q.data[..., b0 * bs // 2:b1 * bs // 2])
-    return vals.reshape(*q.data.shape[:-1], b1 - b0, bs)
-
-
-def _write(out: torch.Tensor, lo: int, hi: int, blocks: torch.Tensor):
-    """Elements [lo, hi) of `out` ([..., numel]) from the fp32 `blocks` [..., nb, bs]."""
-    out[..., lo:hi].copy_(blocks.reshape(*blocks.shape[:-2], -1)[..., :hi - lo])
-
-
-def _dequant_into(q: Quantized, out: torch.Tensor):
-    """q * scale computed in fp32 and rounded once into `out` ([..., numel], any float
-    dtype): for fp32, one multiply straight into `out` for whole blocks; for 16-bit, an
-    fp32 chunk then a cast (a mixed int8 x fp32 -> bf16 multiply is ~7x slower on CPU)."""
-    bs, n = q.block_size, q.numel
-    lead = q.data.shape[:-1]
-    for b0, b1 in _chunks(q.num_blocks, bs, lead.numel()):
-        lo, hi = b0 * bs, min(b1 * bs, n)
-        vals, scales = _values(q, b0, b1), q.scales[..., b0:b1].unsqueeze(-1)
-        if out.dtype == torch.float32 and hi - lo == (b1 - b0) * bs:
-            torch.mul(vals, scales, out=out[..., lo:hi].view(*lead, b1 - b0, bs))
-        else:
-            _write(out, lo, hi, torch.mul(vals, scales, out=_scratch("product", vals.shape, torch.float32,
-                                                                    vals.device)))
-
-
-def _torch_quantize(x: torch.Tensor, bits: int, block_size: int, out: Optional[Quantized] = None) -> Quantized:
-    n, bs = x.numel(), block_size
-    nb = num_blocks(n, bs)
-    x = x.reshape(-1)
-    out = out if out is not None else Quantized.empty(n, bits, bs, x.device)
-    data, scales = out.data, out.scales
-    per_byte = 8 // bits
-    for b0, b1 in _chunks(nb, bs):
-        lo, hi = b0 * bs, min(b1 * bs, n)
-        if x.dtype == torch.float32 and hi - lo == (b1 - b0) * bs:
-            xf = x[lo:hi]
-        else:   # 16-bit in an fp32 chunk, zero-padded to whole blocks
-            xf = _scratch("input", ((b1 - b0) * bs,), torch.float32, x.device)
-            xf[:hi - lo].copy_(x[lo:hi])
-            xf[hi - lo:].zero_()
-        _quantize_blocks(xf.view(b1 - b0, bs), bits, data[lo // per_byte:b1 * bs // per_byte], scales[b0:b1])
-    return out
+    if backend == "triton" and not triton_available():
+        raise RuntimeError("backend='triton' but triton is not importable")
+    if backend == "cpu" and not cpu_quant.available():
+        raise RuntimeError(f"backend='cpu': {cpu_quant.why_not()}")
+    if backend == "auto":
+        if device.type == "cuda" and block_size & (block_size - 1) == 0 and triton_available():
+            backend = "triton"
+        elif device.type == "cpu" and dtype in (None, torch.float32, torch.bfloat16, torch.float16):
+            if cpu_quant.supports(block_size):
+                backend = "cpu"
+            else:
+                global _WARNED
+                if not _WARNED and not cpu_quant.available():
+                    _WARNED = True
+                    cpu_quant.warn_unavailable()   # its stacklevel: the caller of the public function
+    module = {"triton": _TRITON, "cpu": cpu_quant}.get(backend, torch_quant)
+    return getattr(module, op, None) or getattr(torch_quant, op, None)
 
 
 def _as_stacked(parts: Union[Quantized, Sequence[Quantized]]) -> Quantized:
@@ -270,22 +137,6 @@ def _as_stacked(parts: Union[Quantized, Sequence[Quantized]]) -> Quantized:
         raise ValueError("need at least one part")
     return Quantized.stack(list(parts))
 
-
-def _summed_chunks(st: Quantized):
-    """(b0, b1, fp32 [b1 - b0, bs]): the sum over the k parts of blocks [b0, b1),
-    accumulated sequentially (part 0, then +1, ...), each product rounded before the sum
-    (no fused multiply-add): the Triton kernel's order, so both give identical bits."""
-    for b0, b1 in _chunks(st.num_blocks, st.block_size, len(st)):
-        vals, scales = _values(st, b0, b1), st.scales[:, b0:b1].unsqueeze(-1)
-        acc = torch.mul(vals[0], scales[0], out=_scratch("sum", vals.shape[1:], torch.float32, vals.device))
-        term = _scratch("term", acc.shape, torch.float32, acc.device)
-        for i in range(1, len(st)):
-            acc.add_(torch.mul(vals[i], scales[i], out=term))
-        yield b0, b1, acc
-
-
-# ---------------------------------------------------------------------------------------
-# public API
 
 def quantize(x: torch.Tensor, bits: int = 8, block_size: Optional[int] = None,
              backend: str = "auto", out: Optional[Quantized] = None) -> Quantized:
@@ -297,13 +148,7 @@ def quantize(x: torch.Tensor, bits: int = 8, block_size: Optional[int] = None,
         raise TypeError(f"quantize needs a floating tensor, got {x.dtype}")
     if out is not None:
         out.check_out(x.numel(), bits, block_size)
-    chosen = _pick_backend(backend, x.device, block_size, x.dtype)
-    if chosen == "triton":
-        from zeropp.kernels import triton_quant
-        return triton_quant.quantize(x, bits, block_size, out=out)
-    if chosen == "cpu":
-        return cpu_quant.quantize(x, bits, block_size, out=out)
-    return _torch_quantize(x, bits, block_size, out)
+    return kernel("quantize", backend, x.device, block_size, x.dtype)(x, bits, block_size, out=out)
 
 
 def dequantize(q: Quantized, dtype: torch.dtype = torch.float32, backend: str = "auto",
@@ -316,14 +161,7 @@ def dequantize(q: Quantized, dtype: torch.dtype = torch.float32, backend: str = 
     elif out.dtype != dtype or out.shape != (*q.data.shape[:-1], q.numel) or not out.is_contiguous():
         raise ValueError(f"dequantize: out must be contiguous {dtype} of shape "
                          f"{(*q.data.shape[:-1], q.numel)}, got {out.dtype} {tuple(out.shape)}")
-    chosen = _pick_backend(backend, q.data.device, q.block_size, dtype)
-    if chosen == "triton":
-        from zeropp.kernels import triton_quant
-        return triton_quant.dequantize(q, dtype, out=out)
-    if chosen == "cpu":
-        return cpu_quant.dequantize(q, dtype, out=out)
-    _dequant_into(q, out)
-    return out
+    return kernel("dequantize", backend, q.data.device, q.block_size, dtype)(q, dtype, out=out)
 
 
 def dequantize_add(q: Quantized, out: torch.Tensor, backend: str = "auto",
@@ -335,8 +173,9 @@ def dequantize_add(q: Quantized, out: torch.Tensor, backend: str = "auto",
     if out.shape != (*q.data.shape[:-1], q.numel) or out.stride(-1) != 1:
         raise ValueError(f"dequantize_add: out must have shape {(*q.data.shape[:-1], q.numel)} with "
                          f"contiguous rows, got {tuple(out.shape)}")
-    if _pick_backend(backend, q.data.device, q.block_size, out.dtype) == "cpu":
-        return cpu_quant.dequantize_add(q, out)
+    one_pass = kernel("dequantize_add", backend, q.data.device, q.block_size, out.dtype)
+    if one_pass is not None:
+        return one_pass(q, out)
     scratch = torch.empty(out.numel(), device=out.device) if scratch is None else scratch[:out.numel()]
     delta = dequantize(q, torch.float32, backend, out=scratch.view(out.shape))
     return out.copy_(delta.add_(out))
@@ -355,23 +194,10 @@ def dequantize_reduce_requantize(parts: Union[Quantized, Sequence[Quantized]], b
     block_size_out = check_block_size(bits_out, block_size_out)
     if out is not None:
         out.check_out(st.numel, bits_out, block_size_out)
-    chosen = _pick_backend(backend, st.data.device, st.block_size)
-    if chosen == "triton" and block_size_out == st.block_size:
-        from zeropp.kernels import triton_quant
-        return triton_quant.dequantize_reduce_requantize(st, bits_out, out=out)
-    if chosen == "cpu" and block_size_out == st.block_size:
-        return cpu_quant.dequantize_reduce_requantize(st, bits_out, out=out)
-    bs = st.block_size
-    if block_size_out != bs:   # requantize the whole sum in the other block size
-        total = torch.empty(st.num_blocks * bs, dtype=torch.float32, device=st.data.device)
-        for b0, b1, acc in _summed_chunks(st):
-            total[b0 * bs:b1 * bs].copy_(acc.view(-1))
-        return _torch_quantize(total[:st.numel], bits_out, block_size_out, out)
-    out = out if out is not None else Quantized.empty(st.numel, bits_out, bs, st.data.device)
-    per_byte = 8 // bits_out
-    for b0, b1, acc in _summed_chunks(st):
-        _quantize_blocks(acc, bits_out, out.data[b0 * bs // per_byte:b1 * bs // per_byte], out.scales[b0:b1])
-    return out
+    if block_size_out == st.block_size:
+        return kernel("dequantize_reduce_requantize", backend, st.data.device, st.block_size)(st, bits_out, out=out)
+    return kernel("dequantize_reduce_quantize", backend, st.data.device, st.block_size)(st, bits_out,
+                                                                                         block_size_out, out)
 
 
 def dequantize_reduce(parts: Union[Quantized, Sequence[Quantized]], dtype: torch.dtype = torch.float32,
@@ -385,16 +211,4 @@ def dequantize_reduce(parts: Union[Quantized, Sequence[Quantized]], dtype: torch
     elif out.dtype != dtype or out.shape != (st.numel,) or not out.is_contiguous():
         raise ValueError(f"dequantize_reduce: out must be contiguous {dtype} of shape ({st.numel},), "
                          f"got {out.dtype} {tuple(out.shape)}")
-    chosen = _pick_backend(backend, st.data.device, st.block_size, dtype)
-    if chosen == "triton":
-        from zeropp.kernels import triton_quant
-        return triton_quant.dequantize_reduce(st, dtype, scale, out=out)
-    if chosen == "cpu":
-        return cpu_quant.dequantize_reduce(st, dtype, scale, out=out)
-    factor = torch.tensor(scale, dtype=torch.float32)
-    bs = st.block_size
-    for b0, b1, acc in _summed_chunks(st):
-        if scale != 1.0:
-            acc.mul_(factor)
-        _write(out, b0 * bs, min(b1 * bs, st.numel), acc)
-    return out
+    return kernel("dequantize_reduce", backend, st.data.device, st.block_size, dtype)(st, dtype, scale, out=out)

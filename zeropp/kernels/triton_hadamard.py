@@ -1,4 +1,4 @@
-"""Triton kernel for zeropp.techniques.hadamard: the same block-diagonal Walsh-Hadamard butterfly,
+"""Triton kernel for zeropp.kernels.hadamard: the same block-diagonal Walsh-Hadamard butterfly,
 bit for bit (tests/test_hadamard.py).
 
 Each program holds a tile of ROWS blocks of BLOCK elements ([ROWS, BLOCK], about 2048
@@ -6,7 +6,7 @@ elements). Stage s (h = 2**s) views each block as [BLOCK / 2h, 2, h], moves the 
 last (permute), splits it into a (first half of each group of 2h) and b (second half),
 and joins (a + b, a - b) back in place: the torch path's stages, in its order, with the
 same fp32 adds and subtracts (no multiply until the inverse's exact 1/BLOCK). Called
-through zeropp.techniques.hadamard for CUDA tensors; CPU tensors work when TRITON_INTERPRET=1 was
+through zeropp.kernels.hadamard for CUDA tensors; CPU tensors work when TRITON_INTERPRET=1 was
 set before triton was imported (tests).
 """
 from __future__ import annotations
@@ -46,7 +46,7 @@ def _hadamard_kernel(x_ptr, out_ptr, numel, factor,
 
 
 def hadamard(x: torch.Tensor, out: torch.Tensor, block_size: int, inverse: bool):
-    """x, out: flat contiguous fp32, numel a multiple of block_size (zeropp.techniques.hadamard checks)."""
+    """x, out: flat contiguous fp32, numel a multiple of block_size (zeropp.kernels.hadamard checks)."""
     n = x.numel()
     rows = max(1, _TILE // block_size)
     grid = (triton.cdiv(n // block_size, rows),)

@@ -40,7 +40,7 @@ from zeropp.collectives.two_hop import TwoHops
 from zeropp.collectives.partition import FlatState
 from zeropp.kernels.quant import DEFAULT_BLOCK_SIZE, dequantize, quantize
 from zeropp.kernels.format import Quantized, wire_nbytes
-from zeropp.techniques.hadamard import hadamard
+from zeropp.kernels.hadamard import hadamard
 from zeropp.techniques.qgz import HierarchicalQuantizedReduce
 
 KEY = "error_feedback."   # checkpoint keys: KEY + bucket index

@@ -31,7 +31,7 @@ from zeropp.collectives.two_hop import TwoHops
 from zeropp.kernels.format import num_blocks
 from zeropp.kernels.quant import (DEFAULT_BLOCK_SIZE, Quantized, dequantize_reduce, dequantize_reduce_requantize,
                                   quantize, wire_nbytes)
-from zeropp.techniques.hadamard import check_hadamard_block, hadamard
+from zeropp.kernels.hadamard import check_hadamard_block, hadamard
 
 
 class HierarchicalQuantizedReduce(ShardReduce):
