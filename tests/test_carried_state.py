@@ -83,20 +83,14 @@ def test_a_skipped_step_leaves_carried_state_alone(precision, bad):
 def test_a_delta_with_an_infinite_scale_is_not_small():
     """The refresh rule: a delta goes only while every block's INT4 step is finite and at most the
     INT8 step of the new values. An infinite new value made inf <= inf pass (symptom 5)."""
-    from zeropp.techniques.deltas import WeightDeltas
+    from zeropp.techniques.deltas import small_delta
     new = torch.ones(2 * BLOCK_SIZE)
     recon = new - 1e-3   # a small delta: its INT4 step is far below the INT8 step of the weights
     new[3] = float("inf")
-
-    class Shard:   # the fields _small_delta reads
-        index, shard, chunk = 0, new, new.numel()
-
-    deltas = WeightDeltas.__new__(WeightDeltas)
-    deltas._recon = {0: recon}
-    deltas._wire = {0: torch.zeros(quantize(new, 4, BLOCK_SIZE).to_bytes().numel(), dtype=torch.uint8)}
-    assert not bool(deltas._small_delta(Shard))
+    wire = torch.zeros(quantize(new, 4, BLOCK_SIZE).to_bytes().numel(), dtype=torch.uint8)
+    assert not bool(small_delta(new, recon, wire))
     new[3] = 1.0
-    assert bool(deltas._small_delta(Shard))
+    assert bool(small_delta(new, recon, wire))
 
 
 def resume_with_deltas(rank, world_size, path):

@@ -118,20 +118,12 @@ class WeightDeltas:
             return
         everything = self.steps % self.refresh_interval == 0
         full = torch.ones((), dtype=torch.bool, device=self.flat.device)
-        flags = torch.stack([full if everything or s.index not in self._based else ~self._small_delta(s)
+        flags = torch.stack([full if everything or s.index not in self._based
+                             else ~small_delta(s.shard, self._recon[s.index], self._wire[s.index])
                              for s in self.weights]).to(torch.int32)
         if not everything and self._based:
             self.comm.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, phase="optimizer")
         self._refresh = {s.index for s, f in zip(self.weights, flags.tolist()) if f}
-
-    def _small_delta(self, s) -> torch.Tensor:
-        """Quantize my chunk's delta into its wire slice; whether it is small (a bool on the device)."""
-        new = s.shard.float()
-        q = quantize(new - self._recon[s.index].float(), 4, BLOCK_SIZE, out=Quantized.from_bytes(self._wire[s.index], s.chunk, 4, BLOCK_SIZE))
-        nb = q.scales.numel()
-        amax = torch.nn.functional.pad(new, (0, nb * BLOCK_SIZE - new.numel())).view(nb, -1).abs().amax(1)
-        # NaN compares False; an infinite scale would pass as inf <= inf: not small either way
-        return torch.isfinite(q.scales).all() & (q.scales <= amax / QMAX[8]).all()
 
     def forget(self):
         """The weights were loaded: no base anywhere, every weight's next gather is full."""
@@ -215,15 +207,7 @@ class WeightDeltas:
             self._queue.popleft()
             hops.wait()
             deltas = rows[:, :first].view(h, w, inp.numel())   # the row of rank j = g h + i is [i, g]
-            previous = rows[:, first:first + base_bytes].view(sec.flat.dtype)   # [h, slices]
-            off = 0
-            for s, b in zip(weights, base):   # member i's slice of the previous weights, row by row
-                c, flat = b.numel(), s.full.view(-1)
-                for i in range(h):
-                    lo, hi = i * c, min((i + 1) * c, s.numel)
-                    if hi > lo:
-                        flat[lo:hi].copy_(previous[i, off:off + hi - lo])
-                off += c
+            copy_previous(weights, [b.numel() for b in base], rows[:, first:first + base_bytes].view(sec.flat.dtype))
             row = pool.take(dequant_elements(weights, self.partition.size), torch.float32)   # scratch off the CPU path
             off = 0
             for s in weights:
@@ -281,6 +265,30 @@ class WeightDeltas:
         w, h = self.partition.size, self.secondary.size
         wire = max((self._wire_bytes[s.index] / s.chunk for s in self.weights), default=0)
         return elem_bytes * (1 + 1 / h) + wire * (2 + 1 / h + 1 / w)
+
+
+def small_delta(shard: torch.Tensor, recon: torch.Tensor, wire: torch.Tensor) -> torch.Tensor:
+    """Quantize my chunk's delta (`shard` - `recon`) into `wire`; whether it is small (a bool on the
+    device): in every block the INT4 step at most the INT8 step of the new values."""
+    new = shard.float()
+    q = quantize(new - recon.float(), 4, BLOCK_SIZE, out=Quantized.from_bytes(wire, new.numel(), 4, BLOCK_SIZE))
+    nb = q.scales.numel()
+    amax = torch.nn.functional.pad(new, (0, nb * BLOCK_SIZE - new.numel())).view(nb, -1).abs().amax(1)
+    # NaN compares False; an infinite scale would pass as inf <= inf: not small either way
+    return torch.isfinite(q.scales).all() & (q.scales <= amax / QMAX[8]).all()
+
+
+def copy_previous(weights, chunks: list[int], previous: torch.Tensor):
+    """Into each weight, the previous weights' slices of the h members of my group, row by row
+    (`previous`: [h, the weights' slices end to end], `chunks`: each weight's slice)."""
+    off = 0
+    for s, c in zip(weights, chunks):
+        flat = s.full.view(-1)
+        for i in range(previous.shape[0]):
+            lo, hi = i * c, min((i + 1) * c, s.numel)
+            if hi > lo:
+                flat[lo:hi].copy_(previous[i, off:off + hi - lo])
+        off += c
 
 
 def members_at_once(s, world: int) -> int:
