@@ -20,6 +20,13 @@ def mb(b):
     return "-" if b is None else f"{b / 1e6:.2f}"
 
 
+def gloo_all_reduce_payers(rows) -> list[str]:
+    """Systems that called torch's reduce-scatter (the wrappers saw it), which gloo runs as an
+    all-reduce: FSDP2 and DeepSpeed (ours send an all-to-all instead, on gloo)."""
+    return sorted({r["system"] for r in rows if not r.get("error")
+                   and any("reduce_scatter" in k for k in r.get("intercepted_by_op_rank0") or {})})
+
+
 def fmt_table(hdr, lines):
     widths = [max(len(h), *(len(l[i]) for l in lines)) if lines else len(h) for i, h in enumerate(hdr)]
     out = [" | ".join(h.ljust(wd) for h, wd in zip(hdr, widths)), "-+-".join("-" * wd for wd in widths)]
@@ -161,6 +168,7 @@ def markdown(report, rows, systems, rates, ref="zero3-reuse0"):
 
 def explain(report, rows, rates, ours="zeropp", ref="zero3-reuse0"):
     """The lines under the README table, from this run's numbers."""
+    from bench.system_catalog import LABELS
     ok = [r for r in rows if not r.get("error")]
     by = {(r["system"], r["rate_mbit"]): r for r in ok}
     sysrows = lambda s: [r for r in ok if r["system"] == s]
@@ -205,28 +213,32 @@ def explain(report, rows, rates, ours="zeropp", ref="zero3-reuse0"):
                    f"{report['versions'].get('cpu_capability') or 'unrecorded'}; without AMX a bf16 forward+backward "
                    f"is ~5x an fp32 one), with a short sequence ({cfg['seq']} tokens, micro-batch "
                    f"{cfg['micro_batch']}) that keeps the step communication-heavy.")
-    qg = [r["veth_over_counted"] for r in ok if r["system"] in ("zeropp", "zeropp-qgz") and r.get("veth_over_counted")]
-    rs = [r["veth_over_counted"] for r in ok if r["system"] not in ("zeropp", "zeropp-qgz", "auto")
-          and r.get("veth_over_counted")]
+    pays = gloo_all_reduce_payers(ok)
+    stand_in = lambda r: r.get("issued_inter_bytes_per_step", r["counted_inter_bytes_per_step"]) > \
+        r["counted_inter_bytes_per_step"] + 1
+    ratios = lambda keep: [r["veth_over_counted"] for r in ok if r["system"] != "auto" and keep(r)
+                           and r.get("veth_over_counted")]
+    exact = ratios(lambda r: r["system"] not in pays and not stand_in(r))
+    rs, a2a = ratios(lambda r: r["system"] in pays), ratios(stand_in)
     tv = [r["tbf_bytes_over_veth"] for r in ok if r.get("tbf_bytes_over_veth")]
-    if qg and rs:
-        z = sysrows(ref)
-        extra = (statistics.mean(r["link_bytes_per_step"] - r["counted_inter_bytes_per_step"] for r in z)
-                 if z else None)
-        grad = (z[0].get("counted_inter_by_phase_per_step") or {}).get("grad_reduce") if z else None
+    if exact:
         line = (f"- veth vs counted: all-gathers and all-to-alls cross the link as the ring model counts them (rows "
-                f"without a reduce-scatter, ZeRO++ and + qgZ: veth / counted {min(qg):.3f}-{max(qg):.3f}, i.e. TCP/IP "
+                f"without a reduce-scatter on the wire: veth / counted {min(exact):.3f}-{max(exact):.3f}, i.e. TCP/IP "
                 f"headers and ACKs, counted once per GSO packet by the veth")
         if tv:
             line += f"; the tbf shaper, metering every 1500-byte segment's headers, sees {100 * (statistics.mean(tv) - 1):.1f}% more"
-        line += (f"). Rows with a reduce-scatter show {min(rs):.2f}-{max(rs):.2f}: gloo runs `reduce_scatter_tensor` "
-                 f"as a full all-reduce and keeps its own chunk (ProcessGroupGloo::reduce_scatter_tensor_coalesced), "
-                 f"twice a ring reduce-scatter's bytes")
-        if extra and grad:
-            line += (f"; the surplus ({extra / 1e6:.2f} MB/step for ZeRO-3) is the counted gradient reduce-scatter "
-                     f"({grad / 1e6:.2f} MB/step) again")
-        line += ". NCCL's ring reduce-scatter would match the count."
-        out.append(line)
+        line += ")."
+        if a2a:
+            w, l = 2 * RANKS_PER_NODE, RANKS_PER_NODE
+            line += (f" Ours send their plain reduce-scatter on gloo as one all-to-all plus a local fp32 sum, charged "
+                     f"as the ring reduce-scatter it stands for: a ring's bytes per rank, but sent straight to each "
+                     f"peer, so across 2 nodes it crosses {w * (w - l) / (2 * (w - 1)):.2f}x the ring's inter-node "
+                     f"bytes of that phase (W (W-L) / (N (W-1))): veth / counted {min(a2a):.3f}-{max(a2a):.3f}.")
+        if rs:
+            line += (f" Rows whose reduce-scatter is gloo's (`reduce_scatter_tensor`, run as a full all-reduce that "
+                     f"keeps its own chunk, ProcessGroupGloo::reduce_scatter_tensor_coalesced: twice a ring's bytes) "
+                     f"show {min(rs):.2f}-{max(rs):.2f}: {', '.join(LABELS.get(s, s) for s in pays)}.")
+        out.append(line + " NCCL's ring reduce-scatter would match the count.")
     if sysrows("zeropp-hpz") and sysrows("fsdp2-hpz"):
         line = (f"- hpZ and FSDP2's `reshard_after_forward=2` (its hpZ counterpart) put the same bytes on the link "
                 f"({mean('zeropp-hpz', 'link_bytes_per_step') / 1e6:.1f} and "
@@ -238,7 +250,7 @@ def explain(report, rows, rates, ours="zeropp", ref="zero3-reuse0"):
         out.append(line)
     if any("counted_equals_intercepted" in r for r in ok):
         good = all(r.get("counted_equals_intercepted", True) for r in ok)
-        out.append("- Our Communicator's inter-node bytes " + ("equal" if good else "DO NOT equal")
+        out.append("- Our Communicator's inter-node bytes, as issued, " + ("equal" if good else "DO NOT equal")
                    + " what wrappers on torch.distributed saw, in every row of ours.")
     loads = [x for r in ok for x in r.get("loadavg_1min_segments", [])]
     if loads:
@@ -293,9 +305,17 @@ def render(report, out: Path, png: Path | None = None):
     if tv:
         text += (f"\ntbf shaper's byte count / veth tx_bytes over the same windows: {min(tv):.3f}-{max(tv):.3f} "
                  f"(the shaper meters every 1500-byte segment's headers; veth counts a GSO packet's once)")
+    pays = gloo_all_reduce_payers(rows)
+    from bench.system_catalog import GLOO_ALL_REDUCE_PEERS
+    peers = [LABELS[s] for s in GLOO_ALL_REDUCE_PEERS if s in systems] or ["FSDP2", "DeepSpeed (not in this run)"]
+    text += ("\nReduce-scatter that gloo runs as an all-reduce (twice a ring's bytes), still paid by the peers: "
+             + ", ".join(peers) + "; measured here (torch's reduce-scatter called): "
+             + (", ".join(LABELS.get(s, s) for s in pays) or "none")
+             + ("" if set(pays) - set(GLOO_ALL_REDUCE_PEERS) else ". Ours send theirs as an all-to-all plus a "
+                "local sum (a ring's bytes per rank), counted as the ring reduce-scatter"))
     bad = [f"{r['label']} @ {rate_name(r['rate_mbit'])}" for r in rows if r.get("counted_equals_intercepted") is False]
     if any("counted_equals_intercepted" in r for r in rows):
-        text += ("\nOur rows: Communicator's inter-node bytes == the torch.distributed wrappers' in every row"
+        text += ("\nOur rows: Communicator's inter-node bytes as issued == the torch.distributed wrappers' in every row"
                  if not bad else "\nCOUNTED != INTERCEPTED for: " + ", ".join(bad))
     lb = report.get("loadavg_1min_before_after")
     if lb:

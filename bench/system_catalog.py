@@ -21,6 +21,9 @@ OURS = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "zero3-reuse0": 3,
 DEEPSPEED = {"deepspeed-z1": 1, "deepspeed-z2": 2, "deepspeed-z3": 3, "deepspeed-z3-reuse0": 3,
              "deepspeed-z3-hpz": 3}
 FSDP2 = ("fsdp2", "fsdp2-hpz")
+# Peers whose gradient reduce-scatter is torch's reduce_scatter_tensor, which ProcessGroupGloo runs
+# as a full all-reduce (twice a ring's bytes); ours send an all-to-all on gloo (zeropp/collectives/exact.py).
+GLOO_ALL_REDUCE_PEERS = FSDP2 + tuple(DEEPSPEED)
 # bench/zero_bench.py's systems (one node); the ZeRO++ rows need several nodes: SLOW_LINK_SYSTEMS.
 ALL_SYSTEMS = ["ddp", "zero1", "zero2", "zero3", "zero3-reuse0", "fsdp2", "deepspeed-z1", "deepspeed-z2",
                "deepspeed-z3", "deepspeed-z3-reuse0"]

@@ -65,6 +65,7 @@ def setup_ours(a, system, world, prepare=None):
     def counted():
         s = comm.stats
         return {"bytes": s.total_bytes, "inter_bytes": s.inter_node_bytes, "calls": sum(s.calls.values()),
+                "issued_inter_bytes": s.issued_inter_node_bytes,
                 "inter_by_phase": {k: v[1] for k, v in s.by_phase.items()},
                 "by_op": {k: v[0] + v[1] for k, v in s.by_op.items()},
                 "by_phase": {k: v[0] + v[1] for k, v in s.by_phase.items()},

@@ -142,6 +142,9 @@ class CommStats:
     calls: dict = field(default_factory=lambda: defaultdict(int))        # phase -> collectives issued
     plain_intra_node_bytes: int = 0   # the same step without ZeRO++ (module docstring)
     plain_inter_node_bytes: int = 0
+    # inter-node bytes of the collectives as issued to torch.distributed: differs from
+    # inter_node_bytes where one stands in for another (`all_to_all(charge_as=...)`)
+    issued_inter_node_bytes: int = 0
     # phase -> seconds the calling thread was blocked: in a synchronous collective, or in
     # Work.wait() for an asynchronous one (what is left of it on the critical path).
     wait_seconds: dict = field(default_factory=lambda: defaultdict(float))
@@ -173,6 +176,7 @@ class CommStats:
                 "calls": dict(self.calls),
                 "plain_intra_node_bytes": self.plain_intra_node_bytes,
                 "plain_inter_node_bytes": self.plain_inter_node_bytes,
+                "issued_inter_node_bytes": self.issued_inter_node_bytes,
                 "wait_seconds": dict(self.wait_seconds)}
 
 
@@ -242,9 +246,11 @@ class Communicator:
                           self.topology.node_of, src=src)
 
     def _charge(self, op: str, phase: str, group, nbytes: int, src: int | None = None,
-                plain: bool = True):
+                plain: bool = True, issued: int | None = None):
+        """`issued`: inter-node bytes of the collective sent instead (default: this one's)."""
         intra, inter = self._wire(op, group, nbytes, src)
         self.stats.add(op, phase, intra, inter)
+        self.stats.issued_inter_node_bytes += inter if issued is None else issued
         if plain:
             self.stats.add_plain(intra, inter)
 
@@ -306,12 +312,21 @@ class Communicator:
         return self._issued(reduce_scatter_flat(output, input, op=op, group=group, async_op=async_op),
                             async_op, phase, t0)
 
-    def all_to_all(self, output, input, group=None, async_op=False, phase="other", plain=True):
-        """Chunk j of flat `input` goes to member j; chunk j of `output` comes from it."""
+    def all_to_all(self, output, input, group=None, async_op=False, phase="other", plain=True,
+                   charge_as="all_to_all"):
+        """Chunk j of flat `input` goes to member j; chunk j of `output` comes from it.
+        `charge_as="reduce_scatter"`: this all-to-all carries a reduce-scatter's rows (the
+        receiver sums them), charged as the ring reduce-scatter of one chunk it stands for."""
         if self._size(group) == 1:
             output.copy_(input)
             return Work()
-        self._charge("all_to_all", phase, group, self._nbytes(input), plain=plain)
+        nbytes = self._nbytes(input)
+        if charge_as not in ("all_to_all", "reduce_scatter"):
+            raise ValueError(f"charge_as must be all_to_all or reduce_scatter, got {charge_as!r}")
+        issued = self._wire("all_to_all", group, nbytes)[1]
+        if charge_as == "reduce_scatter":
+            nbytes //= self._size(group)
+        self._charge(charge_as, phase, group, nbytes, plain=plain, issued=issued)
         t0 = time.perf_counter()
         return self._issued(dist.all_to_all_single(output, input, group=group, async_op=async_op),
                             async_op, phase, t0)

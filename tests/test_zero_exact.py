@@ -112,3 +112,48 @@ def test_stage_matches_single_process(stage, world_size, reference, exact):
         for ckpt, result in zip((False, True), per_rank):
             check(result, reference[ckpt], exact[ckpt])
     assert reference[False][0][-1] < reference[False][0][0]
+
+
+# -- the plain reduce-scatter on gloo: an all-to-all of the rows plus a local sum ------------
+
+def plain_reduce_on_gloo(rank, world_size):
+    import torch.distributed as dist
+
+    from parallel.comm import wire_bytes
+    from zeropp.collectives.exact import ShardReduce
+    from zeropp.collectives.partition import Partition
+    topo = topology_from_env(ranks_per_node=2)   # 2 nodes x 2
+    comm = Communicator(topo)
+    called = []
+    for name in ("all_to_all_single", "all_reduce", "reduce_scatter_tensor", "reduce_scatter_single"):
+        if hasattr(dist, name):
+            orig = getattr(dist, name)
+            setattr(dist, name, lambda *a, _n=name, _f=orig, **k: (called.append(_n), _f(*a, **k))[1])
+    total = 1000
+    rows = [torch.randn(world_size, total, generator=torch.Generator().manual_seed(r)).bfloat16()
+            for r in range(world_size)]
+    out = torch.empty(total, dtype=torch.bfloat16)
+    part = Partition(group=None, size=world_size, rank=rank)
+    ShardReduce(comm).start(rows[rank].clone(), out, part, "grad_reduce", async_op=True).wait()
+    acc = rows[0][rank].float()   # the same fp32 sum, in member order
+    for r in rows[1:]:
+        acc = acc + r[rank].float()
+    charged = (comm.stats.intra_node_bytes, comm.stats.inter_node_bytes)
+    plain = (comm.stats.plain_intra_node_bytes, comm.stats.plain_inter_node_bytes)
+    ring = wire_bytes("reduce_scatter", list(range(world_size)), rank, total * 2, topo.node_of)
+    sent = wire_bytes("all_to_all", list(range(world_size)), rank, world_size * total * 2, topo.node_of)[1]
+    return (called, torch.equal(out, acc.bfloat16()), charged, plain, ring, dict(comm.stats.by_op),
+            (comm.stats.issued_inter_node_bytes, sent))
+
+
+def test_plain_reduce_scatter_on_gloo_is_an_all_to_all_summed_in_fp32():
+    """gloo's reduce_scatter_tensor is an all-reduce (twice a ring's bytes): ShardReduce sends
+    the rows by one all-to-all (a ring's (n-1) rows per member) and sums them in fp32, charged
+    as the ring reduce-scatter it stands for, in the counted and the plain bytes; the issued
+    bytes are the all-to-all's."""
+    for called, equal, charged, plain, ring, by_op, issued in run_distributed(plain_reduce_on_gloo, world_size=4):
+        assert called == ["all_to_all_single"]
+        assert equal
+        assert charged == plain == ring and sum(ring) == 3 * 2000
+        assert list(by_op) == ["reduce_scatter"]
+        assert issued[0] == issued[1] == 2 * 2000   # what crossed: a chunk to each rank of the other node

@@ -17,6 +17,7 @@ reduction) without touching the engines. Around them:
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from parallel.comm import Work
@@ -72,13 +73,17 @@ class ShardGather:
 
 class ShardReduce:
     """Reduce-scatter: `rows` [N, total] summed over members, row j to member j
-    (into `out` [total]). Also callable in the shape of FSDP2's `ReduceScatter` comm
+    (into `out` [total]). NCCL: its own ring reduce-scatter. gloo runs
+    `reduce_scatter_tensor` as a full all-reduce (twice the ring's bytes), so
+    there the rows go by `all_to_all_sum`: each member sends what a ring sends,
+    (N-1) rows of `total`. Also callable in the shape of FSDP2's `ReduceScatter` comm
     (`FSDPModule.set_custom_reduce_scatter`), with `op` SUM or AVG."""
 
     phase = "other"
 
     def __init__(self, comm):
         self.comm = comm
+        self.by_all_to_all = dist.is_initialized() and dist.get_backend() == "gloo"
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(size, dtype=dtype, device=device)
@@ -98,7 +103,9 @@ class ShardReduce:
 
     def inflight_bytes(self, bucket_elems: int, elem_bytes: int = 4) -> int:
         """Pooled bytes of a bucket's reduction while in flight, besides the bucket's
-        own rows and result (none here); `elem_bytes`: the communication dtype's."""
+        own rows and result (none here: on gloo the all-to-all's buffers are the
+        transport's staging, as its reduce_scatter_tensor's were); `elem_bytes`: the
+        communication dtype's."""
         return 0
 
     def expect(self, bucket_totals: dict[int, int], topology, device):
@@ -119,6 +126,9 @@ class ShardReduce:
         if partition.size == 1:
             out.copy_(rows[0])
             return Work(result=out)
+        if self.by_all_to_all:
+            return all_to_all_sum(self.comm, rows, out, partition.group, phase, async_op,
+                                  charge_as="reduce_scatter")
         work = self.comm.reduce_scatter(out, rows.view(-1), group=partition.group, async_op=async_op,
                                         phase=phase)
         return Work(work, out)
@@ -130,6 +140,37 @@ def _returned(work: Work, async_op: bool) -> Work | None:
         return work
     work.wait()
     return None
+
+
+def all_to_all_sum(comm, rows: torch.Tensor, out: torch.Tensor, group, phase: str, async_op: bool,
+                   pool: BufferPool | None = None, plain: bool = True, charge_as: str = "all_to_all") -> Work:
+    """Reduce-scatter by an all-to-all plus a local sum: row j of `rows` [n, m] (its
+    members' order) goes to member j, which sums the n rows it receives, in order,
+    into `out` (m elements, any float dtype; accumulated in fp32 when `out` is
+    16-bit). A ring's bytes, (n-1) m per member, without a 16-bit sum on the wire.
+    Buffers from `pool`, else fresh (the transport's staging). `plain` / `charge_as`:
+    how the communicator charges it (parallel/comm.py)."""
+    take = pool.take if pool is not None else (lambda numel, dtype: torch.empty(numel, dtype=dtype,
+                                                                                  device=rows.device))
+    n = rows.shape[0]
+    recv = take(rows.numel(), rows.dtype).view(n, -1)
+    work = comm.all_to_all(recv.view(-1), rows.reshape(-1), group=group, async_op=async_op, phase=phase,
+                           plain=plain, charge_as=charge_as)
+
+    def finish():
+        flat = out.view(-1)
+        acc = flat if flat.dtype == torch.float32 else take(flat.numel(), torch.float32)
+        acc.copy_(recv[0])
+        for part in recv[1:]:
+            acc.add_(part)   # (torch.sum(dtype=float32) of 16-bit rows is ~5x slower on CPU)
+        if acc is not flat:
+            flat.copy_(acc)
+        if pool is not None:
+            pool.give(recv.view(-1))
+            if acc is not flat:
+                pool.give(acc)
+        return out
+    return Work(work, then=finish)
 
 
 def gather_bucketed(gather: ShardGather, shards: list[ShardedParam], chunk_of, consume,

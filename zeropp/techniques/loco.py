@@ -35,6 +35,7 @@ import torch
 
 from parallel.comm import Work
 from zeropp.collectives.buffer_pool import BufferPool
+from zeropp.collectives.exact import all_to_all_sum
 from zeropp.collectives.protocols import MemoryLine, PlannedCollective
 from zeropp.collectives.two_hop import TwoHops
 from zeropp.collectives.partition import FlatState
@@ -230,25 +231,18 @@ class CompensatedReduce(HierarchicalQuantizedReduce):
         if local == 1:
             node_sum, first = by_node[:, 0], None
         else:
-            send = pool.take(local * nodes * total, by_node.dtype).view(local, nodes, total)
-            send.copy_(by_node.transpose(0, 1))
-            recv = pool.take(send.numel(), by_node.dtype).view_as(send)
+            send = pool.take(local * nodes * total, by_node.dtype).view(local, nodes * total)
+            send.view(local, nodes, total).copy_(by_node.transpose(0, 1))
             node_sum = pool.take(nodes * total, torch.float32).view(nodes, total)
-            first = self.comm.all_to_all(recv.view(-1), send.view(-1), group=self.intra_group,
-                                         async_op=async_op, phase=phase, plain=False)
-
-        def sum_in_node():   # once the first hop is done: the L received rows summed in fp32, in order
-            pool.give(send)
-            node_sum.copy_(recv[0])
-            for part in recv[1:]:
-                node_sum.add_(part)   # (torch.sum(dtype=float32) of 16-bit rows is ~5x slower on CPU)
-            pool.give(recv)
+            # the plain reduce-scatter's own hop (collectives/exact.py): the L rows summed in fp32, in order
+            first = all_to_all_sum(self.comm, send, node_sum, self.intra_group, phase, async_op, pool, plain=False)
+            first = Work(first, then=lambda: pool.give(send.view(-1)))
 
         if nodes == 1:
             def finish():
                 if first is None:   # one rank: its own rows are the sum
                     return out.copy_(node_sum[0])
-                sum_in_node()
+                first.wait()
                 out.copy_(node_sum[0])
                 pool.give(node_sum)
                 return out
@@ -256,7 +250,7 @@ class CompensatedReduce(HierarchicalQuantizedReduce):
 
         def second() -> Work:
             if first is not None:
-                sum_in_node()
+                first.wait()
             work = self._inter_hop(send_across, out, total, phase, async_op, pool)
             if first is not None:
                 pool.give(node_sum)
