@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 import zeropp
 from zeropp import techniques
+from zeropp.bucket_sizing import describe as describe_buckets
 from data.gpt_dataset import build_train_valid_test_datasets
 from data.sampler import build_data_loader
 from data.stats import unigram_entropy
@@ -124,6 +125,9 @@ def print_job(args, topology, cfg, engine, device, vocab_size: int):
     print_rank0(f"> GPT: {num_parameters(cfg):,} parameters, vocab {vocab_size} "
                 f"(padded {cfg.padded_vocab_size}); global batch {args.global_batch_size} = micro "
                 f"{args.micro_batch_size} x {world} ranks x {args.gradient_accumulation_steps} accumulation")
+    buckets = describe_buckets(args.ds_config.zero_optimization, engine.config.zero_optimization, num_parameters(cfg))
+    if buckets and world > 1:   # one process has no buckets
+        print_rank0(buckets)
     if topology.rank == 0 and len(args.data_path) == 1 and os.path.getsize(args.data_path[0] + ".bin") < 2**30:
         # A baseline for the loss; skipped on corpora too big to count in a moment.
         print_rank0(f"> unigram entropy of the corpus: {unigram_entropy(args.data_path[0]):.4f} nats "

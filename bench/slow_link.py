@@ -117,7 +117,8 @@ def main(argv=None):
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--bucket-fraction", type=int, default=8,
-                   help="prefetch and reduce buckets = parameters // this (ours, DeepSpeed); FSDP2: one block")
+                   help="prefetch and reduce buckets = parameters // this (ours, DeepSpeed); 0: no bucket "
+                        "sizes set (each system's default; ours: zeropp/bucket_sizing.py); FSDP2: one block")
     p.add_argument("--profile", action="store_true",
                    help="ours: per phase, ms per step each rank was blocked in Work.wait() "
                         "(Communicator.wait_seconds, where the engine has it)")
@@ -194,7 +195,8 @@ def main(argv=None):
             f"the pooled timed steps; "
             f"{args.dtype}, AdamW; gloo on CPU, 1 thread per rank, {os.cpu_count()} cores ({ver.get('cpu_model')}, "
             f"torch CPU capability {ver.get('cpu_capability')}). Buckets: ours and DeepSpeed prefetch = reduce = "
-            f"{psi // args.bucket_fraction:,} elements (1/{args.bucket_fraction} of the model), reuse distance 0; "
+            + (f"{psi // args.bucket_fraction:,} elements (1/{args.bucket_fraction} of the model)"
+               if args.bucket_fraction else "not set (each system's default)") + ", reuse distance 0; "
             f"FSDP2: one transformer block ({block:,} parameters, 1/{psi / block:.1f} of the model)")
     print(head, flush=True)
     for n in notes:
@@ -250,7 +252,8 @@ def main(argv=None):
                          "schedule": [[i, sname, order] for i, sname, order in schedule],
                          "head": head,
                          "tbf": {"latency": TBF_LATENCY, "burst_bytes": {r: tbf_burst(r) for r in rates if r}},
-                         "buckets": {"ours_and_deepspeed_elements": psi // args.bucket_fraction,
+                         "buckets": {"ours_and_deepspeed_elements": (psi // args.bucket_fraction
+                                                                     if args.bucket_fraction else None),
                                      "fsdp2": f"one transformer block ({block} parameters), then the root"},
                          "zero_optimization": {s: zero_section(s, a) for s in systems
                                                if not s.startswith("fsdp")},

@@ -76,7 +76,8 @@ def zero_section(system: str, a) -> dict:
     if system in REUSE0:
         zero["stage3_max_reuse_distance"] = 0
         fraction = a.get("bucket_fraction")
-        zero["stage3_prefetch_bucket_size"] = num_params(a) // (fraction or REUSE0_PREFETCH_FRACTION)
+        if fraction != 0:   # 0: no sizes, the system's default (bench/slow_link.py --bucket-fraction 0)
+            zero["stage3_prefetch_bucket_size"] = num_params(a) // (fraction or REUSE0_PREFETCH_FRACTION)
         if fraction:
             zero["reduce_bucket_size"] = num_params(a) // fraction
     elif stage == 3 and system in OURS and a.get("bucket_fraction"):   # held weights, the same buckets

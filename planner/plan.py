@@ -24,6 +24,7 @@ from planner.timing import Timing, iteration_time
 from planner.trace import ModelTrace, shard_layout, trace_model
 from training.checkpoint import checkpoint_bytes, optimizer_moments
 from zeropp import techniques
+from zeropp.bucket_sizing import bucket_sizes
 from zeropp.config import DeepSpeedConfig, OptimizerSettings, ZeroConfig
 from zeropp.stages.engine import communication_dtype, compute_dtype
 from zeropp.kernels.format import wire_nbytes
@@ -83,7 +84,7 @@ def ranks_to_plan(world: int, ranks_per_node: int) -> list[int]:
 def plan_config(job: Job, zero: ZeroConfig, trace: ModelTrace, cluster: Cluster | None,
                 ranks: list[int] | None = None) -> ConfigPlan:
     ds = copy.deepcopy(job.ds)
-    ds.zero_optimization = zero
+    ds.zero_optimization = zero = bucket_sizes(zero, trace.num_parameters)   # as zeropp.initialize does
     dtype = compute_dtype(ds)
     w, g = dtype.itemsize, communication_dtype(ds).itemsize
     world, rpn = job.world, job.ranks_per_node

@@ -1,7 +1,7 @@
 """DeepSpeed-style config parsing and fp16 loss-scale dynamics (no processes)."""
 import pytest
 
-from zeropp.config import ConfigError, DeepSpeedConfig, FP16Config
+from zeropp.config import ConfigError, DeepSpeedConfig, FP16Config, ZeroConfig
 from zeropp.stages.loss_scaler import LossScaler
 
 
@@ -205,3 +205,60 @@ def test_gathered_save_keys_point_to_the_exporter(key):
     message = str(error.value)
     assert "python -m tools.export_checkpoint --load DIR --format torch" in message
     assert "iter_N/model.pt" not in message
+
+
+# -- bucket sizes from the model where the config sets none (zeropp/bucket_sizing.py) ----------
+
+BUCKET_KEYS = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size")
+
+
+def sizes(zero):
+    return [getattr(zero, k) for k in BUCKET_KEYS]
+
+
+def test_unset_bucket_sizes_come_from_the_model_and_set_ones_are_kept():
+    from zeropp.bucket_sizing import bucket_sizes, describe
+    unset = DeepSpeedConfig.from_dict({"zero_optimization": {"stage": 3}}).zero_optimization
+    assert sizes(unset) == [None] * 3
+    assert sizes(bucket_sizes(unset, 3_400_000)) == [425_000] * 3             # 1/8 of the model
+    assert sizes(bucket_sizes(unset, 10**10)) == [500_000_000, 500_000_000, 50_000_000]   # DeepSpeed's defaults
+    auto = DeepSpeedConfig.from_dict({"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto",
+                                                            "stage3_prefetch_bucket_size": "auto"}})
+    assert sizes(bucket_sizes(auto.zero_optimization, 800)) == [100] * 3      # "auto" (HF's spelling) = unset
+    some = DeepSpeedConfig.from_dict({"zero_optimization": {"stage": 3, "reduce_bucket_size": 1e6}}).zero_optimization
+    used = bucket_sizes(some, 3_400_000)
+    assert sizes(used) == [1_000_000, 425_000, 425_000]
+    assert describe(some, used, 3_400_000) == (
+        "> buckets sized from the model (3,400,000 parameters / 8, at most DeepSpeed's defaults): "
+        "allgather_bucket_size 425,000, stage3_prefetch_bucket_size 425,000 elements; set them in "
+        "zero_optimization to choose")
+    every = DeepSpeedConfig.from_dict({"zero_optimization": {"stage": 3, **dict.fromkeys(BUCKET_KEYS, 5e6)}})
+    assert bucket_sizes(every.zero_optimization, 10) is every.zero_optimization
+    assert describe(every.zero_optimization, every.zero_optimization, 10) is None
+    assert describe(ZeroConfig(stage=0), bucket_sizes(ZeroConfig(stage=0), 80), 80) is None   # DDP's own buckets
+    with pytest.raises(ConfigError, match="reduce_bucket_size must be a positive"):
+        DeepSpeedConfig.from_dict({"zero_optimization": {"stage": 3, "reduce_bucket_size": 0}})
+
+
+def test_engine_and_dry_run_size_the_buckets_alike():
+    """zeropp.initialize sizes from the module's parameters, the planner from its trace: the same sizes."""
+    import torch
+
+    import zeropp
+    from model import GPT, GPTConfig
+    from parallel.comm import Communicator
+    from parallel.topology import Topology
+    from planner.plan import Job, plan_config
+    from planner.trace import trace_model
+    from zeropp.config import OptimizerSettings
+    cfg = GPTConfig(vocab_size=320, num_layers=2, hidden_size=32, num_attention_heads=4, max_position_embeddings=16)
+    ds = DeepSpeedConfig.from_dict({"zero_optimization": {"stage": 3, "reduce_bucket_size": 5000}})
+    model = GPT(cfg)
+    engine = zeropp.initialize(model, ds, Communicator(Topology(1, 0, 1)), torch.device("cpu"), OptimizerSettings())
+    numel = sum(p.numel() for p in model.parameters())
+    assert sizes(engine.config.zero_optimization) == [5000, numel // 8, numel // 8]
+    assert sizes(ds.zero_optimization) == [5000, None, None]   # the caller's config is left as given
+    trace = trace_model(cfg, torch.float32, 1, 16, 0)
+    job = Job(cfg=cfg, ds=ds, optimizer=OptimizerSettings(), world=4, ranks_per_node=2, micro_batch=1,
+              seq_length=16, accumulation=1)
+    assert sizes(plan_config(job, ds.zero_optimization, trace, None).zero) == sizes(engine.config.zero_optimization)

@@ -25,6 +25,7 @@ from planner.comm import iteration_collectives
 from planner.memory import buffer_bytes
 from planner.trace import shard_layout, trace_model
 from tests.distributed import run_distributed
+from zeropp.bucket_sizing import bucket_sizes
 from zeropp.memory import AllocationTrace, memory_report
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,7 +54,8 @@ def _step(engine, rank: int, step: int):
 def backward_bytes(rank, world_size):
     out = []
     for distance in (10**9, 0):
-        engine = _engine({"stage3_max_reuse_distance": distance})   # DeepSpeed's default buckets: 5e7 elements
+        # DeepSpeed's default prefetch bucket (5e7 elements; unset, it would be 1/8 of the model)
+        engine = _engine({"stage3_max_reuse_distance": distance, "stage3_prefetch_bucket_size": 5e7})
         assert engine.zero.stage3_prefetch_bucket_size >= sum(s.numel for s in engine.shards)   # one bucket
         for step in range(2):   # the second follows the first's recorded order and reuse set
             engine.comm.reset_stats()
@@ -129,8 +131,8 @@ def bound_run(rank, world_size):
 def test_planner_gradient_buckets_are_the_engines_capped_by_the_model():
     engine_bounds = run_distributed(bound_run, world_size=WORLD)
     ds = zeropp.DeepSpeedConfig.from_dict({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
-    zero = ds.zero_optimization
     trace = trace_model(GPTConfig(**CFG), torch.float32, 1, 16, 0)
+    zero = bucket_sizes(ds.zero_optimization, trace.num_parameters)   # as the engine and plan_config do
     shards = shard_layout(trace, WORLD, 0, 3, 0, 1)
     step = iteration_collectives(shards, trace, zero, WORLD, PER_NODE, 1, 4, 4)
     planned = buffer_bytes(step, shards, zero, WORLD, 4, 4)["gradient_buckets"]

@@ -1,4 +1,7 @@
 """ZeRO stages 0-3 (and ZeRO++) for any nn.Module."""
+import dataclasses
+
+from zeropp.bucket_sizing import bucket_sizes
 from zeropp.config import ConfigError, DeepSpeedConfig, OptimizerSettings, ZeroConfig
 from zeropp.stages.engine import Engine, StepResult
 from zeropp.stages.init import ParamInit
@@ -10,7 +13,8 @@ def initialize(module, config: DeepSpeedConfig, comm, device, optim: OptimizerSe
     """Wrap `module` in the engine for `config.zero_optimization.stage`.
 
     `module` may be built on the meta device; `param_init(name, tensor)` then
-    fills each parameter (see zeropp/stages/init.py). A ZeRO++ switch set to "auto" must
+    fills each parameter (see zeropp/stages/init.py). Bucket sizes the config leaves
+    unset are sized from the module (zeropp/bucket_sizing.py). A ZeRO++ switch set to "auto" must
     be resolved first (planner.auto.resolve). At world size 1 every stage
     takes the short path (DDPEngine without DDP): the shard is the weight,
     and ZeRO++ has nothing to send. Stages 1-3 are composed by zeropp/build.py.
@@ -21,6 +25,8 @@ def initialize(module, config: DeepSpeedConfig, comm, device, optim: OptimizerSe
                           f"not resolved: \"auto\" needs the links measured first; call "
                           f"planner.auto.resolve(config, model_config, comm, device, micro_batch, seq_length) "
                           f"and pass its .config here (train.py does this)")
+    zero = bucket_sizes(zero, sum(p.numel() for p in module.parameters()))   # those not set
+    config = dataclasses.replace(config, zero_optimization=zero)
     if comm.topology.world_size > 1:
         zero.validate_topology(comm.topology.ranks_per_node, comm.topology.world_size)
     if zero.stage == 0 or comm.topology.world_size == 1:

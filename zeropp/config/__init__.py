@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from common import ConfigError, parse_int, parse_number, refuse_value
-from zeropp.config.keys import UNSUPPORTED
+from zeropp.config.keys import BUCKET_DEFAULTS, UNSUPPORTED
 from zeropp.config.optim import OptimizerConfig, OptimizerSettings, SchedulerConfig
 
 __all__ = ["AUTO", "AUTO_KEYS", "ConfigError", "DeepSpeedConfig", "LocoConfig", "ZeroConfig", "OptimizerSettings", "load_json"]
@@ -56,11 +56,11 @@ class ZeroConfig:
     stage: int = 0
     contiguous_gradients: bool = True        # true only (see _ZERO_FIXED)
     reduce_scatter: bool = True              # true only
-    reduce_bucket_size: int = 500_000_000
-    allgather_bucket_size: int = 500_000_000
+    reduce_bucket_size: int | None = None   # None (unset, "auto"): from the model (zeropp/bucket_sizing.py)
+    allgather_bucket_size: int | None = None
     # DeepSpeed turns overlap_comm on by default for stage 3 only; None = that default.
     overlap_comm: bool | None = None
-    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_prefetch_bucket_size: int | None = None
     stage3_param_persistence_threshold: int = 100_000
     stage3_max_live_parameters: int = 1_000_000_000
     stage3_max_reuse_distance: int = 1_000_000_000
@@ -104,7 +104,7 @@ class ZeroConfig:
                 refuse_value(f"{where}.{name}", getattr(self, name), ok, why)
         for name in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
                      "stage3_max_live_parameters"):
-            if getattr(self, name) <= 0:
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ConfigError(f"{where}.{name} must be a positive number of elements "
                                   f"(e.g. 5e8), got {getattr(self, name)}")
         for name in ("stage3_param_persistence_threshold", "stage3_max_reuse_distance"):
@@ -369,7 +369,7 @@ _SECTIONS = (ZeroConfig, LocoConfig, FP16Config, BF16Config, DataTypesConfig, Op
 
 def _coerce(f: dataclasses.Field, value: Any, where: str):
     typ = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-    if value is None and "None" in typ:
+    if (value is None and "None" in typ) or (f.name in BUCKET_DEFAULTS and value == AUTO):   # "auto": HF's
         return None
     if f.name in AUTO_KEYS and isinstance(value, str):
         if value != AUTO:

@@ -6,10 +6,15 @@
   from DeepSpeed's runtime/config.py, runtime/constants.py and zero/config.py.
 - OPTIMIZER_*, SCHEDULERS: the optimizer and schedule parameters accepted,
   with DeepSpeed's defaults.
+- BUCKET_DEFAULTS: DeepSpeed's bucket sizes (elements), the caps of those derived
+  from the model when the configuration sets none (zeropp/bucket_sizing.py).
 """
 from __future__ import annotations
 
 from typing import Callable
+
+BUCKET_DEFAULTS = {"reduce_bucket_size": 500_000_000, "allgather_bucket_size": 500_000_000,
+                   "stage3_prefetch_bucket_size": 50_000_000}
 
 # Optimizer types the engine implements (lower case: DeepSpeed matches its own names
 # case-insensitively) and the parameters each accepts.
