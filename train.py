@@ -19,11 +19,8 @@ import torch
 import torch.distributed as dist
 
 import zeropp
-from zeropp import techniques
-from zeropp.bucket_sizing import describe as describe_buckets
 from data.gpt_dataset import build_train_valid_test_datasets
 from data.sampler import build_data_loader
-from data.stats import unigram_entropy
 from model import GPT, flops_per_iteration, num_parameters
 from parallel.comm import Communicator
 from parallel.launch import (init_distributed, mark_worker, print_rank0, report_error_to_torchrun,
@@ -35,12 +32,13 @@ from training.args import parse_args, resolve_batch
 from training.checkpoint import (Checkpointer, Progress, check_save_dir, checkpoint_bytes, load_checkpoint,
                                  optimizer_moments)
 from training.checkpoint_files import CheckpointError
-from training.logger import TrainingLogger, peak_memory_mb
+from training.logger import TrainingLogger
 from training.lr_schedule import build_lr_schedule
 from training.model_args import model_config
 from training.preflight import check_inputs
+from training.report import print_job, print_summary
 from training.signals import StopRequest
-from training.trainer import CrossNodeTraffic, Trainer, TrainingDiverged
+from training.trainer import Trainer, TrainingDiverged
 
 
 _UNFREED = []
@@ -115,30 +113,6 @@ def build_datasets(args):
         args.data_path, args.split, args.seq_length, num_samples, args.seed, args.data_cache_path)
 
 
-def print_job(args, topology, cfg, engine, device, vocab_size: int):
-    world = topology.world_size
-    label = zeropp_label(args.ds_config.zero_optimization)
-    if world == 1 and label != "ZeRO stage 0":   # one process runs unsharded (zeropp.initialize)
-        label = f"unsharded (one process; {label} acts from 2 ranks on)"
-    print_rank0(f"> {world} ranks on {topology.num_nodes} node(s) x {topology.ranks_per_node}, "
-                f"{label}, {engine.dtype}, device {device}")
-    print_rank0(f"> GPT: {num_parameters(cfg):,} parameters, vocab {vocab_size} "
-                f"(padded {cfg.padded_vocab_size}); global batch {args.global_batch_size} = micro "
-                f"{args.micro_batch_size} x {world} ranks x {args.gradient_accumulation_steps} accumulation")
-    buckets = describe_buckets(args.ds_config.zero_optimization, engine.config.zero_optimization, num_parameters(cfg))
-    if buckets and world > 1:   # one process has no buckets
-        print_rank0(buckets)
-    if topology.rank == 0 and len(args.data_path) == 1 and os.path.getsize(args.data_path[0] + ".bin") < 2**30:
-        # A baseline for the loss; skipped on corpora too big to count in a moment.
-        print_rank0(f"> unigram entropy of the corpus: {unigram_entropy(args.data_path[0]):.4f} nats "
-                    f"(the loss of a context-free model)")
-
-
-def zeropp_label(zero) -> str:
-    on = techniques.names(zero)
-    return f"ZeRO-3 + ZeRO++ ({', '.join(on)})" if on else f"ZeRO stage {zero.stage}"
-
-
 def resume(args, engine, cfg) -> Progress:
     """--load: where to continue from (the start if nothing is there yet)."""
     start = time.time()
@@ -170,18 +144,6 @@ def checkpoint_meta(args, cfg, model, argv) -> dict:
 
 def absolute(path: str | None) -> str | None:
     return None if path is None else os.path.abspath(path)
-
-
-def print_summary(args, topology, cross_node: CrossNodeTraffic, engine):
-    print_rank0(f"> peak memory per rank: {peak_memory_mb():.0f} MB")
-    if topology.num_nodes > 1 and cross_node.iterations:
-        sent, plain = (total / cross_node.iterations / 2**20
-                       for total in (cross_node.sent_bytes, cross_node.plain_zero3_bytes))
-        print_rank0(f"> cross-node bytes per iteration (mean over ranks): {sent:.2f} MB with "
-                    f"{zeropp_label(args.ds_config.zero_optimization)}; ZeRO-3 without ZeRO++ would send "
-                    f"{plain:.2f} MB ({sent / plain if plain else 1.0:.3f}x)")
-    for line in engine.summary():
-        print_rank0(f"> {line}")
 
 
 def run(argv=None) -> int:

@@ -1,0 +1,49 @@
+"""The lines a training run prints about itself: what it runs (start) and what it sent
+(end), each built from the parts that know it (the technique registry, the engine's parts)."""
+from __future__ import annotations
+
+import os
+
+from data.stats import unigram_entropy
+from model import num_parameters
+from parallel.launch import print_rank0
+from training.logger import peak_memory_mb
+from training.trainer import CrossNodeTraffic
+from zeropp import techniques
+from zeropp.bucket_sizing import describe as describe_buckets
+
+
+def print_job(args, topology, cfg, engine, device, vocab_size: int):
+    world = topology.world_size
+    label = zeropp_label(args.ds_config.zero_optimization)
+    if world == 1 and label != "ZeRO stage 0":   # one process runs unsharded (zeropp.initialize)
+        label = f"unsharded (one process; {label} acts from 2 ranks on)"
+    print_rank0(f"> {world} ranks on {topology.num_nodes} node(s) x {topology.ranks_per_node}, "
+                f"{label}, {engine.dtype}, device {device}")
+    print_rank0(f"> GPT: {num_parameters(cfg):,} parameters, vocab {vocab_size} "
+                f"(padded {cfg.padded_vocab_size}); global batch {args.global_batch_size} = micro "
+                f"{args.micro_batch_size} x {world} ranks x {args.gradient_accumulation_steps} accumulation")
+    buckets = describe_buckets(args.ds_config.zero_optimization, engine.config.zero_optimization, num_parameters(cfg))
+    if buckets and world > 1:   # one process has no buckets
+        print_rank0(buckets)
+    if topology.rank == 0 and len(args.data_path) == 1 and os.path.getsize(args.data_path[0] + ".bin") < 2**30:
+        # A baseline for the loss; skipped on corpora too big to count in a moment.
+        print_rank0(f"> unigram entropy of the corpus: {unigram_entropy(args.data_path[0]):.4f} nats "
+                    f"(the loss of a context-free model)")
+
+
+def zeropp_label(zero) -> str:
+    on = techniques.names(zero)
+    return f"ZeRO-3 + ZeRO++ ({', '.join(on)})" if on else f"ZeRO stage {zero.stage}"
+
+
+def print_summary(args, topology, cross_node: CrossNodeTraffic, engine):
+    print_rank0(f"> peak memory per rank: {peak_memory_mb():.0f} MB")
+    if topology.num_nodes > 1 and cross_node.iterations:
+        sent, plain = (total / cross_node.iterations / 2**20
+                       for total in (cross_node.sent_bytes, cross_node.plain_zero3_bytes))
+        print_rank0(f"> cross-node bytes per iteration (mean over ranks): {sent:.2f} MB with "
+                    f"{zeropp_label(args.ds_config.zero_optimization)}; ZeRO-3 without ZeRO++ would send "
+                    f"{plain:.2f} MB ({sent / plain if plain else 1.0:.3f}x)")
+    for line in engine.summary():
+        print_rank0(f"> {line}")
