@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from zeropp.collectives.exact import GradientReducer, ShardGather, gather_bucketed, reducer_buffers_bound
+from zeropp.collectives.exact import GradientReducer, ShardGather, gather_bucketed
 from zeropp.collectives.partition import FlatState, Partition, ShardedParam
 from zeropp.stages.engine import Engine
 from zeropp.stages.masters import Masters
@@ -59,12 +59,14 @@ class ShardedEngine(Engine):
 
     def _backward(self, loss):
         phase = self.parts.hooks.backward() if self.parts.hooks is not None else contextlib.nullcontext()
-        with phase:
+        with phase:   # stage 3: its end issues every gather of the schedule backward did not need...
             self.parts.gradients.begin(self.is_gradient_accumulation_boundary())
             super()._backward(loss)
-            if self.parts.gradients.reduce_now():
-                with self.clock.phase("backward_allreduce"):
-                    self._finish_reduction()
+        # ...before this rank waits on a reduction that waits for the others' gradients, which a rank
+        # whose backward is still gathering (a parameter without gradient here) needs those gathers for
+        if self.parts.gradients.reduce_now():
+            with self.clock.phase("backward_allreduce"):
+                self._finish_reduction()
 
     def _grad_hook(self, p):
         g, p.grad = p.grad, None
@@ -72,12 +74,14 @@ class ShardedEngine(Engine):
 
     def _finish_reduction(self):
         missing = self.reducer.missing()
+        # Finish first, so every rank completes the same reductions: none is left waiting on a
+        # rank that raised and left, and each rank says why.
+        self.reducer.finish()
         if missing and not self.zero.ignore_unused_parameters:
             names = ", ".join(s.name for s in missing[:5]) + (", ..." if len(missing) > 5 else "")
             raise RuntimeError(
                 f"{len(missing)} parameter(s) got no gradient on rank {self.rank} ({names}); "
                 f"set zero_optimization.ignore_unused_parameters true to train them with zero gradient")
-        self.reducer.finish()
 
     # -- Engine hooks ---------------------------------------------------------------
     def _grad_norm_sq(self) -> float:

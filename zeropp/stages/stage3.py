@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from zeropp.config import ZeroConfig
-from zeropp.stages.schedule import (TRAINING_FORWARD, GatherSchedule, LiveBudget, TraceRecorder, backward_order,
+from zeropp.stages.schedule import (GatherSchedule, LiveBudget, TraceRecorder, backward_order,
                                     live_budget, restore_orders, reuse_set, saved_orders, without)
 from zeropp.stages.stage3_param import BucketGather, GatheredWeights, Stage3Param, WeightState
 from zeropp.stages.stage3_weights import PartitionedWeights
