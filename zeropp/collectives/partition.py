@@ -36,6 +36,22 @@ class FlatState:
     sharded: bool
 
 
+def as_dcp(state: dict[str, FlatState], device: torch.device, group=None) -> dict:
+    """FlatStates as DCP (torch.distributed.checkpoint) sees them: a sharded one is a DTensor
+    over all ranks, Shard(0) of its flat global tensor (the partition layout is torch.chunk's)."""
+    import torch.distributed as dist
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return {k: v.local for k, v in state.items()}
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    if group is not None:
+        mesh = DeviceMesh.from_group(group, device.type)
+    else:
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))  # the default group: no new process group
+    return {k: DTensor.from_local(v.local, mesh, [Shard(0)], run_check=False, shape=(v.numel,), stride=(1,))
+            if v.sharded else v.local for k, v in state.items()}
+
+
 @dataclass(frozen=True)
 class Partition:
     group: object      # torch.distributed process group; None = the whole world
