@@ -77,7 +77,7 @@ class NodeAwareGather:
         self.plugin.progress()
         n = output_tensor.numel() // input_tensor.numel()
         inside = self.plugin.inside_node(group)
-        gather = self.exact if inside else self.across
+        gather = self.exact if inside or self.plugin.exact_gathers else self.across
         phase = "backward_gather" if inside else "forward_gather"
         work = gather.start(input_tensor, Partition(group, n, -1), phase, async_op=True,
                             out=output_tensor.view(n, input_tensor.numel()))
@@ -128,9 +128,11 @@ class ZeroPP:
     """What `apply_zeropp` installed: the communicator (its `stats`), the reduction and its
     carried state, the reductions in flight."""
 
-    def __init__(self, topology: Topology, zero: ZeroConfig, device, overlap: bool, max_inflight: int):
+    def __init__(self, topology: Topology, zero: ZeroConfig, device, overlap: bool, max_inflight: int,
+                 comm: Communicator | None = None):
         self.topology, self.zero, self.overlap, self.max_inflight = topology, zero, overlap, max_inflight
-        self.comm = Communicator(topology)
+        self.comm = comm or Communicator(topology)
+        self.exact_gathers = False      # True: every gather exact (evaluation, as the engine's)
         self.partition = Partition(topology.gradient_group, topology.world_size, topology.rank)
         ctx = techniques.BuildContext(zero, self.comm, None, None, device, weights=[], flat=None)
         fill_slots(ctx)
@@ -166,8 +168,11 @@ class ZeroPP:
             self._callback_queued = True
 
     def progress(self):
+        """Let the reductions in flight go on (qgZ starts its second hop), in issue order and
+        stopping at the first still busy: every rank issues each group's collectives in one order."""
         for work, _, _ in self.inflight:
-            work.progress()
+            if not work.progress():
+                break
 
     def finish(self):
         """Complete every reduction in flight (FSDP2's gradients are views of their results)."""
@@ -237,10 +242,12 @@ def _device(flats: dict) -> torch.device:
 def apply_zeropp(model: torch.nn.Module, topology: Topology | int | None = None, *, quantized_weights: bool = True,
                  hpz: bool = True, quantized_gradients: bool = True, loco: bool = False, hadamard: bool = False,
                  weight_block_size: int = 256, gradient_block_size: int = 128, loco_beta: float = 0.8,
-                 loco_reset_every: int = 1024, overlap: bool = True, max_inflight_reductions: int = 2) -> ZeroPP:
+                 loco_reset_every: int = 1024, overlap: bool = True, max_inflight_reductions: int = 2,
+                 communicator: Communicator | None = None) -> ZeroPP:
     """Install ZeRO++ on `model`, the root a `fully_shard` returned (collective: every rank
     calls it). `topology`: which ranks share a node: a `parallel.topology.Topology`, the ranks
-    per node, or None for torchrun's LOCAL_WORLD_SIZE. Returns the `ZeroPP` that holds what it
+    per node, or None for torchrun's LOCAL_WORLD_SIZE; `communicator`: a `parallel.comm.Communicator`
+    to count the bytes in (it brings its topology). Returns the `ZeroPP` that holds what it
     installed (its `stats`, its checkpoint state)."""
     from torch.distributed.fsdp import FSDPModule
     if not isinstance(model, FSDPModule):
@@ -251,7 +258,7 @@ def apply_zeropp(model: torch.nn.Module, topology: Topology | int | None = None,
     for name, on in (("loco", loco), ("hadamard", hadamard)):
         if on and not quantized_gradients:
             raise PluginError(f"apply_zeropp: {name}=True works on qgZ's INT4 gradients: set quantized_gradients=True")
-    topology = _topology(topology)
+    topology = communicator.topology if communicator is not None else _topology(topology)
     zero = ZeroConfig(stage=3, zero_quantized_weights=quantized_weights, zero_quantized_gradients=quantized_gradients,
                       zeropp_loco_param=LocoConfig(loco_beta, loco_reset_every) if loco else None,
                       zero_hadamard_gradients=hadamard, zero_quantized_weights_block_size=weight_block_size,
@@ -262,7 +269,7 @@ def apply_zeropp(model: torch.nn.Module, topology: Topology | int | None = None,
         raise PluginError(str(e)) from None
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
     device = next(model.parameters()).device
-    plugin = ZeroPP(topology, zero, device, overlap, max_inflight_reductions)
+    plugin = ZeroPP(topology, zero, device, overlap, max_inflight_reductions, communicator)
     totals = {}
     for key, module in enumerate(modules):
         params = _own_params(module)
