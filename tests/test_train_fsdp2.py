@@ -73,3 +73,17 @@ def test_fsdp2_refuses_a_bucket_size_from_the_json(corpus, tmp_path, monkeypatch
     argv = flags(corpus, tmp_path, 2, ["--deepspeed_config", str(config), "--sharding", "fsdp2"])
     with pytest.raises(ConfigError, match="zero_optimization.reduce_bucket_size has no effect under --sharding fsdp2"):
         parse_args(argv)
+
+
+def test_fsdp2_fp16_skips_overflows_and_keeps_locos_error_finite(corpus, tmp_path):  # noqa: F811
+    """fp16 (FSDP2's MixedPrecisionPolicy) with a loss scale of 2^32: the first steps overflow on every rank and
+    are skipped together (the scale halves), LoCo's error is not committed from them, and training then learns."""
+    rc, log = torchrun(4, flags(corpus, tmp_path, 10, [*COMMON, "--sharding", "fsdp2", "--fp16", *ZEROPP,
+                                                       "--initial-loss-scale", str(2 ** 32), "--hidden-dropout", "0"]))
+    assert rc == 0, log
+    skipped = [int(line.split("number of skipped iterations:")[1].split("|")[0]) for line in log.splitlines()
+               if "number of skipped iterations:" in line]
+    assert sum(skipped) >= 1 and "non-finite" not in log, log
+    loss = losses(log)
+    finite = [float(v) for v in loss.values() if v.lower() not in ("nan", "inf")]
+    assert finite[-1] < finite[0], loss
