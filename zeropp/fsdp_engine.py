@@ -206,9 +206,13 @@ class FSDP2Engine(Engine):
         return [part.memory() for part in self.zeropp.carried.values()]
 
     def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
-        local = [p.to_local() for p in self.params]
-        return {"parameters": local, "gradients": self._local_grads(),
-                "optimizer": [t.to_local() if hasattr(t, "to_local") else t for t in self._optimizer_tensors()]}
+        """FSDP2's fp32 shards are the parameters (no 16-bit copy between steps), its fp32 sharded
+        gradients, the optimizer state; plus what the plug-in keeps (LoCo's errors)."""
+        out = {"parameters": [p.to_local() for p in self.params], "gradients": self._local_grads(),
+               "optimizer": [t.to_local() if hasattr(t, "to_local") else t for t in self._optimizer_tensors()]}
+        for line in self.memory_lines():
+            out[line.kind] = out[line.kind] + line.tensors
+        return out
 
     def peak_buffers(self) -> dict:
         return {}
