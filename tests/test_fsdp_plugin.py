@@ -69,7 +69,7 @@ def hpz_alone(rank, world, bf16):
     return out
 
 
-@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("bf16", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["fp32", "bf16"])
 def test_hpz_alone_is_fsdp2_bit_for_bit_and_backward_gathers_stay_in_node(bf16):
     runs = run_distributed(hpz_alone, 4, args=(bf16,))
     for r in runs:
@@ -121,7 +121,7 @@ def every_switch(rank, world, bf16):
     return {"plain": train(plain[0], plain[1], rank, 12), "zeropp": train(zpp[0], zpp[1], rank, 12)}
 
 
-@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("bf16", [pytest.param(False, marks=pytest.mark.slow), True], ids=["fp32", "bf16"])
 def test_every_switch_trains_like_plain_fsdp2(bf16):
     r = run_distributed(every_switch, 4, args=(bf16,))[0]
     base, got = r["plain"], r["zeropp"]
