@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 
 from bench import RESULTS, ROOT
-from bench.convergence_plot import plot, table
+from bench.convergence_plot import notes, plot, table
 from bench.megatron_log import parse_log
 
 DATA_PREFIX = "work_dir/kjv_text_document"
@@ -177,43 +177,6 @@ def summarize(r: dict, skip_first: bool = True) -> dict:
         "ms_per_iter": round(mean([t["iter_ms"] for t in steady]), 1),
         "wall_s": r["wall_s"],
     }
-
-
-def notes(runs: dict, summary: dict, verdict: dict, setup: dict) -> list[str]:
-    """A few sentences for the README, from the numbers."""
-    B, C = setup.get("names", NAMES)
-    tol = setup.get("tolerance", TOLERANCE)
-    out = []
-    base, cand = runs.get(B), runs.get(C)
-    if verdict.get("ratio") is not None:
-        b = {t["iteration"]: t["loss"] for t in base["train"]}
-        diffs = [(t["iteration"], 100 * (t["loss"] / b[t["iteration"]] - 1)) for t in cand["train"]
-                 if t["iteration"] in b]
-        late = [d for i, d in diffs if i > setup["iters"] // 2]
-        out.append(f"- Same seed, initial weights and data order; only the ZeRO flags differ. {C} ends "
-                   f"{verdict['relative_difference_pct']:+.2f}% from {B} in final validation loss "
-                   f"({summary[C]['final_validation_loss']:.4f} vs "
-                   f"{summary[B]['final_validation_loss']:.4f}): {verdict['result']} against the {100 * tol:g}% criterion.")
-        if late:
-            out.append(f"- Training loss (each point a {setup['log_interval']}-iteration mean), second half of "
-                       f"the run: {C} vs {B} {sum(late) / len(late):+.2f}% on average, "
-                       f"{min(late):+.2f}% to {max(late):+.2f}%; largest gap over the whole run "
-                       f"{max(diffs, key=lambda x: abs(x[1]))[1]:+.2f}% (iteration "
-                       f"{max(diffs, key=lambda x: abs(x[1]))[0]}).")
-        if "seed_control_ratio" in verdict:
-            sc = 100 * (verdict["seed_control_ratio"] - 1)
-            out.append(f"- For scale: {B} with seed {setup['seed'] + 1} (other initial weights, data order "
-                       f"and validation samples) ends {sc:+.2f}% from seed {setup['seed']}, about "
-                       f"{abs(sc / verdict['relative_difference_pct']) if verdict['relative_difference_pct'] else float('inf'):.0f}x "
-                       f"the gap {C} makes (one pair of seeds, not a spread).")
-        if verdict.get("inter_node_bytes_ratio") is not None:
-            out.append(f"- Cross-node traffic (mean over ranks, per iteration): "
-                       f"{summary[C]['inter_node_mb_per_iter']:.2f} MB with {C} vs "
-                       f"{summary[B]['inter_node_mb_per_iter']:.2f} MB with {B} "
-                       f"({verdict['inter_node_bytes_ratio']:.2f}x).")
-    out.append("- ms/iter and wall times come from 2 shared CPU cores running other jobs too; they are not a "
-               "speed comparison.")
-    return out + [""]
 
 
 def report(runs: dict, setup: dict, out_dir: Path) -> dict:

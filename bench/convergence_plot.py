@@ -1,4 +1,4 @@
-"""The convergence benchmark's table and plot (bench/convergence.py): each run's training
+"""The convergence benchmark's table, notes and plot (bench/convergence.py): each run's training
 and validation loss, and below, each candidate's relative difference from ZeRO-3."""
 from __future__ import annotations
 
@@ -80,3 +80,40 @@ def table(runs: dict, summary: dict) -> str:
                      fmt(s["ms_per_iter"], ".0f"), fmt(s["wall_s"], ".0f")))
     return "\n".join("| " + " | ".join(r) + " |" + ("\n|" + "---|" * len(r) if i == 0 else "")
                      for i, r in enumerate(rows))
+
+
+def notes(runs: dict, summary: dict, verdict: dict, setup: dict) -> list[str]:
+    """A few sentences for the README, from the numbers."""
+    B, C = setup.get("names", ("ZeRO-3", "ZeRO++"))
+    tol = setup["tolerance"] if "tolerance" in setup else 0.01
+    out = []
+    base, cand = runs.get(B), runs.get(C)
+    if verdict.get("ratio") is not None:
+        b = {t["iteration"]: t["loss"] for t in base["train"]}
+        diffs = [(t["iteration"], 100 * (t["loss"] / b[t["iteration"]] - 1)) for t in cand["train"]
+                 if t["iteration"] in b]
+        late = [d for i, d in diffs if i > setup["iters"] // 2]
+        out.append(f"- Same seed, initial weights and data order; only the ZeRO flags differ. {C} ends "
+                   f"{verdict['relative_difference_pct']:+.2f}% from {B} in final validation loss "
+                   f"({summary[C]['final_validation_loss']:.4f} vs "
+                   f"{summary[B]['final_validation_loss']:.4f}): {verdict['result']} against the {100 * tol:g}% criterion.")
+        if late:
+            out.append(f"- Training loss (each point a {setup['log_interval']}-iteration mean), second half of "
+                       f"the run: {C} vs {B} {sum(late) / len(late):+.2f}% on average, "
+                       f"{min(late):+.2f}% to {max(late):+.2f}%; largest gap over the whole run "
+                       f"{max(diffs, key=lambda x: abs(x[1]))[1]:+.2f}% (iteration "
+                       f"{max(diffs, key=lambda x: abs(x[1]))[0]}).")
+        if "seed_control_ratio" in verdict:
+            sc = 100 * (verdict["seed_control_ratio"] - 1)
+            out.append(f"- For scale: {B} with seed {setup['seed'] + 1} (other initial weights, data order "
+                       f"and validation samples) ends {sc:+.2f}% from seed {setup['seed']}, about "
+                       f"{abs(sc / verdict['relative_difference_pct']) if verdict['relative_difference_pct'] else float('inf'):.0f}x "
+                       f"the gap {C} makes (one pair of seeds, not a spread).")
+        if verdict.get("inter_node_bytes_ratio") is not None:
+            out.append(f"- Cross-node traffic (mean over ranks, per iteration): "
+                       f"{summary[C]['inter_node_mb_per_iter']:.2f} MB with {C} vs "
+                       f"{summary[B]['inter_node_mb_per_iter']:.2f} MB with {B} "
+                       f"({verdict['inter_node_bytes_ratio']:.2f}x).")
+    out.append("- ms/iter and wall times come from 2 shared CPU cores running other jobs too; they are not a "
+               "speed comparison.")
+    return out + [""]
