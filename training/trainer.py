@@ -213,7 +213,7 @@ class Trainer:
             "loss_scale": last.loss_scale, "grad_norm": None if last.skipped else last.grad_norm,
             "skipped": window.skipped, "nan": window.nan_iterations, "samples_per_s": samples_per_s,
             "tokens_per_s": samples_per_s * args.seq_length,
-            "tflops": self.flops_per_iteration / elapsed / self.comm.topology.world_size / 1e12,
+            "tflops": self.flops_per_iteration / elapsed / (self.comm.topology.world_size * self.comm.topology.groups) / 1e12,
             "intra_mb": intra / window.iterations / 2**20,
             "inter_mb": inter / window.iterations / 2**20})
         if self.engine.clock.enabled:   # wall_clock_breakdown

@@ -1,0 +1,245 @@
+"""Streaming DiLoCo across groups of nodes (zeropp/diloco.py) on 4 gloo ranks as 2 nodes x 2
+(and 4 nodes x 1 for ZeRO++ across the nodes of a group), ZeRO-3 inside each group.
+
+- an engine over a group of ranks trains as the same engine run alone on those ranks' data,
+  bit for bit, with the same bytes inside and across nodes;
+- one group (the whole job) with outer lr 1 and no momentum is the engine without the mode,
+  bit for bit (the outer step then sets the masters to the mean of one local: itself);
+- H = 1, outer lr 1, no momentum, exact exchange, SGD inside: synchronous data parallel over
+  all 4 ranks, within the fp32 round-off the plain engine shows against fp64 (tests/numerics.py);
+- H = 1 with AdamW inside: parameter averaging after every step, bit for bit;
+- INT4 outer gradients: the new global parameters within the block quantization's bound of
+  the exact mean, the error feedback what quantization left;
+- the streaming schedule: fragments at staggered steps, applied one step later, the groups'
+  global copies identical.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+
+import zeropp
+from model import GPT, GPTConfig
+from parallel.comm import Communicator
+from parallel.topology import topology_from_env
+from tests.distributed import run_distributed
+from tests.numerics import EPS32, assert_state_within_roundoff, fp64_reference
+from zeropp.collectives.partition import Partition
+from zeropp.diloco import OuterSettings, attach
+from zeropp.kernels.format import QMAX
+
+CFG = dict(vocab_size=96, num_layers=2, hidden_size=32, num_attention_heads=4,
+           max_position_embeddings=16, hidden_dropout=0.0, attention_dropout=0.0)
+SEQ, PER_RANK, LR = 16, 2, 1e-2
+BLOCK = 128
+
+
+def batches(steps, ranks):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 96, (ranks * PER_RANK, SEQ + 1), generator=g) for _ in range(steps)]
+
+
+def build(topo, zero=None, optim=None):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**CFG))
+    ds = zeropp.DeepSpeedConfig.from_dict({"zero_optimization": {
+        "stage": 3, "reduce_bucket_size": 3000, "allgather_bucket_size": 5000,
+        "stage3_param_persistence_threshold": 16, "stage3_prefetch_bucket_size": 20000, **(zero or {})}})
+    return zeropp.initialize(model, ds, Communicator(topo), torch.device("cpu"), optim or zeropp.OptimizerSettings(lr=LR))
+
+
+def train(engine, data, index, after_step=None):
+    """Steps on rows [index * PER_RANK, ...) of each batch."""
+    for batch in data:
+        x = batch[index * PER_RANK:(index + 1) * PER_RANK]
+        engine.backward(engine(x[:, :-1], x[:, 1:]))
+        engine.step()
+        if after_step is not None:
+            after_step()
+    return engine.module_state_dict()
+
+
+def cross_partition(job, group_world):
+    return Partition(group=job.build_strided_group(group_world), size=job.world_size // group_world,
+                     rank=job.rank // group_world)
+
+
+def diloco(job, nodes, settings, optim=None, zero=None):
+    topo = job.group_topology(nodes).build_groups()
+    engine = build(topo, zero, optim)
+    return engine, attach(engine, cross_partition(job, topo.world_size), settings), topo
+
+
+def local_flat(sync, f=0):
+    return torch.cat([s.master.detach().reshape(-1).clone() for s in sync.fragments[f]])
+
+
+def scenarios(rank, world):
+    """Every 4-rank scenario below in one set of processes (each its own groups and engines)."""
+    return {fn.__name__: fn(rank, world) for fn in (group_runs, one_group, sgd_runs, averaging_runs, int4_runs,
+                                                     streaming_runs)}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    per_rank = run_distributed(scenarios, world_size=4)
+    return {name: [r[name] for r in per_rank] for name in per_rank[0]}
+
+
+# -- an engine over a group of ranks -------------------------------------------------------------
+
+GROUP_CASES = [(2, 1, {}),   # 2 nodes x 2, a group per node: ZeRO-3
+               (1, 2, {"zero_quantized_weights": True, "zero_quantized_gradients": True})]  # 4 x 1: ZeRO++
+
+
+def group_runs(rank, world):
+    out = []
+    for per_node, nodes, zero in GROUP_CASES:
+        topo = topology_from_env(per_node).group_topology(nodes).build_groups()
+        engine = build(topo, zero)
+        sd = train(engine, batches(3, topo.world_size), topo.rank)
+        s = engine.comm.stats
+        out.append((sd, s.intra_node_bytes, s.inter_node_bytes, topo.ranks))
+    return out
+
+
+def alone_runs(rank, world):
+    out = []
+    for per_node, _, zero in GROUP_CASES:
+        engine = build(topology_from_env(per_node), zero)
+        sd = train(engine, batches(3, world), rank)
+        out.append((sd, engine.comm.stats.intra_node_bytes, engine.comm.stats.inter_node_bytes))
+    return out
+
+
+def test_group_engine_trains_as_the_engine_alone(runs):
+    groups = runs["group_runs"]
+    alone = run_distributed(alone_runs, world_size=2)
+    for rank, cases in enumerate(groups):
+        for (sd, intra, inter, ranks), ref, (per_node, nodes, _) in zip(cases, alone[rank % 2], GROUP_CASES):
+            assert ranks == [rank // 2 * 2, rank // 2 * 2 + 1]
+            for k, v in ref[0].items():
+                assert torch.equal(sd[k], v), (per_node, nodes, k)
+            assert (intra, inter) == ref[1:], (per_node, nodes)
+    assert groups[0][1][2] > 0 and groups[0][0][2] == 0   # ZeRO++ case crosses nodes; the other does not
+
+
+# -- one group is the engine --------------------------------------------------------------------
+
+def one_group(rank, world):
+    job = topology_from_env(2)
+    plain = train(build(job), batches(4, world), rank)
+    engine, sync, _ = diloco(job, 2, OuterSettings(2, lr=1.0, momentum=0.0, fragments=2, overlap=False))
+    mode = train(engine, batches(4, world), rank)
+    return plain, mode, sync.outer_steps
+
+
+def test_one_group_is_the_engine_bit_for_bit(runs):
+    for plain, mode, outer_steps in runs["one_group"]:
+        assert outer_steps == 4   # 2 fragments, each at steps 1 and 3 or 2 and 4 (H = 2)
+        for k, v in plain.items():
+            assert torch.equal(mode[k], v), k
+
+
+# -- H = 1 ----------------------------------------------------------------------------------------
+
+SGD = zeropp.OptimizerSettings(type="sgd", lr=0.1, weight_decay=0.01)
+EVERY_STEP = OuterSettings(1, lr=1.0, momentum=0.0, fragments=2, overlap=False)
+
+
+def sgd_runs(rank, world):
+    job = topology_from_env(2)
+    data = batches(4, world)
+    single = train(build(job, optim=SGD), data, rank)
+    engine, _, _ = diloco(job, 1, EVERY_STEP, optim=SGD)
+    return single, train(engine, data, rank)
+
+
+def test_every_step_with_sgd_is_synchronous_data_parallel(runs):
+    data = batches(4, 4)
+    torch.manual_seed(0)
+    steps = [[lambda m, x=x: m(x[:, :-1], x[:, 1:])] for x in data]
+    _, _, exact = fp64_reference(GPT(GPTConfig(**CFG)), steps, lr=SGD.lr, clip=0.0, optimizer="sgd",
+                                 weight_decay=SGD.weight_decay)
+    for single, got in runs["sgd_runs"]:
+        assert_state_within_roundoff(got, single, exact, "H=1 SGD vs synchronous data parallel")
+
+
+def averaging_runs(rank, world):
+    job = topology_from_env(2)
+    data = batches(3, world)
+    ref = build(job.group_topology(1).build_groups())
+    cross = cross_partition(job, 2)
+
+    def average():   # parameter averaging through the state dict: another path than the outer step
+        sd = ref.module_state_dict()
+        for v in sd.values():
+            dist.all_reduce(v, group=cross.group)
+            v.div_(cross.size)
+        ref.load_module_state_dict(sd)
+    averaged = train(ref, data, rank, after_step=average)
+    engine, _, _ = diloco(job, 1, EVERY_STEP)
+    return averaged, train(engine, data, rank)
+
+
+def test_every_step_with_adamw_is_parameter_averaging(runs):
+    results = runs["averaging_runs"]
+    for averaged, got in results:
+        for k, v in averaged.items():
+            assert torch.equal(got[k], v), k
+    assert all(torch.equal(results[0][1][k], results[2][1][k]) for k in results[0][1])   # groups agree
+
+
+# -- INT4 outer gradients -------------------------------------------------------------------------
+
+def int4_runs(rank, world):
+    job = topology_from_env(2)
+    data = batches(2, world)
+    plain = build(job.group_topology(1).build_groups())
+    engine, sync, _ = diloco(job, 1, OuterSettings(2, lr=1.0, momentum=0.0, quantization="int4", overlap=False))
+    start = sync.glob[0].clone()
+    train(plain, data, rank)   # the locals the outer step starts from (it runs after step 2)
+    mine = start - torch.cat([s.master.detach().reshape(-1) for s in plain.shards if s.valid])
+    train(engine, data, rank)
+    everyone = [torch.empty_like(mine) for _ in range(sync.cross.size)]
+    dist.all_gather(everyone, mine, group=sync.cross.group)
+    return start, torch.stack(everyone), sync.glob[0].clone(), local_flat(sync), sync.err[0].clone(), sync.cross.rank
+
+
+def block_half_steps(d):
+    """Per element, half the INT4 step of its block: max|block| / 7 / 2 (zeropp/kernels/quant.py)."""
+    n = d.numel()
+    padded = torch.nn.functional.pad(d.abs(), (0, -n % BLOCK)).view(-1, BLOCK)
+    return (padded.amax(dim=1, keepdim=True) / QMAX[4] / 2).expand(-1, BLOCK).reshape(-1)[:n]
+
+
+def test_int4_outer_gradients_within_the_block_bound(runs):
+    for start, deltas, glob, local, err, me in runs["int4_runs"]:
+        exact = start.double() - deltas.double().mean(0)
+        halves = torch.stack([block_half_steps(d.double()) for d in deltas])
+        slack = 4 * EPS32 * (start.double().abs() + deltas.double().abs().max(0).values)
+        assert ((glob.double() - exact).abs() <= halves.mean(0) + slack).all()
+        assert not torch.equal(glob.double(), exact)   # quantized: not the exact mean
+        assert torch.equal(local, glob)                # the masters are the new global
+        assert torch.isfinite(err).all() and err.abs().max() > 0   # what my quantization left
+        assert (err.double().abs() <= halves[me] + slack).all()
+
+
+# -- streaming ---------------------------------------------------------------------------------------
+
+def streaming_runs(rank, world):
+    job = topology_from_env(2)
+    engine, sync, _ = diloco(job, 1, OuterSettings(4, fragments=2))
+    issued = []
+    train(engine, batches(8, world), rank, after_step=lambda: issued.append([x.fragment for x in sync.pending]))
+    sync.finish()
+    return issued, sync.outer_steps, [g.clone() for g in sync.glob], [sync.due(s) for s in range(1, 9)]
+
+
+def test_streaming_fragments_at_staggered_steps(runs):
+    results = runs["streaming_runs"]
+    for rank, (issued, outer_steps, glob, due) in enumerate(results):
+        assert due == [[], [1], [], [0], [], [1], [], [0]]
+        assert issued == due                    # in flight for one inner step after its issue
+        assert outer_steps == 4
+        for a, b in zip(glob, results[rank ^ 2][2]):   # the same rank of the other group
+            assert torch.equal(a, b)

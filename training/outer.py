@@ -1,0 +1,66 @@
+"""The outer synchronization's command line (--outer-*, --group-size) and its wiring: the
+engine of each group runs over its own ranks (parallel/topology.py `group_topology`) and
+synchronizes across the groups (zeropp/diloco.py)."""
+from __future__ import annotations
+
+import os
+
+from common import ConfigError
+from parallel.comm import Communicator
+from parallel.topology import Topology
+from zeropp.collectives.partition import Partition
+from zeropp.diloco import OuterSettings, attach
+
+OUTER_FLAGS = ("outer_lr", "outer_momentum", "outer_fragments", "outer_quantization", "no_outer_overlap",
+               "group_size")
+
+
+def check_outer_args(args, flag):
+    """One line per bad input, before any work; `flag(args, dest, value)` names a flag."""
+    if args.outer_sync_interval is None:
+        given = [flag(args, d) for d in OUTER_FLAGS if d in args.explicit]
+        if given:
+            raise ConfigError(f"{', '.join(given)} has no effect without --outer-sync-interval; add "
+                              f"--outer-sync-interval H (e.g. 64) or drop it")
+        return
+    H = flag(args, "outer_sync_interval", args.outer_sync_interval)
+    stage = args.ds_config.zero_optimization.stage
+    if stage != 3:
+        raise ConfigError(f"{H} runs ZeRO-3 (or ZeRO++) inside each group, and this run is ZeRO stage {stage}; "
+                          f"pass --zero-stage 3")
+    if args.outer_fragments > args.num_layers:
+        raise ConfigError(f"{flag(args, 'outer_fragments', args.outer_fragments)} exceeds the "
+                          f"{args.num_layers} layers (a fragment is a run of layers); pass at most {args.num_layers}")
+    for dest in ("save", "load", "dry_run"):
+        if getattr(args, dest):
+            raise ConfigError(f"{flag(args, dest)} does not handle {H} yet (its outer state is not planned or "
+                              f"saved); drop one of them")
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    per_node = args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    nodes, size = world // per_node, args.group_size
+    if nodes % size:
+        raise ConfigError(f"{flag(args, 'group_size', size)} must divide the {nodes} node(s) of {per_node} rank(s); "
+                          f"pass a divisor of {nodes}")
+    if size * per_node < 2:
+        raise ConfigError(f"{flag(args, 'group_size', size)} makes groups of one rank (nodes of {per_node}); "
+                          f"ZeRO-3 needs 2+ ranks a group: pass a larger --group-size or more --ranks-per-node")
+
+
+def engine_comm(args, topology: Topology) -> Communicator:
+    """The communicator of this rank's engine: over its group in the outer mode, else the job."""
+    if args.outer_sync_interval is None:
+        return Communicator(topology)
+    return Communicator(topology.group_topology(args.group_size).build_groups())
+
+
+def attach_outer(args, engine, topology: Topology):
+    """The outer loop on `engine`, exchanging with the same rank of every other group (the group
+    holding the same shard); nothing without --outer-sync-interval."""
+    if args.outer_sync_interval is None:
+        return None
+    size = engine.comm.topology.world_size
+    cross = Partition(group=topology.build_strided_group(size), size=topology.world_size // size,
+                      rank=topology.rank // size)
+    settings = OuterSettings(args.outer_sync_interval, args.outer_lr, args.outer_momentum, args.outer_fragments,
+                             args.outer_quantization, overlap=not args.no_outer_overlap)
+    return attach(engine, cross, settings)
