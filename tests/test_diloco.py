@@ -243,3 +243,25 @@ def test_streaming_fragments_at_staggered_steps(runs):
         assert outer_steps == 4
         for a, b in zip(glob, results[rank ^ 2][2]):   # the same rank of the other group
             assert torch.equal(a, b)
+
+
+# -- bad input: one line each, exit 2, before any work -----------------------------------------------
+
+from tests.test_cli_errors import corpus, fails, good   # noqa: E402,F401 (corpus: the fixture)
+
+OUTER = ("--zero-stage", "3", "--outer-sync-interval", "4")
+
+
+@pytest.mark.parametrize("world, per_node, extra, says", [
+    (4, 2, ("--zero-stage", "3", "--outer-sync-interval", "0"), "--outer-sync-interval: must be >= 1, got 0"),
+    (4, 2, OUTER + ("--outer-fragments", "2"), "--outer-fragments 2 exceeds the 1 layers"),
+    (6, 2, OUTER + ("--group-size", "2"), "--group-size 2 must divide the 3 node(s)"),
+    (2, 1, OUTER, "--group-size 1 makes groups of one rank"),
+    (4, 2, ("--zero-stage", "2", "--outer-sync-interval", "4"), "this run is ZeRO stage 2; pass --zero-stage 3"),
+    (4, 2, ("--zero-stage", "3", "--outer-lr", "0.5"), "--outer-lr has no effect without --outer-sync-interval"),
+    (4, 2, OUTER + ("--save", "/tmp/x"), "--save does not handle --outer-sync-interval 4 yet"),
+])
+def test_bad_outer_input(corpus, capsys, monkeypatch, world, per_node, extra, says):  # noqa: F811
+    monkeypatch.setenv("WORLD_SIZE", str(world))   # as torchrun sets them, before any process group
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(per_node))
+    fails(good(corpus, *extra), capsys, says)
