@@ -23,6 +23,7 @@ from parallel.comm import Communicator
 from parallel.topology import topology_from_env
 from tests.distributed import run_distributed
 from tests.numerics import EPS32, assert_state_within_roundoff, fp64_reference
+from tests.test_train_faults import torchrun
 from zeropp.collectives.partition import Partition
 from zeropp.diloco import OuterSettings, attach
 from zeropp.kernels.format import QMAX
@@ -265,3 +266,21 @@ def test_bad_outer_input(corpus, capsys, monkeypatch, world, per_node, extra, sa
     monkeypatch.setenv("WORLD_SIZE", str(world))   # as torchrun sets them, before any process group
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(per_node))
     fails(good(corpus, *extra), capsys, says)
+
+
+# -- train.py ------------------------------------------------------------------------------------------
+
+def test_train_py_runs_the_mode_and_logs_it(corpus, tmp_path):  # noqa: F811
+    d = corpus
+    rc, log = torchrun(4, ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+                           "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "12", "--lr", "3e-3",
+                           "--data-path", str(d / "docs_text_document"), "--tokenizer-model", str(d / "sp.model"),
+                           "--data-cache-path", str(tmp_path / "cache"), "--log-interval", "4", "--eval-iters", "0",
+                           "--zero-stage", "3", "--ranks-per-node", "2", "--outer-sync-interval", "4",
+                           "--outer-fragments", "2", "--outer-quantization", "int4"])
+    assert rc == 0, log
+    lines = [line for line in log.splitlines() if "lm loss:" in line]
+    steps = [int(line.split("outer steps: ")[1].split(" ")[0]) for line in lines]
+    assert steps == [1, 3, 5]   # fragment 1 at steps 2, 6, 10, fragment 0 at 4, 8, 12: each applied a step later
+    assert all(float(line.split("cross-group MB: ")[1].split(" ")[0]) > 0 for line in lines)
+    assert "5 fragment exchanges over 2 groups" in log

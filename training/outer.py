@@ -9,7 +9,7 @@ from common import ConfigError
 from parallel.comm import Communicator
 from parallel.topology import Topology
 from zeropp.collectives.partition import Partition
-from zeropp.diloco import OuterSettings, attach
+from zeropp.diloco import KEY, PHASE, OuterSettings, attach
 
 OUTER_FLAGS = ("outer_lr", "outer_momentum", "outer_fragments", "outer_quantization", "no_outer_overlap",
                "group_size")
@@ -64,3 +64,14 @@ def attach_outer(args, engine, topology: Topology):
     settings = OuterSettings(args.outer_sync_interval, args.outer_lr, args.outer_momentum, args.outer_fragments,
                              args.outer_quantization, overlap=not args.no_outer_overlap)
     return attach(engine, cross, settings)
+
+
+def outer_fields(engine, stats, iterations: int) -> dict:
+    """The log line's outer fields (none when the mode is off): exchanges applied so far, this
+    rank's bytes across groups per iteration, and its shard's RMS distance between its group's
+    parameters and the mean over the groups at the last exchange."""
+    sync = engine.parts.carried.get(KEY) if hasattr(engine, "parts") else None
+    if sync is None:
+        return {}
+    inter = stats.by_phase[PHASE][1] if PHASE in stats.by_phase else 0
+    return {"outer_steps": sync.outer_steps, "cross_group_mb": inter / iterations / 2**20, "outer_drift": sync.drift}
