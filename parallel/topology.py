@@ -38,6 +38,7 @@ class Topology:
     offset: int = 0
     groups: int = 1
     world_group: object = field(default=None, repr=False)
+    across_group: object = field(default=None, repr=False)   # my index in every group, one rank a group
 
     def __post_init__(self):
         if self.ranks_per_node < 1 or self.world_size % self.ranks_per_node:
@@ -114,6 +115,10 @@ class Topology:
             self.gradient_group = self._each_group(whole)
         if self.groups > 1:
             self.world_group = self._each_group(whole)
+            for i in range(self.world_size):
+                g = dist.new_group([first + i for first in range(0, self.groups * self.world_size, self.world_size)])
+                if i == self.rank:
+                    self.across_group = g
         return self
 
     def subgroup_ranks(self, size: int) -> list[int]:

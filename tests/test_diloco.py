@@ -59,30 +59,31 @@ def train(engine, data, index, after_step=None):
     return engine.module_state_dict()
 
 
-def cross_partition(job, group_world):
-    return Partition(group=job.build_strided_group(group_world), size=job.world_size // group_world,
-                     rank=job.rank // group_world)
+def cross_partition(topo):
+    return Partition(group=topo.across_group, size=topo.groups, rank=topo.offset // topo.world_size)
 
 
 def diloco(job, nodes, settings, optim=None, zero=None):
     topo = job.group_topology(nodes).build_groups()
     engine = build(topo, zero, optim)
-    return engine, attach(engine, cross_partition(job, topo.world_size), settings), topo
+    return engine, attach(engine, cross_partition(topo), settings), topo
 
 
 def local_flat(sync, f=0):
     return torch.cat([s.master.detach().reshape(-1).clone() for s in sync.fragments[f]])
 
 
-def scenarios(rank, world):
+def scenarios(rank, world, tmp):
     """Every 4-rank scenario below in one set of processes (each its own groups and engines)."""
-    return {fn.__name__: fn(rank, world) for fn in (group_runs, one_group, sgd_runs, averaging_runs, int4_runs,
-                                                     streaming_runs)}
+    out = {fn.__name__: fn(rank, world) for fn in (group_runs, one_group, sgd_runs, averaging_runs, int4_runs,
+                                                    streaming_runs)}
+    out["resume_runs"] = resume_runs(rank, world, tmp)
+    return out
 
 
 @pytest.fixture(scope="module")
-def runs():
-    per_rank = run_distributed(scenarios, world_size=4)
+def runs(tmp_path_factory):
+    per_rank = run_distributed(scenarios, world_size=4, args=(str(tmp_path_factory.mktemp("diloco")),))
     return {name: [r[name] for r in per_rank] for name in per_rank[0]}
 
 
@@ -169,7 +170,7 @@ def averaging_runs(rank, world):
     job = topology_from_env(2)
     data = batches(3, world)
     ref = build(job.group_topology(1).build_groups())
-    cross = cross_partition(job, 2)
+    cross = cross_partition(ref.comm.topology)
 
     def average():   # parameter averaging through the state dict: another path than the outer step
         sd = ref.module_state_dict()
@@ -246,6 +247,42 @@ def test_streaming_fragments_at_staggered_steps(runs):
             assert torch.equal(a, b)
 
 
+# -- checkpoints ---------------------------------------------------------------------------------------
+
+META = {"model_config": {}, "param_shapes": {}}
+
+
+def resume_runs(rank, world, tmp):
+    from training.checkpoint import load_checkpoint, save_checkpoint
+    job = topology_from_env(2)
+    settings = OuterSettings(2, fragments=2, quantization="int4")   # momentum, error, an exchange in flight
+    data = batches(6, world)
+    engine, sync, _ = diloco(job, 1, settings)
+    train(engine, data[:3], rank)
+    save_checkpoint(f"{tmp}/grouped", 3, engine, 0, META)
+    full = train(engine, data[3:], rank)
+    engine, again, _ = diloco(job, 1, settings)
+    load_checkpoint(f"{tmp}/grouped", engine)
+    resumed = train(engine, data[3:], rank)
+    plain = build(job)   # a checkpoint of one group: every group starts from it, the outer state from its weights
+    train(plain, data[:2], rank)
+    save_checkpoint(f"{tmp}/plain", 2, plain, 0, META)
+    engine, fresh, _ = diloco(job, 1, settings)
+    load_checkpoint(f"{tmp}/plain", engine)
+    return (full, resumed, sync.outer_steps, again.outer_steps, plain.module_state_dict(),
+            engine.module_state_dict(), torch.equal(local_flat(fresh), fresh.glob[0]), fresh.steps)
+
+
+def test_resume_is_exact_and_a_plain_checkpoint_starts_every_group(runs):
+    for full, resumed, outer_steps, outer_steps_resumed, plain, started, glob_is_local, steps in runs["resume_runs"]:
+        for k, v in full.items():
+            assert torch.equal(resumed[k], v), k
+        assert outer_steps == outer_steps_resumed == 5   # 6 issued, the last in flight
+        for k, v in plain.items():
+            assert torch.equal(started[k], v), k
+        assert glob_is_local and steps == 0   # the outer state reset to the loaded weights
+
+
 # -- bad input: one line each, exit 2, before any work -----------------------------------------------
 
 from tests.test_cli_errors import corpus, fails, good   # noqa: E402,F401 (corpus: the fixture)
@@ -260,7 +297,7 @@ OUTER = ("--zero-stage", "3", "--outer-sync-interval", "4")
     (2, 1, OUTER, "--group-size 1 makes groups of one rank"),
     (4, 2, ("--zero-stage", "2", "--outer-sync-interval", "4"), "this run is ZeRO stage 2; pass --zero-stage 3"),
     (4, 2, ("--zero-stage", "3", "--outer-lr", "0.5"), "--outer-lr has no effect without --outer-sync-interval"),
-    (4, 2, OUTER + ("--save", "/tmp/x"), "--save does not handle --outer-sync-interval 4 yet"),
+    (4, 2, OUTER + ("--dry-run",), "--dry-run does not plan --outer-sync-interval 4 yet"),
 ])
 def test_bad_outer_input(corpus, capsys, monkeypatch, world, per_node, extra, says):  # noqa: F811
     monkeypatch.setenv("WORLD_SIZE", str(world))   # as torchrun sets them, before any process group

@@ -31,10 +31,8 @@ def check_outer_args(args, flag):
     if args.outer_fragments > args.num_layers:
         raise ConfigError(f"{flag(args, 'outer_fragments', args.outer_fragments)} exceeds the "
                           f"{args.num_layers} layers (a fragment is a run of layers); pass at most {args.num_layers}")
-    for dest in ("save", "load", "dry_run"):
-        if getattr(args, dest):
-            raise ConfigError(f"{flag(args, dest)} does not handle {H} yet (its outer state is not planned or "
-                              f"saved); drop one of them")
+    if args.dry_run:
+        raise ConfigError(f"--dry-run does not plan {H} yet; drop one of them")
     world = int(os.environ.get("WORLD_SIZE", 1))
     per_node = args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
     nodes, size = world // per_node, args.group_size
@@ -53,14 +51,13 @@ def engine_comm(args, topology: Topology) -> Communicator:
     return Communicator(topology.group_topology(args.group_size).build_groups())
 
 
-def attach_outer(args, engine, topology: Topology):
+def attach_outer(args, engine):
     """The outer loop on `engine`, exchanging with the same rank of every other group (the group
     holding the same shard); nothing without --outer-sync-interval."""
     if args.outer_sync_interval is None:
         return None
-    size = engine.comm.topology.world_size
-    cross = Partition(group=topology.build_strided_group(size), size=topology.world_size // size,
-                      rank=topology.rank // size)
+    group = engine.comm.topology
+    cross = Partition(group=group.across_group, size=group.groups, rank=group.offset // group.world_size)
     settings = OuterSettings(args.outer_sync_interval, args.outer_lr, args.outer_momentum, args.outer_fragments,
                              args.outer_quantization, overlap=not args.no_outer_overlap)
     return attach(engine, cross, settings)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from parallel.comm import Work
 from zeropp.collectives.partition import FlatState, Partition
 from zeropp.collectives.protocols import MemoryLine, PlannedCollective
 from zeropp.config import ConfigError
@@ -120,15 +121,19 @@ class OuterSync:
 
     def _issue(self, f: int) -> Exchange:
         local, g = self._local(f), self.glob[f]
-        mine = g - local
+        mine, alone = g - local, self.cross.size == 1   # one group: nobody to exchange with
         if self.err is None:   # the locals, summed over the groups
-            work = self.comm.all_reduce(local, group=self.cross.group, async_op=True, phase=PHASE)
+            work = Work() if alone else self.comm.all_reduce(local, group=self.cross.group, async_op=True,
+                                                             phase=PHASE)
             return Exchange(f, work, local, mine, None)
         send = mine + self.err[f]
         q = quantize(send, 4, self.s.block_size)
         wire = q.to_bytes()
         rows = torch.empty(self.cross.size, wire.numel(), dtype=torch.uint8, device=wire.device)
-        work = self.comm.all_gather(rows.view(-1), wire, group=self.cross.group, async_op=True, phase=PHASE)
+        if alone:
+            rows.copy_(wire.view(1, -1))
+        work = Work() if alone else self.comm.all_gather(rows.view(-1), wire, group=self.cross.group,
+                                                         async_op=True, phase=PHASE)
         return Exchange(f, work, rows, mine, send.sub_(dequantize(q)))
 
     def _apply(self, x: Exchange, mix: bool) -> str | None:
@@ -185,7 +190,8 @@ class OuterSync:
         return out
 
     def scalar_state(self) -> dict:
-        return {"steps": self.steps, "outer_steps": self.outer_steps, "groups": self.cross.size,
+        # outer steps counting those in flight: a checkpoint applies them (checkpoint_state)
+        return {"steps": self.steps, "outer_steps": self.outer_steps + len(self.pending), "groups": self.cross.size,
                 "settings": [self.s.interval, self.s.fragments, self.s.quantization]}
 
     def carried(self, saved: dict | None) -> bool:
