@@ -264,17 +264,25 @@ def resume_runs(rank, world, tmp):
     engine, again, _ = diloco(job, 1, settings)
     load_checkpoint(f"{tmp}/grouped", engine)
     resumed = train(engine, data[3:], rank)
-    plain = build(job)   # a checkpoint of one group: every group starts from it, the outer state from its weights
+    plain = build(job)
+    try:   # one group of 4 cannot take the 2 groups' states
+        load_checkpoint(f"{tmp}/grouped", plain)
+        refused = None
+    except zeropp.ConfigError as e:
+        refused = str(e)   # a checkpoint of one group: every group starts from it, the outer state from its weights
     train(plain, data[:2], rank)
     save_checkpoint(f"{tmp}/plain", 2, plain, 0, META)
     engine, fresh, _ = diloco(job, 1, settings)
     load_checkpoint(f"{tmp}/plain", engine)
     return (full, resumed, sync.outer_steps, again.outer_steps, plain.module_state_dict(),
-            engine.module_state_dict(), torch.equal(local_flat(fresh), fresh.glob[0]), fresh.steps)
+            engine.module_state_dict(), torch.equal(local_flat(fresh), fresh.glob[0]), fresh.steps, refused)
 
 
 def test_resume_is_exact_and_a_plain_checkpoint_starts_every_group(runs):
-    for full, resumed, outer_steps, outer_steps_resumed, plain, started, glob_is_local, steps in runs["resume_runs"]:
+    for (full, resumed, outer_steps, outer_steps_resumed, plain, started, glob_is_local, steps,
+         refused) in runs["resume_runs"]:
+        assert refused.endswith("was saved by 2 groups of nodes and this run has 1 (--group-size, "
+                                "--outer-sync-interval); resume with the layout it was saved with")
         for k, v in full.items():
             assert torch.equal(resumed[k], v), k
         assert outer_steps == outer_steps_resumed == 5   # 6 issued, the last in flight
