@@ -25,7 +25,8 @@ from tests.distributed import run_distributed
 from tests.numerics import EPS32, assert_state_within_roundoff, fp64_reference
 from tests.test_train_faults import torchrun
 from zeropp.collectives.partition import Partition
-from zeropp.diloco import OuterSettings, attach
+from planner.comm import rank_bytes
+from zeropp.diloco import PHASE, OuterSettings, attach, exchange_per_step
 from zeropp.kernels.format import QMAX
 
 CFG = dict(vocab_size=96, num_layers=2, hidden_size=32, num_attention_heads=4,
@@ -234,17 +235,22 @@ def streaming_runs(rank, world):
     issued = []
     train(engine, batches(8, world), rank, after_step=lambda: issued.append([x.fragment for x in sync.pending]))
     sync.finish()
-    return issued, sync.outer_steps, [g.clone() for g in sync.glob], [sync.due(s) for s in range(1, 9)]
+    sent = engine.comm.stats.by_phase[PHASE]
+    return (issued, sync.outer_steps, [g.clone() for g in sync.glob], [sync.due(s) for s in range(1, 9)],
+            sent, sum(g.numel() for g in sync.glob), sync.s, rank)
 
 
 def test_streaming_fragments_at_staggered_steps(runs):
     results = runs["streaming_runs"]
-    for rank, (issued, outer_steps, glob, due) in enumerate(results):
+    for rank, (issued, outer_steps, glob, due, sent, owned, settings, _) in enumerate(results):
         assert due == [[], [1], [], [0], [], [1], [], [0]]
         assert issued == due                    # in flight for one inner step after its issue
         assert outer_steps == 4
         for a, b in zip(glob, results[rank ^ 2][2]):   # the same rank of the other group
             assert torch.equal(a, b)
+        # the planner's bytes per inner step (planner/outer.py) are what the 8 steps sent, across nodes
+        c = exchange_per_step(owned, settings)
+        assert sent == [0, 8 * sum(rank_bytes(c.op, (rank % 2, rank % 2 + 2), rank, c.nbytes, 2))] and sent[1] > 0
 
 
 # -- checkpoints ---------------------------------------------------------------------------------------
@@ -305,7 +311,8 @@ OUTER = ("--zero-stage", "3", "--outer-sync-interval", "4")
     (2, 1, OUTER, "--group-size 1 makes groups of one rank"),
     (4, 2, ("--zero-stage", "2", "--outer-sync-interval", "4"), "this run is ZeRO stage 2; pass --zero-stage 3"),
     (4, 2, ("--zero-stage", "3", "--outer-lr", "0.5"), "--outer-lr has no effect without --outer-sync-interval"),
-    (4, 2, OUTER + ("--dry-run",), "--dry-run does not plan --outer-sync-interval 4 yet"),
+    (1, 1, OUTER + ("--dry-run", "--cluster", "configs/clusters/v100_4x16_100gbps.yaml", "--group-size", "3"),
+     "--group-size 3 must divide the 4 nodes of --cluster configs/clusters/v100_4x16_100gbps.yaml"),
 ])
 def test_bad_outer_input(corpus, capsys, monkeypatch, world, per_node, extra, says):  # noqa: F811
     monkeypatch.setenv("WORLD_SIZE", str(world))   # as torchrun sets them, before any process group
@@ -314,6 +321,18 @@ def test_bad_outer_input(corpus, capsys, monkeypatch, world, per_node, extra, sa
 
 
 # -- train.py ------------------------------------------------------------------------------------------
+
+def test_dry_run_plans_the_bytes_across_groups(capsys):
+    import train
+    train.main(["--dry-run", "--cluster", "configs/clusters/v100_4x16_100gbps.yaml", "--num-layers", "4",
+                "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "256", "--micro-batch-size", "2",
+                "--lr", "1e-4", "--zero-stage", "3", "--outer-sync-interval", "64", "--outer-quantization", "int4",
+                "--outer-fragments", "2", "--group-size", "2"])
+    out = capsys.readouterr().out
+    assert "-- Outer synchronization: 2 groups of 2 node(s)" in out
+    ratio = float(out.split("(ratio ")[1].split(")")[0])
+    assert 0 < ratio < 0.01   # INT4 shards every 64 steps against ZeRO-3's gathers and reductions every step
+
 
 def test_train_py_runs_the_mode_and_logs_it(corpus, tmp_path):  # noqa: F811
     d = corpus

@@ -28,11 +28,13 @@ def check_outer_args(args, flag):
     if stage != 3:
         raise ConfigError(f"{H} runs ZeRO-3 (or ZeRO++) inside each group, and this run is ZeRO stage {stage}; "
                           f"pass --zero-stage 3")
+    if args.ds_config.zero_optimization.auto_switches():   # the link probe measures the job, not a group
+        raise ConfigError(f"--zeropp auto does not choose for {H} yet; set the ZeRO++ switches yourself")
     if args.outer_fragments > args.num_layers:
         raise ConfigError(f"{flag(args, 'outer_fragments', args.outer_fragments)} exceeds the "
                           f"{args.num_layers} layers (a fragment is a run of layers); pass at most {args.num_layers}")
-    if args.dry_run:
-        raise ConfigError(f"--dry-run does not plan {H} yet; drop one of them")
+    if args.dry_run:   # the planner checks the groups against --cluster (planner/outer.py)
+        return
     world = int(os.environ.get("WORLD_SIZE", 1))
     per_node = args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
     nodes, size = world // per_node, args.group_size

@@ -53,6 +53,15 @@ class OuterSettings:
     block_size: int = DEFAULT_BLOCK_SIZE[4]
 
 
+def exchange_per_step(owned: int, s: OuterSettings) -> PlannedCollective:
+    """A rank's exchanges of one inner step over the group "outer" (a rank of every group), for
+    `owned` master elements: every fragment once in H steps, so the whole shard / H (rounded down)."""
+    if s.quantization == "none":
+        return PlannedCollective(PHASE, "all_reduce", "outer", owned * 4 // s.interval)
+    return PlannedCollective(PHASE, "all_gather", "outer", wire_nbytes(owned, 4, s.block_size) // s.interval,
+                             owned // s.interval, 4)
+
+
 def layer_fragments(names: list[str], fragments: int) -> list[int]:
     """The fragment of each parameter (by name, in order): layer i of n goes to i F // n; a
     parameter outside the layers goes with the layer before it (before the first: fragment 0)."""
@@ -215,12 +224,7 @@ class OuterSync:
         return MemoryLine(KEY, "optimizer", tensors, sum(t.numel() * 4 for t in tensors) / max(psi, 1))
 
     def plan_step(self) -> list[PlannedCollective]:
-        """The exchanges of one inner step, averaged over the H steps (bytes rounded down)."""
-        numel = sum(g.numel() for g in self.glob)
-        if self.err is None:
-            return [PlannedCollective(PHASE, "all_reduce", "outer", numel * 4 // self.s.interval)]
-        return [PlannedCollective(PHASE, "all_gather", "outer",
-                                  wire_nbytes(numel, 4, self.s.block_size) // self.s.interval, numel, 4)]
+        return [exchange_per_step(sum(g.numel() for g in self.glob), self.s)]
 
     def summary(self) -> str | None:
         return (f"outer synchronization: {self.outer_steps} fragment exchanges over {self.cross.size} groups "
