@@ -79,6 +79,7 @@ def scenarios(rank, world, tmp):
     out = {fn.__name__: fn(rank, world) for fn in (group_runs, one_group, sgd_runs, averaging_runs, int4_runs,
                                                     streaming_runs)}
     out["resume_runs"] = resume_runs(rank, world, tmp)
+    out["nonfinite_runs"] = nonfinite_runs(rank, world)
     return out
 
 
@@ -227,6 +228,33 @@ def test_int4_outer_gradients_within_the_block_bound(runs):
         assert (err.double().abs() <= halves[me] + slack).all()
 
 
+def nonfinite_runs(rank, world):
+    import warnings
+    job = topology_from_env(2)
+    engine, sync, _ = diloco(job, 1, OuterSettings(1, quantization="int4", overlap=False))
+    data = batches(2, world)
+    train(engine, data[:1], rank)
+    before = sync.glob[0].clone(), sync.err[0].clone(), sync.mom[0].clone()
+    if rank == 0:   # one weight of group 0 goes bad: its shard's outer gradient is not finite
+        sync.fragments[0][0].master.view(-1)[0] = float("nan")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(engine, data[1:], rank)
+    after = sync.glob[0], sync.err[0], sync.mom[0]
+    return [torch.equal(a, b) for a, b in zip(before, after)], bool(torch.isfinite(sync.err[0]).all()), \
+        [str(w.message) for w in caught]
+
+
+def test_a_non_finite_outer_gradient_changes_no_outer_state(runs):
+    for rank, (unchanged, finite, caught) in enumerate(runs["nonfinite_runs"]):
+        assert finite
+        if rank % 2 == 0:   # ranks 0 and 2 hold the bad shard, in either group
+            assert unchanged == [True, True, True]
+            assert any("outer step of fragment 0 skipped: its outer gradient is not finite" in c for c in caught)
+        else:               # the other shard's exchange went on
+            assert unchanged == [False, False, False] and not caught
+
+
 # -- streaming ---------------------------------------------------------------------------------------
 
 def streaming_runs(rank, world):
@@ -341,10 +369,16 @@ def test_train_py_runs_the_mode_and_logs_it(corpus, tmp_path):  # noqa: F811
                            "--data-path", str(d / "docs_text_document"), "--tokenizer-model", str(d / "sp.model"),
                            "--data-cache-path", str(tmp_path / "cache"), "--log-interval", "4", "--eval-iters", "0",
                            "--zero-stage", "3", "--ranks-per-node", "2", "--outer-sync-interval", "4",
-                           "--outer-fragments", "2", "--outer-quantization", "int4"])
+                           "--outer-fragments", "2", "--outer-quantization", "int4",
+                           "--tensorboard-dir", str(tmp_path / "tb")])
     assert rc == 0, log
     lines = [line for line in log.splitlines() if "lm loss:" in line]
     steps = [int(line.split("outer steps: ")[1].split(" ")[0]) for line in lines]
     assert steps == [1, 3, 5]   # fragment 1 at steps 2, 6, 10, fragment 0 at 4, 8, 12: each applied a step later
     assert all(float(line.split("cross-group MB: ")[1].split(" ")[0]) > 0 for line in lines)
     assert "5 fragment exchanges over 2 groups" in log
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [e.value for e in events.Scalars("outer/steps")] == steps
+    assert {"outer/cross-group-MB-per-iteration", "outer/drift"} <= set(events.Tags()["scalars"])
