@@ -382,3 +382,26 @@ def test_train_py_runs_the_mode_and_logs_it(corpus, tmp_path):  # noqa: F811
     events.Reload()
     assert [e.value for e in events.Scalars("outer/steps")] == steps
     assert {"outer/cross-group-MB-per-iteration", "outer/drift"} <= set(events.Tags()["scalars"])
+
+
+# -- ZeRO++ with hpZ inside groups of 2 nodes x 2 (8 ranks) ----------------------------------------------
+
+ZEROPP_ALL = {"zero_quantized_weights": True, "zero_quantized_gradients": True, "zero_hpz_partition_size": 2,
+              "zero_quantized_weight_deltas": True}
+
+
+def zeropp_group(rank, world):
+    topo = topology_from_env(2).group_topology(2).build_groups() if world == 8 else topology_from_env(2)
+    engine = build(topo, ZEROPP_ALL)
+    sd = train(engine, batches(3, topo.world_size), topo.rank)
+    return sd, engine.comm.stats.intra_node_bytes, engine.comm.stats.inter_node_bytes
+
+
+@pytest.mark.slow
+def test_group_engine_with_every_zeropp_switch_trains_as_alone():
+    groups = run_distributed(zeropp_group, world_size=8)
+    alone = run_distributed(zeropp_group, world_size=4)
+    for rank, (sd, intra, inter) in enumerate(groups):
+        ref = alone[rank % 4]
+        assert all(torch.equal(sd[k], v) for k, v in ref[0].items())
+        assert (intra, inter) == ref[1:] and inter > 0

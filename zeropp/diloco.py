@@ -201,11 +201,14 @@ class OuterSync:
     def scalar_state(self) -> dict:
         # outer steps counting those in flight: a checkpoint applies them (checkpoint_state)
         return {"steps": self.steps, "outer_steps": self.outer_steps + len(self.pending), "groups": self.cross.size,
-                "settings": [self.s.interval, self.s.fragments, self.s.quantization]}
+                "settings": self._layout()}
+
+    def _layout(self) -> list:
+        """What the saved outer state's shape and schedule depend on."""
+        return [self.s.interval, self.s.fragments, self.s.quantization, self.mom is not None]
 
     def carried(self, saved: dict | None) -> bool:
-        return saved is not None and saved.get("groups") == self.cross.size and \
-            saved.get("settings") == [self.s.interval, self.s.fragments, self.s.quantization]
+        return saved is not None and saved.get("groups") == self.cross.size and saved.get("settings") == self._layout()
 
     def load_scalar_state(self, saved: dict | None) -> str | None:
         if self.carried(saved):
