@@ -85,8 +85,9 @@ def scenarios(rank, world, tmp):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    per_rank = run_distributed(scenarios, world_size=4, args=(str(tmp_path_factory.mktemp("diloco")),))
-    return {name: [r[name] for r in per_rank] for name in per_rank[0]}
+    tmp = str(tmp_path_factory.mktemp("diloco"))
+    per_rank = run_distributed(scenarios, world_size=4, args=(tmp,))
+    return {"tmp": tmp, **{name: [r[name] for r in per_rank] for name in per_rank[0]}}
 
 
 # -- an engine over a group of ranks -------------------------------------------------------------
@@ -293,7 +294,9 @@ def resume_runs(rank, world, tmp):
     data = batches(6, world)
     engine, sync, _ = diloco(job, 1, settings)
     train(engine, data[:3], rank)
-    save_checkpoint(f"{tmp}/grouped", 3, engine, 0, META)
+    meta = {"model_config": {}, "param_shapes": {n: list(p.shape) for n, p in engine.module.named_parameters()}}
+    save_checkpoint(f"{tmp}/grouped", 3, engine, 0, meta)
+    saved_global = {k: v.local.clone() for k, v in sync.checkpoint_state(2).items() if ".global." in k}
     full = train(engine, data[3:], rank)
     engine, again, _ = diloco(job, 1, settings)
     load_checkpoint(f"{tmp}/grouped", engine)
@@ -309,12 +312,13 @@ def resume_runs(rank, world, tmp):
     engine, fresh, _ = diloco(job, 1, settings)
     load_checkpoint(f"{tmp}/plain", engine)
     return (full, resumed, sync.outer_steps, again.outer_steps, plain.module_state_dict(),
-            engine.module_state_dict(), torch.equal(local_flat(fresh), fresh.glob[0]), fresh.steps, refused)
+            engine.module_state_dict(), torch.equal(local_flat(fresh), fresh.glob[0]), fresh.steps, refused,
+            saved_global)
 
 
 def test_resume_is_exact_and_a_plain_checkpoint_starts_every_group(runs):
     for (full, resumed, outer_steps, outer_steps_resumed, plain, started, glob_is_local, steps,
-         refused) in runs["resume_runs"]:
+         refused, _) in runs["resume_runs"]:
         assert refused.endswith("was saved by 2 groups of nodes and this run has 1 (--group-size, "
                                 "--outer-sync-interval); resume with the layout it was saved with")
         for k, v in full.items():
@@ -323,6 +327,17 @@ def test_resume_is_exact_and_a_plain_checkpoint_starts_every_group(runs):
         for k, v in plain.items():
             assert torch.equal(started[k], v), k
         assert glob_is_local and steps == 0   # the outer state reset to the loaded weights
+
+
+def test_export_of_several_groups_is_their_global_parameters(runs):
+    from tools.export_checkpoint import consolidated_state_dict
+    per_rank = [r[-1] for r in runs["resume_runs"]]
+    exported, meta = consolidated_state_dict(runs["tmp"] + "/grouped")
+    assert meta["groups"] == 2 and exported
+    for name, weight in exported.items():
+        mine = [per_rank[r][f"outer_sync.global.{name}"] for r in (0, 1)]   # group 0's two shards
+        assert torch.equal(weight.view(-1), torch.cat(mine))
+        assert torch.equal(torch.cat([per_rank[r][f"outer_sync.global.{name}"] for r in (2, 3)]), weight.view(-1))
 
 
 # -- bad input: one line each, exit 2, before any work -----------------------------------------------

@@ -46,11 +46,14 @@ def open_checkpoint(load: str) -> tuple[str, dict]:
 def model_tensors(path: str, meta: dict, dtype: torch.dtype = torch.float32):
     """(name, tensor) for every model weight, one at a time, in the model's shapes."""
     reader = dcp.FileSystemReader(path)
+    groups = meta.get("groups", 1)   # several (zeropp/diloco.py): the global parameters they share, group 0's copy
+    prefix = "outer_sync.global." if groups > 1 else "model."
     for name, shape in meta["param_shapes"].items():
-        flat = torch.empty(torch.Size(shape).numel(), dtype=torch.float32)
+        numel = torch.Size(shape).numel()
+        flat = torch.empty(groups * numel, dtype=torch.float32)
         with single_process_quiet():
-            dcp.load({"model." + name: flat}, storage_reader=reader, no_dist=True)
-        yield name, flat.view(shape).to(dtype)
+            dcp.load({prefix + name: flat}, storage_reader=reader, no_dist=True)
+        yield name, flat[:numel].view(shape).to(dtype)
 
 
 def consolidated_state_dict(load: str, dtype: torch.dtype = torch.float32) -> tuple[dict, dict]:
