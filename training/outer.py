@@ -7,6 +7,7 @@ import os
 
 from common import ConfigError
 from parallel.comm import Communicator
+from parallel.launch import print_rank0
 from parallel.topology import Topology
 from zeropp.collectives.partition import Partition
 from zeropp.diloco import KEY, PHASE, OuterSettings, attach
@@ -62,6 +63,10 @@ def attach_outer(args, engine):
     cross = Partition(group=group.across_group, size=group.groups, rank=group.offset // group.world_size)
     settings = OuterSettings(args.outer_sync_interval, args.outer_lr, args.outer_momentum, args.outer_fragments,
                              args.outer_quantization, overlap=not args.no_outer_overlap)
+    print_rank0(f"> outer synchronization: {group.groups} groups of {group.num_nodes} node(s) x "
+                f"{group.ranks_per_node} ranks, each its own engine; every {settings.interval} inner steps in "
+                f"{settings.fragments} fragment(s), outer lr {settings.lr}, Nesterov momentum {settings.momentum}, "
+                f"{settings.quantization} outer gradients, overlap {'on' if settings.overlap else 'off'}")
     return attach(engine, cross, settings)
 
 
