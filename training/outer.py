@@ -31,6 +31,8 @@ def check_outer_args(args, flag):
                           f"pass --zero-stage 3")
     if args.ds_config.zero_optimization.auto_switches():   # the link probe measures the job, not a group
         raise ConfigError(f"--zeropp auto does not choose for {H} yet; set the ZeRO++ switches yourself")
+    if args.no_load_optim:   # the outer state would keep the weights from before the load
+        raise ConfigError(f"--no-load-optim does not reset the outer state of {H} yet; drop it")
     if args.outer_fragments > args.num_layers:
         raise ConfigError(f"{flag(args, 'outer_fragments', args.outer_fragments)} exceeds the "
                           f"{args.num_layers} layers (a fragment is a run of layers); pass at most {args.num_layers}")
