@@ -26,6 +26,7 @@ from data.tokenizer import build_tokenizer
 from training.checkpoint_files import CheckpointError, damaged, read_meta, resolve_checkpoint, verify_checksums
 from training.checkpoint_state import single_process_quiet
 from training.preflight import check_load_path, check_writable_dir
+from zeropp.diloco import GLOBAL
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -46,14 +47,12 @@ def open_checkpoint(load: str) -> tuple[str, dict]:
 def model_tensors(path: str, meta: dict, dtype: torch.dtype = torch.float32):
     """(name, tensor) for every model weight, one at a time, in the model's shapes."""
     reader = dcp.FileSystemReader(path)
-    groups = meta.get("groups", 1)   # several (zeropp/diloco.py): the global parameters they share, group 0's copy
-    prefix = "outer_sync.global." if groups > 1 else "model."
+    prefix = GLOBAL if meta.get("groups", 1) > 1 else "model."   # several groups: the parameters they share
     for name, shape in meta["param_shapes"].items():
-        numel = torch.Size(shape).numel()
-        flat = torch.empty(groups * numel, dtype=torch.float32)
+        flat = torch.empty(torch.Size(shape).numel(), dtype=torch.float32)
         with single_process_quiet():
             dcp.load({prefix + name: flat}, storage_reader=reader, no_dist=True)
-        yield name, flat[:numel].view(shape).to(dtype)
+        yield name, flat.view(shape).to(dtype)
 
 
 def consolidated_state_dict(load: str, dtype: torch.dtype = torch.float32) -> tuple[dict, dict]:

@@ -50,6 +50,7 @@ from training.checkpoint_files import (CHECKSUMS, FORMAT_VERSION, META, TRACKER,
 from training.checkpoint_state import as_dcp, engine_device, rng_state, set_rng_state, single_process_quiet
 from training.preflight import check_writable_dir
 from zeropp.collectives.partition import FlatState
+from zeropp.diloco import GLOBAL
 
 # GPTConfig fields that must match to load weights (dropout, recomputation may change)
 ARCHITECTURE = ("vocab_size", "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
@@ -336,20 +337,22 @@ def load_checkpoint(load: str, engine, load_optim: bool = True, load_rng: bool =
 
     topology = engine.comm.topology
     groups, saved_groups = topology.groups, meta.get("groups", 1)
-    if saved_groups not in (1, groups):   # each group's own state end to end (zeropp/diloco.py)
-        raise ConfigError(f"--load {path} was saved by {saved_groups} groups of nodes and this run has {groups} "
-                          f"(--group-size, --outer-sync-interval); resume with the layout it was saved with")
-    grouped = saved_groups > 1   # else every group starts from the one state saved
-    state = engine.checkpoint_state(for_load=True, optimizer=load_optim)
-    for key in engine.uncarried_state(meta["engine"]) if load_optim else []:
+    grouped = saved_groups == groups > 1   # each group's own state end to end (zeropp/diloco.py)
+    # Saved by another number of groups: start from the global parameters they shared, optimizers anew.
+    regroup = saved_groups > 1 and saved_groups != groups
+    state = engine.checkpoint_state(for_load=True, optimizer=load_optim and not regroup)
+    for key in engine.uncarried_state(meta["engine"]) if load_optim and not regroup else []:
         del state[key]   # saved in another layout (or not at all): reset, and load_scalar_state says so
+    if regroup:
+        state = {GLOBAL + k[len("model."):] if k.startswith("model.") and v.sharded else k: v
+                 for k, v in state.items()}
     stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     for key, entry in state.items():
         if key not in stored:
             what = ("optimizer state of another optimizer type; pass --no-load-optim to start a new optimizer"
                     if key.startswith("optim.") else "this model's parameter; check the model flags")
             raise CheckpointError(f"--load {path} has no {key}: {what}")
-        if stored[key].size.numel() != entry.numel * (groups if grouped and entry.sharded else 1):
+        if stored[key].size.numel() != entry.numel * (groups if grouped and entry.sharded and entry.per_group else 1):
             raise CheckpointError(f"--load {path}: {key} has {stored[key].size.numel()} elements there and "
                                   f"{entry.numel} in this model; pass the model flags it was trained with")
     with single_process_quiet():
@@ -357,6 +360,9 @@ def load_checkpoint(load: str, engine, load_optim: bool = True, load_rng: bool =
                         topology if grouped else None), storage_reader=dcp.FileSystemReader(path),
                  no_dist=not dist.is_initialized())
     engine.checkpoint_loaded(state)
+    if regroup and this_rank == 0:
+        print(f"> {path} was saved by {saved_groups} groups of nodes and this run has {groups}: it starts from "
+              f"the global parameters they shared; the optimizer state (inner and outer) starts anew", flush=True)
     if load_optim:
         for note in engine.load_scalar_state(meta["engine"]):
             if this_rank == 0:

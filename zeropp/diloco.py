@@ -38,6 +38,7 @@ from zeropp.kernels.quant import dequantize, dequantize_reduce, quantize
 
 MIX = 0.5
 KEY = "outer_sync"
+GLOBAL = KEY + ".global."   # + a parameter's name: its global values in checkpoints
 PHASE = "outer_sync"
 _LAYER = re.compile(r"\.(\d+)\.")
 
@@ -194,8 +195,9 @@ class OuterSync:
                 off = 0
                 for s in self.fragments[f]:
                     views[s.index], off = flat[off:off + s.valid], off + s.valid
-            for s in self.engine.shards:
-                out[f"{KEY}.{name}.{s.name}"] = FlatState(views.get(s.index, empty), s.numel, sharded=True)
+            for s in self.engine.shards:   # the groups share the global values and the momentum
+                out[f"{KEY}.{name}.{s.name}"] = FlatState(views.get(s.index, empty), s.numel, sharded=True,
+                                                          per_group=name == "error")
         return out
 
     def scalar_state(self) -> dict:

@@ -34,6 +34,9 @@ class FlatState:
     local: torch.Tensor
     numel: int
     sharded: bool
+    # Several groups of nodes, each its own engine (zeropp/diloco.py): each group holds its own
+    # value (False: the same value in every group, saved once).
+    per_group: bool = True
 
 
 @dataclass(frozen=True)
