@@ -71,7 +71,8 @@ def main(argv=None):
     with torch.device("meta"):  # no memory: the engine creates each weight, keeping its shard
         model = GPT(cfg)
     engine = zeropp.initialize(model, args.ds_config, comm, device, args.optimizer_settings,
-                               args.gradient_accumulation_steps, param_init=model.init_parameter)
+                               args.gradient_accumulation_steps, param_init=model.init_parameter,
+                               sharding=args.sharding)
     attach_outer(args, engine)
     schedule = build_lr_schedule(args)
     print_job(args, topology, cfg, engine, device, tokenizer.vocab_size)

@@ -57,6 +57,8 @@ ZEROPP_FLAGS = ["--zero-stage", "3", "--zero-quantized-weights", "--zero-hpz-siz
                 "--zero-quantized-gradients"]
 
 TOLERANCE = 0.01
+NAMES = ("ZeRO-3", "ZeRO++")
+FSDP2_NAMES = ("FSDP2", "FSDP2 + ZeRO++")
 
 
 def check_data():
@@ -179,33 +181,35 @@ def summarize(r: dict, skip_first: bool = True) -> dict:
 
 def notes(runs: dict, summary: dict, verdict: dict, setup: dict) -> list[str]:
     """A few sentences for the README, from the numbers."""
+    B, C = setup.get("names", NAMES)
+    tol = setup.get("tolerance", TOLERANCE)
     out = []
-    base, cand = runs.get("ZeRO-3"), runs.get("ZeRO++")
+    base, cand = runs.get(B), runs.get(C)
     if verdict.get("ratio") is not None:
         b = {t["iteration"]: t["loss"] for t in base["train"]}
         diffs = [(t["iteration"], 100 * (t["loss"] / b[t["iteration"]] - 1)) for t in cand["train"]
                  if t["iteration"] in b]
         late = [d for i, d in diffs if i > setup["iters"] // 2]
-        out.append(f"- Same seed, initial weights and data order; only the ZeRO flags differ. ZeRO++ ends "
-                   f"{verdict['relative_difference_pct']:+.2f}% from ZeRO-3 in final validation loss "
-                   f"({summary['ZeRO++']['final_validation_loss']:.4f} vs "
-                   f"{summary['ZeRO-3']['final_validation_loss']:.4f}): {verdict['result']} against the 1% criterion.")
+        out.append(f"- Same seed, initial weights and data order; only the ZeRO flags differ. {C} ends "
+                   f"{verdict['relative_difference_pct']:+.2f}% from {B} in final validation loss "
+                   f"({summary[C]['final_validation_loss']:.4f} vs "
+                   f"{summary[B]['final_validation_loss']:.4f}): {verdict['result']} against the {100 * tol:g}% criterion.")
         if late:
             out.append(f"- Training loss (each point a {setup['log_interval']}-iteration mean), second half of "
-                       f"the run: ZeRO++ vs ZeRO-3 {sum(late) / len(late):+.2f}% on average, "
+                       f"the run: {C} vs {B} {sum(late) / len(late):+.2f}% on average, "
                        f"{min(late):+.2f}% to {max(late):+.2f}%; largest gap over the whole run "
                        f"{max(diffs, key=lambda x: abs(x[1]))[1]:+.2f}% (iteration "
                        f"{max(diffs, key=lambda x: abs(x[1]))[0]}).")
         if "seed_control_ratio" in verdict:
             sc = 100 * (verdict["seed_control_ratio"] - 1)
-            out.append(f"- For scale: ZeRO-3 with seed {setup['seed'] + 1} (other initial weights, data order "
+            out.append(f"- For scale: {B} with seed {setup['seed'] + 1} (other initial weights, data order "
                        f"and validation samples) ends {sc:+.2f}% from seed {setup['seed']}, about "
                        f"{abs(sc / verdict['relative_difference_pct']) if verdict['relative_difference_pct'] else float('inf'):.0f}x "
-                       f"the gap ZeRO++ makes (one pair of seeds, not a spread).")
+                       f"the gap {C} makes (one pair of seeds, not a spread).")
         if verdict.get("inter_node_bytes_ratio") is not None:
             out.append(f"- Cross-node traffic (mean over ranks, per iteration): "
-                       f"{summary['ZeRO++']['inter_node_mb_per_iter']:.2f} MB with ZeRO++ vs "
-                       f"{summary['ZeRO-3']['inter_node_mb_per_iter']:.2f} MB with ZeRO-3 "
+                       f"{summary[C]['inter_node_mb_per_iter']:.2f} MB with {C} vs "
+                       f"{summary[B]['inter_node_mb_per_iter']:.2f} MB with {B} "
                        f"({verdict['inter_node_bytes_ratio']:.2f}x).")
     out.append("- ms/iter and wall times come from 2 shared CPU cores running other jobs too; they are not a "
                "speed comparison.")
@@ -214,22 +218,24 @@ def notes(runs: dict, summary: dict, verdict: dict, setup: dict) -> list[str]:
 
 def report(runs: dict, setup: dict, out_dir: Path) -> dict:
     """Summary, verdict, convergence.{json,png,md} in out_dir, and the printed table."""
+    B, C = setup.get("names", NAMES)
+    tol = setup.get("tolerance", TOLERANCE)
     summary = {name: summarize(r) for name, r in runs.items()}
 
-    base, cand = summary["ZeRO-3"], summary.get("ZeRO++")
-    verdict = {"criterion": f"|ZeRO++ final validation loss / ZeRO-3 final validation loss - 1| <= {TOLERANCE}"}
+    base, cand = summary[B], summary.get(C)
+    verdict = {"criterion": f"|{C} final validation loss / {B} final validation loss - 1| <= {tol}"}
     if cand is None:
-        verdict.update(ratio=None, result="NOT RUN", reason="--baseline-only: ZeRO++ was not run")
-    elif runs["ZeRO-3"]["error"] or runs["ZeRO++"]["error"]:
+        verdict.update(ratio=None, result="NOT RUN", reason=f"--baseline-only: {C} was not run")
+    elif runs[B]["error"] or runs[C]["error"]:
         verdict.update(ratio=None, result="FAIL", reason="a run failed")
     else:
         ratio = cand["final_validation_loss"] / base["final_validation_loss"]
         verdict.update(ratio=round(ratio, 6), relative_difference_pct=round(100 * (ratio - 1), 3),
-                       result="PASS" if abs(ratio - 1) <= TOLERANCE else "FAIL",
+                       result="PASS" if abs(ratio - 1) <= tol else "FAIL",
                        inter_node_bytes_ratio=(round(cand["inter_node_mb_per_iter"] / base["inter_node_mb_per_iter"], 4)
                                                if base["inter_node_mb_per_iter"] else None))
-        if "ZeRO-3 (seed+1)" in summary and not runs["ZeRO-3 (seed+1)"]["error"]:
-            verdict["seed_control_ratio"] = round(summary["ZeRO-3 (seed+1)"]["final_validation_loss"] /
+        if f"{B} (seed+1)" in summary and not runs[f"{B} (seed+1)"]["error"]:
+            verdict["seed_control_ratio"] = round(summary[f"{B} (seed+1)"]["final_validation_loss"] /
                                                   base["final_validation_loss"], 6)
 
     result = {"setup": setup, "verdict": verdict, "summary": summary, "runs": runs}
@@ -237,32 +243,32 @@ def report(runs: dict, setup: dict, out_dir: Path) -> dict:
 
     tbl = table(runs, summary)
     if verdict["ratio"] is not None:
-        line = (f"ZeRO++ / ZeRO-3 final validation loss: {verdict['ratio']:.4f} "
-                f"({verdict['relative_difference_pct']:+.2f}%), criterion within 1%: {verdict['result']}")
+        line = (f"{C} / {B} final validation loss: {verdict['ratio']:.4f} "
+                f"({verdict['relative_difference_pct']:+.2f}%), criterion within {100 * tol:g}%: {verdict['result']}")
         if verdict.get("inter_node_bytes_ratio") is not None:
-            line += f"; inter-node bytes per iteration: {verdict['inter_node_bytes_ratio']:.3f}x ZeRO-3's"
+            line += f"; inter-node bytes per iteration: {verdict['inter_node_bytes_ratio']:.3f}x {B}'s"
         if "seed_control_ratio" in verdict:
-            line += (f"; seed control (ZeRO-3, seed+1 / ZeRO-3): "
+            line += (f"; seed control ({B}, seed+1 / {B}): "
                      f"{verdict['seed_control_ratio']:.4f} ({100 * (verdict['seed_control_ratio'] - 1):+.2f}%)")
     else:
-        line = f"criterion within 1%: {verdict['result']} ({verdict['reason']})"
+        line = f"criterion within {100 * tol:g}%: {verdict['result']} ({verdict['reason']})"
     m, nodes = setup["model"], setup["ranks"] // setup["ranks_per_node"]
     title = (f"GPT {m['num_layers']}L/{m['hidden_size']}h, seq {m['seq_length']}, batch {setup['global_batch']}, "
              f"{setup['ranks']} ranks = {nodes} nodes x {setup['ranks_per_node']}, {setup['iters']} iters\n"
-             + (f"final val loss ZeRO++/ZeRO-3 = {verdict['ratio']:.4f} ({verdict['result']})"
+             + (f"final val loss {C}/{B} = {verdict['ratio']:.4f} ({verdict['result']})"
                 if verdict["ratio"] is not None else verdict["reason"]))
     try:
-        plot(runs, verdict, out_dir / "convergence.png", title, TOLERANCE)
+        plot(runs, verdict, out_dir / "convergence.png", title, tol, (B, C))
     except Exception as e:  # the numbers matter more than the figure
         print(f"warning: no plot ({e!r})")
     for name, c in summary.items():   # every other candidate against ZeRO-3 and ZeRO++
-        if name in ("ZeRO-3", "ZeRO++") or "seed" in name or runs[name]["error"] or cand is None:
+        if name in (B, C) or "seed" in name or runs[name]["error"] or cand is None:
             continue
         r3, rpp = (c["final_validation_loss"] / x["final_validation_loss"] for x in (base, cand))
         verdict.setdefault("candidates", {})[name] = {"vs_zero3": round(r3, 6), "vs_zeropp": round(rpp, 6)}
-        line += (f"\n{name} / ZeRO-3 final validation loss: {r3:.4f} ({100 * (r3 - 1):+.2f}%), / ZeRO++: "
+        line += (f"\n{name} / {B} final validation loss: {r3:.4f} ({100 * (r3 - 1):+.2f}%), / {C}: "
                  f"{rpp:.4f} ({100 * (rpp - 1):+.2f}%); inter-node bytes {c['inter_node_mb_per_iter']:.2f} MB/iter")
-    md = [f"Convergence, ZeRO-3 vs ZeRO++ (`{setup['zeropp_flags']}`): {m['num_layers']}-layer GPT, "
+    md = [f"Convergence, {B} vs {C} (`{setup['zeropp_flags']}`): {m['num_layers']}-layer GPT, "
           f"hidden {m['hidden_size']}, seq {m['seq_length']}, global batch {setup['global_batch']}, "
           f"{setup['iters']} iterations, {setup['ranks']} CPU ranks as {nodes} emulated nodes x "
           f"{setup['ranks_per_node']}, seed {setup['seed']}, `{setup.get('invocation', 'python -m bench.convergence')}`:",
@@ -310,6 +316,11 @@ def main(argv=None):
                    help="stage3_param_persistence_threshold of every run (default 1e5: only the embedding is partitioned)")
     p.add_argument("--zeropp-flags", default=shlex.join(ZEROPP_FLAGS),
                    help="the candidate's ZeRO flags (default: %(default)s)")
+    p.add_argument("--sharding", choices=["zero", "fsdp2"], default="zero",
+                   help="fsdp2: both runs on torch's FSDP2 (train.py --sharding fsdp2), the candidate with the "
+                        "ZeRO++ plug-in; runs named FSDP2 and FSDP2 + ZeRO++")
+    p.add_argument("--tolerance", type=float, default=TOLERANCE,
+                   help="the criterion: |candidate / baseline final validation loss - 1| (default %(default)s)")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds per run (default: 180 + 3 s per iteration)")
     p.add_argument("--out-dir", default=None, help="default: bench/results (a temporary directory with --quick)")
@@ -336,9 +347,11 @@ def main(argv=None):
     out_dir.mkdir(parents=True, exist_ok=True)
 
     base_config(scratch)
-    variants = [("ZeRO-3", ZERO3_FLAGS, a.seed)]
+    B, C = FSDP2_NAMES if a.sharding == "fsdp2" else NAMES
+    sharding = ["--sharding", a.sharding] if a.sharding != "zero" else []
+    variants = [(B, ZERO3_FLAGS + sharding, a.seed)]
     if not a.baseline_only:
-        variants.append(("ZeRO++", shlex.split(a.zeropp_flags), a.seed))
+        variants.append((C, shlex.split(a.zeropp_flags) + sharding, a.seed))
     if a.with_loco:
         variants.append(("ZeRO++ + LoCo", shlex.split(a.zeropp_flags) + ["--zero-loco"], a.seed))
     deltas = ["--zero-quantized-weight-deltas"]
@@ -349,7 +362,7 @@ def main(argv=None):
         name = f"ZeRO++ + LoCo + deltas, resumed on {a.resume_nproc // a.resume_ranks_per_node}x{a.resume_ranks_per_node}"
         variants.append((name, shlex.split(a.zeropp_flags) + ["--zero-loco"] + deltas, a.seed))
     if a.seed_control:
-        variants.append(("ZeRO-3 (seed+1)", ZERO3_FLAGS, a.seed + 1))
+        variants.append((f"{B} (seed+1)", ZERO3_FLAGS + sharding, a.seed + 1))
     runs = {}
     try:
         for name, flags, seed in variants:
@@ -373,9 +386,11 @@ def main(argv=None):
                   + (f" --resume-nproc {a.resume_nproc} --resume-ranks-per-node {a.resume_ranks_per_node}"
                      if a.resume_nproc else "")
                   + (f" --seed {a.seed}" if a.seed != 1234 else "")
+                  + (f" --sharding {a.sharding} --zeropp-flags {shlex.quote(a.zeropp_flags)}" if a.sharding != "zero" else "")
+                  + (f" --tolerance {a.tolerance}" if a.tolerance != TOLERANCE else "")
                   + (f" --persistence-threshold {a.persistence_threshold}" if a.persistence_threshold is not None
                      else ""))
-    setup = {"invocation": invocation,
+    setup = {"invocation": invocation, "names": [B, C], "tolerance": a.tolerance, "sharding": a.sharding,
              "model": {"num_layers": a.num_layers, "hidden_size": a.hidden_size, "heads": a.heads,
                        "seq_length": a.seq_length},
              "ranks": a.nproc, "ranks_per_node": a.ranks_per_node, "micro_batch": a.micro_batch,

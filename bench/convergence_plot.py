@@ -5,14 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def plot(runs: dict, verdict: dict, path: Path, title: str, tolerance: float):
+def plot(runs: dict, verdict: dict, path: Path, title: str, tolerance: float, names=("ZeRO-3", "ZeRO++")):
+    B, C = names
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax, ax2) = plt.subplots(2, 1, figsize=(8, 7), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
     colors = {"ZeRO-3": "tab:blue", "ZeRO++": "tab:orange", "ZeRO++ + LoCo": "tab:green",
-              "ZeRO-3 (seed+1)": "tab:gray", "ZeRO++ + deltas": "tab:red", "ZeRO++ + LoCo + deltas": "tab:purple"}
+              "ZeRO-3 (seed+1)": "tab:gray", "ZeRO++ + deltas": "tab:red", "ZeRO++ + LoCo + deltas": "tab:purple",
+              "FSDP2": "tab:blue", "FSDP2 + ZeRO++": "tab:orange"}
     others = iter(["tab:brown", "tab:pink", "tab:olive", "tab:cyan"])
     colors.update({name: next(others, None) for name in runs if name not in colors})
     for name, r in runs.items():
@@ -22,18 +24,18 @@ def plot(runs: dict, verdict: dict, path: Path, title: str, tolerance: float):
         ax.plot([t["iteration"] for t in r["train"]], [t["loss"] for t in r["train"]], color=c, lw=1.3,
                 label=f"{name} training loss", ls="--" if "seed" in name else "-")
         if r["validation"]:
-            style = {"ZeRO-3": dict(marker="o", ms=9, mfc="none", mew=1.5), "ZeRO++": dict(marker="x", ms=6, mew=1.5)}
+            style = {B: dict(marker="o", ms=9, mfc="none", mew=1.5), C: dict(marker="x", ms=6, mew=1.5)}
             ax.plot([v["iteration"] for v in r["validation"]], [v["loss"] for v in r["validation"]], ls="none",
                     color=c, label=f"{name} validation loss", **style.get(name, dict(marker="s", ms=5, mfc="none")))
     ax.set_ylabel("lm loss (nats)")
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    base = runs.get("ZeRO-3")
-    if base and base["train"] and runs.get("ZeRO++", {}).get("train"):
+    base = runs.get(B)
+    if base and base["train"] and runs.get(C, {}).get("train"):
         b = {t["iteration"]: t["loss"] for t in base["train"]}
         bv = {v["iteration"]: v["loss"] for v in base["validation"]}
-        for name in (n for n in runs if n != "ZeRO-3" and "seed" not in n):
+        for name in (n for n in runs if n != B and "seed" not in n):
             cand = runs.get(name)
             if not cand or not cand["train"]:
                 continue
@@ -44,16 +46,16 @@ def plot(runs: dict, verdict: dict, path: Path, title: str, tolerance: float):
                   if v["iteration"] in bv]
             ax2.plot([p[0] for p in vp], [p[1] for p in vp], "x", color=colors[name], ms=5, mew=1.5,
                      label=f"{name} validation")
-        ctrl = runs.get("ZeRO-3 (seed+1)")
+        ctrl = runs.get(f"{B} (seed+1)")
         if ctrl and ctrl["validation"]:
             cp = [(v["iteration"], 100 * (v["loss"] / bv[v["iteration"]] - 1)) for v in ctrl["validation"]
                   if v["iteration"] in bv]
             ax2.plot([q[0] for q in cp], [q[1] for q in cp], "s", color="tab:gray", ms=4, mfc="none",
-                     label="ZeRO-3 seed+1 validation")
+                     label=f"{B} seed+1 validation")
         ax2.axhspan(-100 * tolerance, 100 * tolerance, color="tab:green", alpha=0.12,
                     label=f"±{100 * tolerance:g}%")
         ax2.axhline(0, color="k", lw=0.6)
-        ax2.set_ylabel("vs ZeRO-3 (%)")
+        ax2.set_ylabel(f"vs {B} (%)")
         ax2.legend(fontsize=7, loc="lower center", ncol=3)
     ax2.set_xlabel("iteration")
     ax2.grid(alpha=0.3)

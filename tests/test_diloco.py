@@ -354,6 +354,7 @@ OUTER = ("--zero-stage", "3", "--outer-sync-interval", "4")
     (4, 2, ("--zero-stage", "2", "--outer-sync-interval", "4"), "this run is ZeRO stage 2; pass --zero-stage 3"),
     (4, 2, ("--zero-stage", "3", "--outer-lr", "0.5"), "--outer-lr has no effect without --outer-sync-interval"),
     (4, 2, OUTER + ("--no-load-optim",), "--no-load-optim does not reset the outer state"),
+    (4, 2, OUTER + ("--sharding", "fsdp2"), "runs this application's engine in each group; drop --sharding fsdp2"),
     (1, 1, OUTER + ("--dry-run", "--cluster", "configs/clusters/v100_4x16_100gbps.yaml", "--group-size", "3"),
      "--group-size 3 must divide the 4 nodes of --cluster configs/clusters/v100_4x16_100gbps.yaml"),
 ])

@@ -240,6 +240,19 @@ def _derive(args):
                           f"{world}; pass a divisor of {world}")
     if "WORLD_SIZE" in os.environ:
         args.ds_config.zero_optimization.validate_topology(ranks_per_node, world)
+    if args.sharding == "fsdp2":
+        _check_fsdp2(args, ranks_per_node, world)
+
+
+def _check_fsdp2(args, ranks_per_node: int, world: int):
+    from zeropp.fsdp_engine import check_fsdp2_config
+    if args.dry_run:
+        raise ConfigError("--dry-run plans this application's engine; drop --sharding fsdp2 to plan it")
+    zero = args.ds_config.zero_optimization
+    if zero.auto_switches():
+        raise ConfigError("--zeropp auto chooses for this application's engine; under --sharding fsdp2 "
+                          "name the switches (--zero-quantized-weights, --zero-hpz-size, ...)")
+    check_fsdp2_config(zero, ranks_per_node, world)
 
 
 def _check_schedule(args):

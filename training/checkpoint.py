@@ -47,9 +47,9 @@ from parallel.launch import print_rank0, rank, world_size
 from training.checkpoint_files import (CHECKSUMS, FORMAT_VERSION, META, TRACKER, CheckpointError, checksums_json,
                                        file_crc32, fsync_dir, iteration_dir, latest_iteration, prune_checkpoints,
                                        read_meta, resolve_checkpoint, verify_on_all_ranks, write_text_atomic)
-from training.checkpoint_state import as_dcp, engine_device, rng_state, set_rng_state, single_process_quiet
+from training.checkpoint_state import engine_device, rng_state, set_rng_state, single_process_quiet
 from training.preflight import check_writable_dir
-from zeropp.collectives.partition import FlatState
+from zeropp.collectives.partition import FlatState, as_dcp
 from zeropp.diloco import GLOBAL
 
 # GPTConfig fields that must match to load weights (dropout, recomputation may change)

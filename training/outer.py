@@ -25,6 +25,8 @@ def check_outer_args(args, flag):
                               f"--outer-sync-interval H (e.g. 64) or drop it")
         return
     H = flag(args, "outer_sync_interval", args.outer_sync_interval)
+    if getattr(args, "sharding", "zero") != "zero":   # the outer loop steps this application's fp32 masters
+        raise ConfigError(f"{H} runs this application's engine in each group; drop --sharding {args.sharding}")
     stage = args.ds_config.zero_optimization.stage
     if stage != 3:
         raise ConfigError(f"{H} runs ZeRO-3 (or ZeRO++) inside each group, and this run is ZeRO stage {stage}; "

@@ -15,7 +15,7 @@ from zeropp.bucket_sizing import describe as describe_buckets
 
 def print_job(args, topology, cfg, engine, device, vocab_size: int):
     world = topology.world_size
-    label = zeropp_label(args.ds_config.zero_optimization)
+    label = zeropp_label(args.ds_config.zero_optimization, args.sharding)
     if world == 1 and label != "ZeRO stage 0":   # one process runs unsharded (zeropp.initialize)
         label = f"unsharded (one process; {label} acts from 2 ranks on)"
     print_rank0(f"> {world} ranks on {topology.num_nodes} node(s) x {topology.ranks_per_node}, "
@@ -23,8 +23,9 @@ def print_job(args, topology, cfg, engine, device, vocab_size: int):
     print_rank0(f"> GPT: {num_parameters(cfg):,} parameters, vocab {vocab_size} "
                 f"(padded {cfg.padded_vocab_size}); global batch {args.global_batch_size} = micro "
                 f"{args.micro_batch_size} x {world} ranks x {args.gradient_accumulation_steps} accumulation")
-    buckets = describe_buckets(args.ds_config.zero_optimization, engine.config.zero_optimization, num_parameters(cfg))
-    if buckets and world > 1:   # one process has no buckets
+    buckets = args.sharding == "zero" and describe_buckets(args.ds_config.zero_optimization,
+                                                           engine.config.zero_optimization, num_parameters(cfg))
+    if buckets and world > 1:   # one process has no buckets; FSDP2's unit is a block
         print_rank0(buckets)
     if topology.rank == 0 and len(args.data_path) == 1 and os.path.getsize(args.data_path[0] + ".bin") < 2**30:
         # A baseline for the loss; skipped on corpora too big to count in a moment.
@@ -32,8 +33,10 @@ def print_job(args, topology, cfg, engine, device, vocab_size: int):
                     f"(the loss of a context-free model)")
 
 
-def zeropp_label(zero) -> str:
+def zeropp_label(zero, sharding: str = "zero") -> str:
     on = techniques.names(zero)
+    if sharding == "fsdp2":
+        return f"FSDP2 + ZeRO++ plug-in ({', '.join(on)})" if on else "FSDP2"
     return f"ZeRO-3 + ZeRO++ ({', '.join(on)})" if on else f"ZeRO stage {zero.stage}"
 
 
@@ -43,7 +46,7 @@ def print_summary(args, topology, cross_node: CrossNodeTraffic, engine):
         sent, plain = (total / cross_node.iterations / 2**20
                        for total in (cross_node.sent_bytes, cross_node.plain_zero3_bytes))
         print_rank0(f"> cross-node bytes per iteration (mean over ranks): {sent:.2f} MB with "
-                    f"{zeropp_label(args.ds_config.zero_optimization)}; ZeRO-3 without ZeRO++ would send "
+                    f"{zeropp_label(args.ds_config.zero_optimization, args.sharding)}; ZeRO-3 without ZeRO++ would send "
                     f"{plain:.2f} MB ({sent / plain if plain else 1.0:.3f}x)")
     for line in engine.summary():
         print_rank0(f"> {line}")

@@ -9,7 +9,8 @@ from zeropp.stages.stage0 import DDPEngine
 
 
 def initialize(module, config: DeepSpeedConfig, comm, device, optim: OptimizerSettings,
-               gradient_accumulation_steps: int = 1, param_init: ParamInit | None = None) -> Engine:
+               gradient_accumulation_steps: int = 1, param_init: ParamInit | None = None,
+               sharding: str = "zero") -> Engine:
     """Wrap `module` in the engine for `config.zero_optimization.stage`.
 
     `module` may be built on the meta device; `param_init(name, tensor)` then
@@ -18,6 +19,7 @@ def initialize(module, config: DeepSpeedConfig, comm, device, optim: OptimizerSe
     be resolved first (planner.auto.resolve). At world size 1 every stage
     takes the short path (DDPEngine without DDP): the shard is the weight,
     and ZeRO++ has nothing to send. Stages 1-3 are composed by zeropp/build.py.
+    `sharding="fsdp2"`: torch's FSDP2 with ZeRO++ as its plug-in (zeropp/fsdp_engine.py).
     """
     zero = config.zero_optimization
     if zero.auto_switches():
@@ -25,6 +27,11 @@ def initialize(module, config: DeepSpeedConfig, comm, device, optim: OptimizerSe
                           f"not resolved: \"auto\" needs the links measured first; call "
                           f"planner.auto.resolve(config, model_config, comm, device, micro_batch, seq_length) "
                           f"and pass its .config here (train.py does this)")
+    if sharding == "fsdp2":
+        if comm.topology.world_size > 1:
+            zero.validate_topology(comm.topology.ranks_per_node, comm.topology.world_size)
+        from zeropp.fsdp_engine import FSDP2Engine
+        return FSDP2Engine(module, config, comm, device, optim, gradient_accumulation_steps, param_init)
     zero = bucket_sizes(zero, sum(p.numel() for p in module.parameters()))   # those not set
     config = dataclasses.replace(config, zero_optimization=zero)
     if comm.topology.world_size > 1:

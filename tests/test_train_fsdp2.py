@@ -1,0 +1,75 @@
+"""train.py --sharding fsdp2 (torch's FSDP2 with the ZeRO++ plug-in) under torchrun on 4 ranks as
+2 nodes x 2: it resumes bit for bit, reads and writes the engine's checkpoints, and refuses
+what it cannot do in one line."""
+import json
+
+import pytest
+import torch
+
+from tests.test_train import corpus, flags  # noqa: F401  (corpus is a fixture)
+from tests.test_train_faults import losses, torchrun
+from tools.export_checkpoint import consolidated_state_dict
+from training.args import parse_args
+from common.errors import ConfigError
+
+COMMON = ["--ranks-per-node", "2", "--micro-batch-size", "1", "--global-batch-size", "8", "--log-interval", "1",
+          "--eval-interval", "100", "--zero-stage", "3"]
+ZEROPP = ["--zero-quantized-weights", "--zero-hpz-size", "2", "--zero-quantized-gradients", "--zero-loco"]
+
+
+def test_fsdp2_with_every_switch_resumes_bit_for_bit(corpus, tmp_path):  # noqa: F811
+    """bf16, dropout on, 2 micro-batches per step, LoCo's error carried: 6 iterations in one go against
+    3, stop, resume for 3 more; the losses and the weights are identical."""
+    common = [*COMMON, "--sharding", "fsdp2", "--bf16", *ZEROPP]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    rc, full_log = torchrun(4, flags(corpus, straight, 6, [*common, "--save-interval", "3"]))
+    assert rc == 0, full_log
+    assert "FSDP2 + ZeRO++ plug-in (qwZ, hpZ, qgZ, LoCo)" in full_log
+    rc, log = torchrun(4, flags(corpus, split, 6, [*common, "--load", str(straight / "ckpt" / "iter_0000003")]))
+    assert rc == 0, log
+    assert "resumed from" in log and "starts from zero" not in log
+    a, b = losses(full_log), losses(log)
+    assert sorted(b) == [4, 5, 6] and all(a[i] == b[i] for i in b), (a, b)
+    wa, wb = consolidated_state_dict(str(straight / "ckpt"))[0], consolidated_state_dict(str(split / "ckpt"))[0]
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.mark.slow
+def test_checkpoints_cross_between_the_engine_and_fsdp2(corpus, tmp_path):  # noqa: F811
+    """The engine saves at iteration 3 (fp32, exact collectives); FSDP2 loads it and its first loss is the
+    engine's own continuation's (the forward sees the same weights, data and RNG), bit for bit as printed;
+    and back: FSDP2's checkpoint loads into the engine."""
+    engine, fsdp2 = tmp_path / "engine", tmp_path / "fsdp2"
+    rc, engine_log = torchrun(4, flags(corpus, engine, 4, [*COMMON, "--save-interval", "3"]))
+    assert rc == 0, engine_log
+    rc, log = torchrun(4, flags(corpus, fsdp2, 4, [*COMMON, "--sharding", "fsdp2", "--save-interval", "2",
+                                                   "--load", str(engine / "ckpt" / "iter_0000003")]))
+    assert rc == 0, log
+    assert losses(log)[4] == losses(engine_log)[4], (losses(log), losses(engine_log))
+    rc, back = torchrun(4, flags(corpus, tmp_path / "back", 4, [*COMMON, "--load", str(fsdp2 / "ckpt")]))
+    assert rc == 0 and "resumed from" in back, back
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--zero-stage", "2"], "--sharding fsdp2 shards weights, gradients and optimizer state (ZeRO stage 3); "
+                            "got --zero-stage 2: pass --zero-stage 3"),
+    (["--zero-stage", "3", "--dry-run"], "--dry-run plans this application's engine; drop --sharding fsdp2 to plan it"),
+    (["--zero-stage", "3", "--zeropp", "auto"], "--zeropp auto chooses for this application's engine"),
+    (["--zero-stage", "3", "--zero-hpz-size", "2", "--zero-quantized-weight-deltas"], "zero_optimization.zero_quantized_weight_deltas has no effect under "
+                                         "--sharding fsdp2"),
+])
+def test_fsdp2_refuses_what_it_cannot_do(corpus, tmp_path, monkeypatch, extra, message):  # noqa: F811
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    argv = flags(corpus, tmp_path, 2, ["--sharding", "fsdp2", *extra])
+    with pytest.raises(ConfigError) as e:
+        parse_args(argv)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_fsdp2_refuses_a_bucket_size_from_the_json(corpus, tmp_path, monkeypatch):  # noqa: F811
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": 3, "reduce_bucket_size": 1000}}))
+    argv = flags(corpus, tmp_path, 2, ["--deepspeed_config", str(config), "--sharding", "fsdp2"])
+    with pytest.raises(ConfigError, match="zero_optimization.reduce_bucket_size has no effect under --sharding fsdp2"):
+        parse_args(argv)

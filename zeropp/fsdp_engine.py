@@ -1,0 +1,234 @@
+"""`--sharding fsdp2`: the same training loop on torch's FSDP2 (`fully_shard` per unit, then the
+root) with ZeRO++ as the plug-in (zeropp/fsdp.py), behind the engine's interface
+(zeropp/stages/engine.py): loss scaling, accumulation, clipping, checkpoints.
+
+- Units: each element of the model's `nn.ModuleList`s (GPT's blocks), then the root.
+- Precision: FSDP2's `MixedPrecisionPolicy`, 16-bit compute over the fp32 sharded parameters
+  (the masters), gradients reduced in fp32.
+- Switches: the zero_optimization section's ZeRO++ keys, as the engine reads them; what FSDP2
+  has no place for (bucket sizes, INT4 weight deltas, an hpZ group other than the node) is
+  refused in one line.
+- Checkpoints: the engine's format (`model.<name>`, `optim.<moment>.<name>`, flat, each rank a
+  torch.chunk of the flattened tensor), so either engine loads the other's. FSDP2 shards rows,
+  so a tensor is converted one parameter at a time (one full parameter alive at once).
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn as nn
+
+from common.errors import ConfigError
+from zeropp.collectives.partition import FlatState
+from zeropp.config import ZeroConfig
+from zeropp.fsdp import apply_zeropp
+from zeropp.stages.engine import Engine, compute_dtype, split_decay
+from zeropp.stages.init import ParamInit, full_value
+
+# zero_optimization keys FSDP2 has no place for: they must keep their defaults
+_NO_PLACE = {"reduce_bucket_size": "FSDP2 reduces one unit (block) at a time",
+             "allgather_bucket_size": "FSDP2 gathers one unit (block) at a time",
+             "stage3_prefetch_bucket_size": "FSDP2 prefetches the next unit",
+             "stage3_param_persistence_threshold": "FSDP2 shards every parameter",
+             "stage3_max_live_parameters": "FSDP2 holds one unit (and the next) at a time",
+             "stage3_max_reuse_distance": "FSDP2 reshards every unit after its forward",
+             "zero_quantized_weight_deltas": "the INT4 weight deltas need the engine's weight store"}
+
+
+def check_fsdp2_config(zero: ZeroConfig, ranks_per_node: int, world_size: int):
+    """One line for what `--sharding fsdp2` cannot do with this config (before any work)."""
+    if zero.stage != 3:
+        raise ConfigError(f"--sharding fsdp2 shards weights, gradients and optimizer state (ZeRO stage 3); got "
+                          f"--zero-stage {zero.stage}: pass --zero-stage 3")
+    default = ZeroConfig()
+    for key, why in _NO_PLACE.items():
+        if getattr(zero, key) not in (getattr(default, key), None):
+            raise ConfigError(f"zero_optimization.{key} has no effect under --sharding fsdp2 ({why}): "
+                              f"remove it or use --sharding zero")
+    h = zero.zero_hpz_partition_size
+    if h > 1 and h != ranks_per_node and h != world_size:
+        raise ConfigError(f"--zero-hpz-size {h} under --sharding fsdp2: hpZ keeps the copy over a node's "
+                          f"{ranks_per_node} ranks; pass --zero-hpz-size {ranks_per_node}")
+
+
+def plugin_switches(zero: ZeroConfig) -> dict:
+    loco = zero.zeropp_loco_param
+    return dict(quantized_weights=bool(zero.zero_quantized_weights), hpz=zero.zero_hpz_partition_size > 1,
+                quantized_gradients=bool(zero.zero_quantized_gradients), loco=loco is not None,
+                hadamard=bool(zero.zero_hadamard_gradients),
+                weight_block_size=zero.zero_quantized_weights_block_size,
+                gradient_block_size=zero.zero_quantized_gradients_block_size,
+                **({"loco_beta": loco.err_beta, "loco_reset_every": loco.reset_T} if loco else {}))
+
+
+class FSDP2Engine(Engine):
+    def __init__(self, module, config, comm, device, optim, gradient_accumulation_steps=1,
+                 param_init: ParamInit | None = None):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        topo = comm.topology
+        check_fsdp2_config(config.zero_optimization, topo.ranks_per_node, topo.world_size)
+        dtype = compute_dtype(config)
+        mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        mesh = init_device_mesh(device.type, (topo.world_size,))
+        for unit in [m for lst in module.modules() if isinstance(lst, nn.ModuleList) for m in lst]:
+            fully_shard(unit, mesh=mesh, mp_policy=mp)
+        fully_shard(module, mesh=mesh, mp_policy=mp)
+        _materialize(module, param_init, device, topo.rank, topo.world_size)
+        super().__init__(module, config, comm, device, optim, gradient_accumulation_steps)
+        self.world, self.rank = topo.world_size, topo.rank
+        self.zeropp = apply_zeropp(module, topo, communicator=comm, **plugin_switches(config.zero_optimization))
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        decay, no_decay = split_decay(module)
+        self.optimizer = self._make_optimizer(decay, no_decay)
+
+    def train(self, mode: bool = True):
+        self.zeropp.exact_gathers = not mode   # evaluation computes with the exact weights, as the engine's
+        self._reshard()
+        return super().train(mode)
+
+    def _reshard(self):
+        """Every unit back to its shard of the world: after a forward no backward followed (evaluation)
+        the root keeps its weights gathered and, with hpZ, each block its copy sharded in the node."""
+        from torch.distributed.fsdp import FSDPModule
+        for m in self.module.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+
+    # -- the step ------------------------------------------------------------------------------
+    def _local_grads(self) -> list[torch.Tensor]:
+        return [p.grad.to_local() for p in self.params if p.grad is not None]
+
+    def _grad_norm_sq(self) -> float:
+        self.zeropp.finish()
+        grads = self._local_grads()
+        local = torch.stack([n.float() for n in torch._foreach_norm(grads, 2.0)]).pow(2).sum() if grads \
+            else torch.zeros(())
+        self.comm.all_reduce(local, phase="optimizer")   # inf/nan reach every rank: one skip decision
+        return local.item()
+
+    def _apply_update(self, coef: float):
+        torch._foreach_mul_(self._local_grads(), coef)
+        self.optimizer.step()
+
+    def _end_step(self, applied: bool):
+        for note in self.zeropp.end_step(applied):
+            warnings.warn(f"step {self.global_step + 1}, rank {self.rank}: {note}")
+
+    def _zero_grad(self):
+        self.optimizer.zero_grad(set_to_none=True)
+
+    # -- checkpoints: the engine's flat layout -----------------------------------------------------
+    def _named(self):
+        return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+
+    @torch.no_grad()
+    def checkpoint_state(self, for_load: bool = False, optimizer: bool = True) -> dict[str, FlatState]:
+        self._reshard()
+        out = {}
+        for name, p in self._named():
+            out["model." + name] = self._flat(p, for_load)
+            if optimizer:
+                for key in self._moment_names():
+                    out[f"optim.{key}.{name}"] = self._flat(self._moment(p, key, for_load), for_load)
+        if optimizer:
+            out["optim.step"] = self._step_entry(self.params)
+            for part in self.zeropp.carried.values():
+                out.update(part.checkpoint_state(self.world))
+        return out
+
+    def _flat(self, t, for_load: bool) -> FlatState:
+        """This rank's torch.chunk of the flattened tensor (a DTensor FSDP2 shards by rows)."""
+        numel = t.numel()
+        c = -(-numel // self.world)
+        mine = max(0, min(c, numel - self.rank * c))
+        if for_load:
+            return FlatState(torch.zeros(mine, dtype=torch.float32, device=self.device), numel, sharded=True)
+        full = self._full(t)
+        return FlatState(full[self.rank * c:self.rank * c + mine].float().clone(), numel, sharded=True)
+
+    def _full(self, t) -> torch.Tensor:
+        """The whole tensor, flat, from every rank's rows (torch.chunk's along dim 0). Our gather, not
+        DTensor's full_tensor(): under hpZ that one left the run after a save off its bits."""
+        rows = t.shape[0] if t.ndim else 1
+        per_row = t.numel() // max(rows, 1)
+        c = -(-rows // self.world) * per_row
+        local = t.to_local().reshape(-1)
+        padded = torch.zeros(c, dtype=local.dtype, device=self.device)
+        padded[:local.numel()].copy_(local)
+        full = torch.empty(c * self.world, dtype=local.dtype, device=self.device)
+        self.comm.all_gather(full, padded)
+        return full[:t.numel()]   # only the last non-empty rank is short, and nothing follows it
+
+    @torch.no_grad()
+    def checkpoint_loaded(self, state: dict[str, FlatState]):
+        for name, p in self._named():
+            targets = [("model." + name, p)] + [(f"optim.{k}.{name}", self._moment(p, k, True))
+                                                for k in self._moment_names() if f"optim.{k}.{name}" in state]
+            for key, t in targets:
+                self._set_rows(t, state[key])
+        self._set_optimizer_step(state, self.params)
+
+    def _set_rows(self, t, flat: FlatState):
+        """Gather the flat chunks into the full tensor, keep FSDP2's rows of it."""
+        c = -(-flat.numel // self.world)
+        padded = torch.zeros(c, dtype=torch.float32, device=self.device)
+        padded[:flat.local.numel()].copy_(flat.local)
+        full = torch.empty(c * self.world, dtype=torch.float32, device=self.device)
+        self.comm.all_gather(full, padded)
+        rows = torch.chunk(full[:flat.numel].view(t.shape), self.world, dim=0)
+        if self.rank < len(rows):
+            t.to_local().copy_(rows[self.rank])
+
+    def scalar_state(self) -> dict:
+        out = super().scalar_state()
+        for key, part in self.zeropp.carried.items():
+            out[key] = part.scalar_state()
+        return out
+
+    def load_scalar_state(self, sd: dict) -> list[str]:
+        notes = super().load_scalar_state(sd)
+        for key, part in self.zeropp.carried.items():
+            if note := part.load_scalar_state(sd.get(key)):
+                notes.append(note)
+        return notes
+
+    def uncarried_state(self, saved_scalar_state: dict) -> list[str]:
+        return [k for key, part in self.zeropp.carried.items() if not part.carried(saved_scalar_state.get(key))
+                for k in part.checkpoint_state(self.world)]
+
+    # -- reports -------------------------------------------------------------------------------
+    def summary(self) -> list[str]:
+        return [line for part in self.zeropp.carried.values() if (line := part.summary())]
+
+    def memory_lines(self) -> list:
+        return [part.memory() for part in self.zeropp.carried.values()]
+
+    def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        local = [p.to_local() for p in self.params]
+        return {"parameters": local, "gradients": self._local_grads(),
+                "optimizer": [t.to_local() if hasattr(t, "to_local") else t for t in self._optimizer_tensors()]}
+
+    def peak_buffers(self) -> dict:
+        return {}
+
+
+def _materialize(module, param_init, device, rank: int, world: int):
+    """A model built on "meta": each parameter's rows this rank keeps, from its full value (one
+    alive at a time), and the buffers whole."""
+    if not any(t.is_meta for t in list(module.parameters()) + list(module.buffers())):
+        module.to(device)
+        return
+    buffers = {n: b.dtype for n, b in module.named_buffers() if b.is_meta}
+    module.to_empty(device=device)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            full = full_value(name, torch.empty(p.shape, device="meta"), param_init, device)
+            rows = torch.chunk(full, world, dim=0)
+            if rank < len(rows):
+                p.to_local().copy_(rows[rank])
+            del full
+        for name, b in module.named_buffers():
+            if name in buffers:
+                b.copy_(full_value(name, torch.empty(b.shape, device="meta"), param_init, device).to(buffers[name]))
