@@ -22,7 +22,6 @@ import zeropp
 from data.gpt_dataset import build_train_valid_test_datasets
 from data.sampler import build_data_loader
 from model import GPT, flops_per_iteration, num_parameters
-from parallel.comm import Communicator
 from parallel.launch import (init_distributed, mark_worker, print_rank0, report_error_to_torchrun,
                              report_user_error)
 from parallel.link_probe import LinkProbeError
@@ -35,6 +34,7 @@ from training.checkpoint_files import CheckpointError
 from training.logger import TrainingLogger
 from training.lr_schedule import build_lr_schedule
 from training.model_args import model_config
+from training.outer import attach_outer, engine_comm
 from training.preflight import check_inputs
 from training.report import print_job, print_summary
 from training.signals import StopRequest
@@ -54,7 +54,7 @@ def main(argv=None):
     tokenizer = check_inputs(args)  # data, split and tokenizer files, before any expensive work
     device = init_distributed(args.distributed_backend)
     topology = topology_from_env(args.ranks_per_node)
-    comm = Communicator(topology)
+    comm = engine_comm(args, topology)   # the job's, or its group's with --outer-sync-interval
     resolve_batch(args, topology.world_size)
     torch.manual_seed(args.seed)
 
@@ -73,6 +73,7 @@ def main(argv=None):
     engine = zeropp.initialize(model, args.ds_config, comm, device, args.optimizer_settings,
                                args.gradient_accumulation_steps, param_init=model.init_parameter,
                                sharding=args.sharding)
+    attach_outer(args, engine)
     schedule = build_lr_schedule(args)
     print_job(args, topology, cfg, engine, device, tokenizer.vocab_size)
     progress = resume(args, engine, cfg) if args.load else Progress()

@@ -232,17 +232,18 @@ class Communicator:
 
     # -- accounting -------------------------------------------------------
     def group_ranks(self, group) -> list[int]:
+        """Global ranks of `group` (None: the topology's world, a group's own or the job's)."""
         key = id(group) if group is not None else None
         if key not in self._group_ranks:
             if group is None:
-                ranks = list(range(self.topology.world_size))
+                ranks = self.topology.ranks
             else:
                 ranks = dist.get_process_group_ranks(group)
             self._group_ranks[key] = ranks
         return self._group_ranks[key]
 
     def _wire(self, op: str, group, nbytes: int, src: int | None = None) -> tuple[int, int]:
-        return wire_bytes(op, self.group_ranks(group), self.topology.rank, nbytes,
+        return wire_bytes(op, self.group_ranks(group), self.topology.global_rank, nbytes,
                           self.topology.node_of, src=src)
 
     def _charge(self, op: str, phase: str, group, nbytes: int, src: int | None = None,
@@ -283,6 +284,11 @@ class Communicator:
     def _size(self, group) -> int:
         return len(self.group_ranks(group))
 
+    def _pg(self, group):
+        """The process group to issue on: group=None is the topology's world (zeropp/diloco.py's
+        engines run over a group of the job's ranks)."""
+        return self.topology.world_group if group is None else group
+
     # -- collectives ------------------------------------------------------
     def all_reduce(self, tensor, op=dist.ReduceOp.SUM, group=None, async_op=False, phase="other"):
         """Reduce `tensor` in place over the group's members."""
@@ -290,7 +296,7 @@ class Communicator:
             return Work()
         self._charge("all_reduce", phase, group, self._nbytes(tensor))
         t0 = time.perf_counter()
-        return self._issued(dist.all_reduce(tensor, op=op, group=group, async_op=async_op), async_op, phase, t0)
+        return self._issued(dist.all_reduce(tensor, op=op, group=self._pg(group), async_op=async_op), async_op, phase, t0)
 
     def all_gather(self, output, input, group=None, async_op=False, phase="other", plain=True):
         """Gather equal `input` tensors of every member into flat `output`."""
@@ -299,7 +305,7 @@ class Communicator:
             return Work()
         self._charge("all_gather", phase, group, self._nbytes(input), plain=plain)
         t0 = time.perf_counter()
-        return self._issued(all_gather_flat(output, input, group=group, async_op=async_op), async_op, phase, t0)
+        return self._issued(all_gather_flat(output, input, group=self._pg(group), async_op=async_op), async_op, phase, t0)
 
     def reduce_scatter(self, output, input, op=dist.ReduceOp.SUM, group=None, async_op=False,
                        phase="other", plain=True):
@@ -309,7 +315,7 @@ class Communicator:
             return Work()
         self._charge("reduce_scatter", phase, group, self._nbytes(output), plain=plain)
         t0 = time.perf_counter()
-        return self._issued(reduce_scatter_flat(output, input, op=op, group=group, async_op=async_op),
+        return self._issued(reduce_scatter_flat(output, input, op=op, group=self._pg(group), async_op=async_op),
                             async_op, phase, t0)
 
     def all_to_all(self, output, input, group=None, async_op=False, phase="other", plain=True,
@@ -328,7 +334,7 @@ class Communicator:
             nbytes //= self._size(group)
         self._charge(charge_as, phase, group, nbytes, plain=plain, issued=issued)
         t0 = time.perf_counter()
-        return self._issued(dist.all_to_all_single(output, input, group=group, async_op=async_op),
+        return self._issued(dist.all_to_all_single(output, input, group=self._pg(group), async_op=async_op),
                             async_op, phase, t0)
 
     def broadcast(self, tensor, src: int, group=None, phase="other"):
@@ -336,8 +342,8 @@ class Communicator:
         if self._size(group) == 1:
             return
         self._charge("broadcast", phase, group, self._nbytes(tensor), src=src)
-        dist.broadcast(tensor, src=src, group=group)
+        dist.broadcast(tensor, src=src, group=self._pg(group))
 
     def barrier(self, group=None):
         if dist.is_initialized():
-            dist.barrier(group=group)
+            dist.barrier(group=self._pg(group))

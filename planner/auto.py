@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 from model import GPTConfig
 from planner.cluster import Cluster, load_cluster
+from planner.outer import format_outer_plan
 from planner.plan import Job, job_from_args, label, plan_config, print_plan
 from planner.probe import Measurements, measure
 from planner.trace import trace_model
@@ -199,6 +200,9 @@ def measured_cluster(m: Measurements, nodes: int, ranks_per_node: int, overlap: 
 def print_dry_run(args) -> None:
     """`train.py --dry-run`: with auto switches, plan every candidate on --cluster, say which
     auto would pick there, then print the plan of that choice."""
+    if args.outer_sync_interval is not None:   # groups of nodes synchronizing rarely
+        print(format_outer_plan(args), flush=True)
+        return
     zero = args.ds_config.zero_optimization
     if zero.auto_switches():
         cluster = load_cluster(args.cluster)

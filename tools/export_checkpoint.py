@@ -26,6 +26,7 @@ from data.tokenizer import build_tokenizer
 from training.checkpoint_files import CheckpointError, damaged, read_meta, resolve_checkpoint, verify_checksums
 from training.checkpoint_state import single_process_quiet
 from training.preflight import check_load_path, check_writable_dir
+from zeropp.diloco import GLOBAL
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -46,10 +47,11 @@ def open_checkpoint(load: str) -> tuple[str, dict]:
 def model_tensors(path: str, meta: dict, dtype: torch.dtype = torch.float32):
     """(name, tensor) for every model weight, one at a time, in the model's shapes."""
     reader = dcp.FileSystemReader(path)
+    prefix = GLOBAL if meta.get("groups", 1) > 1 else "model."   # several groups: the parameters they share
     for name, shape in meta["param_shapes"].items():
         flat = torch.empty(torch.Size(shape).numel(), dtype=torch.float32)
         with single_process_quiet():
-            dcp.load({"model." + name: flat}, storage_reader=reader, no_dist=True)
+            dcp.load({prefix + name: flat}, storage_reader=reader, no_dist=True)
         yield name, flat.view(shape).to(dtype)
 
 

@@ -28,6 +28,7 @@ import yaml
 from training.deepspeed_args import merge_deepspeed_config
 from training.flags import NO_TP, Refused, build_parser
 from training.lr_schedule import build_lr_schedule
+from training.outer import check_outer_args
 from common import ConfigError
 
 
@@ -48,6 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.ds_config = merge_deepspeed_config(args, explicit)
     _check_fp16_only(args)
     _derive(args)
+    check_outer_args(args, flag)
     build_lr_schedule(args)  # a JSON scheduler against Megatron's schedule flags fails here, early
     return args
 

@@ -50,6 +50,7 @@ from training.checkpoint_files import (CHECKSUMS, FORMAT_VERSION, META, TRACKER,
 from training.checkpoint_state import engine_device, rng_state, set_rng_state, single_process_quiet
 from training.preflight import check_writable_dir
 from zeropp.collectives.partition import FlatState, as_dcp
+from zeropp.diloco import GLOBAL
 
 # GPTConfig fields that must match to load weights (dropout, recomputation may change)
 ARCHITECTURE = ("vocab_size", "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
@@ -137,7 +138,7 @@ def save_checkpoint(save_dir: str, iteration: int, engine, consumed_train_sample
 
     # What the metadata records is taken now: training may go on while the files are written.
     info = dict(meta, format=FORMAT_VERSION, iteration=iteration, consumed_train_samples=consumed_train_samples,
-                world_size=world, engine=engine.scalar_state())
+                world_size=world, groups=engine.comm.topology.groups, engine=engine.scalar_state())
     done = _Finisher(save_dir, iteration, tmp, final, info, rng_state(), keep_last, start)
     state = engine.checkpoint_state()
     writer = (storage_writer or _default_writer)(tmp)
@@ -147,11 +148,13 @@ def save_checkpoint(save_dir: str, iteration: int, engine, consumed_train_sample
             # checkpoint group. (DCP's async_save stages by storage and rejects our views into one
             # flat buffer.)
             staged = {k: FlatState(v.local.to("cpu", copy=True), v.numel, v.sharded) for k, v in state.items()}
-            future = _background_writer().submit(dcp.save, as_dcp(staged, torch.device("cpu"), async_group),
+            future = _background_writer().submit(dcp.save, as_dcp(staged, torch.device("cpu"), async_group,
+                                                                   engine.comm.topology),
                                                  storage_writer=writer, process_group=async_group)
             return PendingSave(done, future, time.time() - start)
         with single_process_quiet():
-            dcp.save(as_dcp(state, engine_device(state)), storage_writer=writer, no_dist=not dist.is_initialized())
+            dcp.save(as_dcp(state, engine_device(state), topology=engine.comm.topology), storage_writer=writer,
+                     no_dist=not dist.is_initialized())
     except (Exception, dcp.api.CheckpointException) as e:  # any rank's failure, reported on every rank
         _raise_save_error(save_dir, iteration, e)
     return done()
@@ -332,22 +335,34 @@ def load_checkpoint(load: str, engine, load_optim: bool = True, load_rng: bool =
             raise ConfigError(f"--load {path} holds a different model: {'; '.join(diff)}; "
                               f"pass the model flags it was trained with")
 
-    state = engine.checkpoint_state(for_load=True, optimizer=load_optim)
-    for key in engine.uncarried_state(meta["engine"]) if load_optim else []:
+    topology = engine.comm.topology
+    groups, saved_groups = topology.groups, meta.get("groups", 1)
+    grouped = saved_groups == groups > 1   # each group's own state end to end (zeropp/diloco.py)
+    # Saved by another number of groups: start from the global parameters they shared, optimizers anew.
+    regroup = saved_groups > 1 and saved_groups != groups
+    state = engine.checkpoint_state(for_load=True, optimizer=load_optim and not regroup)
+    for key in engine.uncarried_state(meta["engine"]) if load_optim and not regroup else []:
         del state[key]   # saved in another layout (or not at all): reset, and load_scalar_state says so
+    if regroup:
+        state = {GLOBAL + k[len("model."):] if k.startswith("model.") and v.sharded else k: v
+                 for k, v in state.items()}
     stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     for key, entry in state.items():
         if key not in stored:
             what = ("optimizer state of another optimizer type; pass --no-load-optim to start a new optimizer"
                     if key.startswith("optim.") else "this model's parameter; check the model flags")
             raise CheckpointError(f"--load {path} has no {key}: {what}")
-        if stored[key].size.numel() != entry.numel:
+        if stored[key].size.numel() != entry.numel * (groups if grouped and entry.sharded and entry.per_group else 1):
             raise CheckpointError(f"--load {path}: {key} has {stored[key].size.numel()} elements there and "
                                   f"{entry.numel} in this model; pass the model flags it was trained with")
     with single_process_quiet():
-        dcp.load(as_dcp(state, engine_device(state)), storage_reader=dcp.FileSystemReader(path),
+        dcp.load(as_dcp(state, engine_device(state), None if grouped else topology.world_group,
+                        topology if grouped else None), storage_reader=dcp.FileSystemReader(path),
                  no_dist=not dist.is_initialized())
     engine.checkpoint_loaded(state)
+    if regroup and this_rank == 0:
+        print(f"> {path} was saved by {saved_groups} groups of nodes and this run has {groups}: it starts from "
+              f"the global parameters they shared; the optimizer state (inner and outer) starts anew", flush=True)
     if load_optim:
         for note in engine.load_scalar_state(meta["engine"]):
             if this_rank == 0:

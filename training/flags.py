@@ -268,6 +268,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--seed", type=_seed, default=1234)
 
+    g = p.add_argument_group("outer synchronization (streaming DiLoCo across groups of nodes)")
+    g.add_argument("--outer-sync-interval", type=_int, default=None, metavar="H",
+                   help="groups of --group-size nodes train apart and exchange each parameter every H inner "
+                        "steps (off when absent; training/outer.py)")
+    g.add_argument("--outer-lr", type=_positive, default=0.7)
+    g.add_argument("--outer-momentum", type=_below_one, default=0.9, help="Nesterov")
+    g.add_argument("--outer-fragments", type=_int, default=1,
+                   help="exchange the model in this many runs of layers, at staggered steps")
+    g.add_argument("--outer-quantization", choices=["none", "int4"], default="none",
+                   help="int4: outer gradients in INT4 blocks with error feedback")
+    g.add_argument("--no-outer-overlap", action="store_true",
+                   help="apply each exchange at once instead of one inner step later")
+    g.add_argument("--group-size", type=_int, default=1, help="nodes per group")
+
     g = p.add_argument_group("planning")
     g.add_argument("--dry-run", action="store_true",
                    help="print the memory, communication and time plan for --cluster and exit (no training)")

@@ -23,6 +23,14 @@ def _mb(num_bytes: float) -> str:
     return f"{num_bytes / 2**20:.1f} MB"
 
 
+def _outer_fields(s: dict) -> str:
+    """The outer synchronization's fields (training/outer.py outer_fields), when it is on."""
+    if "outer_steps" not in s:
+        return ""
+    return (f" outer steps: {s['outer_steps']} | cross-group MB: {s['cross_group_mb']:.3f} "
+            f"| outer drift: {s['outer_drift']:.3e} |")
+
+
 class TrainingLogger:
     """TensorBoard is a side output: when it cannot be written (a full disk, a directory gone
     read-only) the logger says so once and stops writing it; training and saving go on."""
@@ -73,7 +81,7 @@ class TrainingLogger:
             f"| number of skipped iterations: {s['skipped']:3d} | number of nan iterations: {s['nan']:3d} "
             f"| samples per second: {s['samples_per_s']:.1f} | tokens per second: {s['tokens_per_s']:.0f} "
             f"| TFLOPs: {s['tflops']:.3f} | intra-node MB: {s['intra_mb']:.1f} "
-            f"| inter-node MB: {s['inter_mb']:.1f} |")
+            f"| inter-node MB: {s['inter_mb']:.1f} |" + _outer_fields(s))
         self.scalars(it, {
             "lm-loss": s["loss"], "learning-rate": s["lr"], "loss-scale": s["loss_scale"],
             "grad-norm": s["grad_norm"], "batch-size": s["global_batch"],
@@ -81,7 +89,9 @@ class TrainingLogger:
             "tokens-per-second": s["tokens_per_s"], "TFLOPs": s["tflops"],
             "comm/intra-node-MB-per-iteration": s["intra_mb"],
             "comm/inter-node-MB-per-iteration": s["inter_mb"],
-            "memory/peak-MB": peak_memory_mb()})
+            "memory/peak-MB": peak_memory_mb(),
+            **({"outer/steps": s["outer_steps"], "outer/cross-group-MB-per-iteration": s["cross_group_mb"],
+                "outer/drift": s["outer_drift"]} if "outer_steps" in s else {})})
 
     def wall_clock_line(self, it: int, ms: dict):
         """wall_clock_breakdown: DeepSpeed's per-phase line (this rank's times, ms per

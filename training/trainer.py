@@ -24,6 +24,7 @@ from data.sampler import build_data_loader
 from parallel.comm import Communicator
 from parallel.launch import print_rank0
 from training.checkpoint import Progress, iteration_dir
+from training.outer import outer_fields
 from training.signals import StopRequest
 from zeropp.memory import memory_report
 
@@ -213,9 +214,9 @@ class Trainer:
             "loss_scale": last.loss_scale, "grad_norm": None if last.skipped else last.grad_norm,
             "skipped": window.skipped, "nan": window.nan_iterations, "samples_per_s": samples_per_s,
             "tokens_per_s": samples_per_s * args.seq_length,
-            "tflops": self.flops_per_iteration / elapsed / self.comm.topology.world_size / 1e12,
+            "tflops": self.flops_per_iteration / elapsed / (self.comm.topology.world_size * self.comm.topology.groups) / 1e12,
             "intra_mb": intra / window.iterations / 2**20,
-            "inter_mb": inter / window.iterations / 2**20})
+            "inter_mb": inter / window.iterations / 2**20, **outer_fields(self.engine, stats, window.iterations)})
         if self.engine.clock.enabled:   # wall_clock_breakdown
             seconds = self.engine.clock.read_and_reset()
             self.logger.wall_clock_line(self.iteration, {name: 1000 * s / window.iterations

@@ -34,16 +34,32 @@ class FlatState:
     local: torch.Tensor
     numel: int
     sharded: bool
+    # Several groups of nodes, each its own engine (zeropp/diloco.py): each group holds its own
+    # value (False: the same value in every group, saved once).
+    per_group: bool = True
 
 
-def as_dcp(state: dict[str, FlatState], device: torch.device, group=None) -> dict:
+def as_dcp(state: dict[str, FlatState], device: torch.device, group=None, topology=None) -> dict:
     """FlatStates as DCP (torch.distributed.checkpoint) sees them: a sharded one is a DTensor
-    over all ranks, Shard(0) of its flat global tensor (the partition layout is torch.chunk's)."""
+    over all ranks, Shard(0) of its flat global tensor (the partition layout is torch.chunk's).
+    With the engine's `topology` one of several groups (zeropp/diloco.py), each group holds its
+    own state: the global tensor is the groups' tensors end to end, Shard(0) over the groups,
+    then Shard(0) over each group's ranks (what all groups share: replicated over them)."""
     import torch.distributed as dist
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return {k: v.local for k, v in state.items()}
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    if topology is not None and topology.groups > 1:
+        g = topology.groups
+        mesh = DeviceMesh.from_group([topology.across_group, topology.world_group], device.type,
+                                     mesh=torch.arange(g * topology.world_size).view(g, topology.world_size),
+                                     mesh_dim_names=("groups", "ranks"))
+
+        def grouped(v):   # each group's own value end to end, or one value all groups share
+            n, first = (g * v.numel, Shard(0)) if v.per_group else (v.numel, Replicate())
+            return DTensor.from_local(v.local, mesh, [first, Shard(0)], run_check=False, shape=(n,), stride=(1,))
+        return {k: grouped(v) if v.sharded else v.local for k, v in state.items()}
     if group is not None:
         mesh = DeviceMesh.from_group(group, device.type)
     else:

@@ -186,9 +186,13 @@ class ShardedEngine(Engine):
         return out
 
     def checkpoint_loaded(self, state: dict):
+        self.masters_changed()
+        self._set_optimizer_step(state, [s.master for s in self.masters.owned])
+
+    def masters_changed(self):
+        """The masters were set from outside (a load, an outer step): the weights follow (collective)."""
         self.weights.publish(self.masters.flat is None)   # masters -> weights, gathered where kept whole
         self.weights.changed()
-        self._set_optimizer_step(state, [s.master for s in self.masters.owned])
 
     # -- memory -------------------------------------------------------------------------
     def _optimizer_tensors(self) -> list[torch.Tensor]:

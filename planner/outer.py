@@ -1,0 +1,56 @@
+"""`train.py --dry-run` with --outer-sync-interval (zeropp/diloco.py): the plan of one group's
+engine on its nodes, then what crosses between the groups: the bytes each rank sends per inner
+step, against ZeRO-3 over the whole job, and the inner step predicted at the cluster's link."""
+from __future__ import annotations
+
+import dataclasses
+
+from common import ConfigError
+from planner.cluster import load_cluster
+from planner.comm import PHASES, rank_bytes
+from planner.plan import companion, format_plan, job_from_args, label, plan_config
+from planner.trace import shard_layout, trace_model
+from zeropp.diloco import OuterSettings, exchange_per_step
+from zeropp.stages.engine import compute_dtype
+
+
+def format_outer_plan(args) -> str:
+    cluster = load_cluster(args.cluster)
+    size, rpn = args.group_size, cluster.gpus_per_node
+    if cluster.nodes % size:
+        raise ConfigError(f"--group-size {size} must divide the {cluster.nodes} nodes of --cluster "
+                          f"{args.cluster}; pass a divisor of {cluster.nodes}")
+    groups = cluster.nodes // size
+    job = job_from_args(args, cluster)   # the batch over the whole job
+    zero = job.ds.zero_optimization
+    trace = trace_model(job.cfg, compute_dtype(job.ds), job.micro_batch, job.seq_length,
+                        zero.stage3_param_persistence_threshold)
+    group_cluster = dataclasses.replace(cluster, nodes=size)
+    group_job = dataclasses.replace(job, world=size * rpn)
+    mine = plan_config(group_job, zero, trace, group_cluster)
+    base = plan_config(job, zero if label(zero) == "ZeRO-3" else companion(zero, rpn), trace, cluster)
+
+    settings = OuterSettings(args.outer_sync_interval, args.outer_lr, args.outer_momentum, args.outer_fragments,
+                             args.outer_quantization, overlap=not args.no_outer_overlap)
+    shards = shard_layout(trace, group_job.world, 0, mine.zero.stage, mine.zero.stage3_param_persistence_threshold,
+                          mine.zero.zero_hpz_partition_size)
+    c = exchange_per_step(sum(s.valid for s in shards), settings)
+    across = tuple(g * group_job.world for g in range(groups))   # rank 0 and its peers in the other groups
+    inter = sum(rank_bytes(c.op, across, 0, c.nbytes, rpn))
+    zero3_inter = sum(base.mean_bytes(ph)[1] for ph in PHASES)
+    # One fragment's exchange: every rank of a node sends at once through the node's link.
+    exchange = inter * settings.interval / settings.fragments * rpn / cluster.inter_bw \
+        + (groups - 1) * cluster.inter_node_latency_us * 1e-6
+    step = mine.timing.iteration
+    exposed = (max(0.0, exchange - step) if settings.overlap else exchange) * settings.fragments / settings.interval
+    lines = [format_plan(group_job, group_cluster, trace, [mine]), "",
+             f"-- Outer synchronization: {groups} groups of {size} node(s) (the plan above is one group's; "
+             f"{label(mine.zero)} inside), every {settings.interval} inner steps, {settings.fragments} fragment(s), "
+             f"{settings.quantization} outer gradients, overlap {'on' if settings.overlap else 'off'}",
+             f"   across groups per inner step per GPU: {inter / 1e6:.3f} MB ({c.op} over {groups} ranks / H); "
+             f"ZeRO-3 over all {cluster.world_size} GPUs: {zero3_inter / 1e6:.1f} MB inter-node "
+             f"(ratio {inter / zero3_inter if zero3_inter else float('nan'):.4f})",
+             f"   one fragment's exchange at {cluster.inter_node_gbps:g} Gbit/s per node: {exchange:.3f} s; "
+             f"inner step {step:.3f} s + {exposed:.3f} s exposed = {step + exposed:.3f} s; ZeRO-3 over the job: "
+             f"{base.timing.iteration:.3f} s"]
+    return "\n".join(lines)

@@ -1,0 +1,425 @@
+"""Streaming DiLoCo across groups of nodes (zeropp/diloco.py) on 4 gloo ranks as 2 nodes x 2
+(and 4 nodes x 1 for ZeRO++ across the nodes of a group), ZeRO-3 inside each group.
+
+- an engine over a group of ranks trains as the same engine run alone on those ranks' data,
+  bit for bit, with the same bytes inside and across nodes;
+- one group (the whole job) with outer lr 1 and no momentum is the engine without the mode,
+  bit for bit (the outer step then sets the masters to the mean of one local: itself);
+- H = 1, outer lr 1, no momentum, exact exchange, SGD inside: synchronous data parallel over
+  all 4 ranks, within the fp32 round-off the plain engine shows against fp64 (tests/numerics.py);
+- H = 1 with AdamW inside: parameter averaging after every step, bit for bit;
+- INT4 outer gradients: the new global parameters within the block quantization's bound of
+  the exact mean, the error feedback what quantization left;
+- the streaming schedule: fragments at staggered steps, applied one step later, the groups'
+  global copies identical.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+
+import zeropp
+from model import GPT, GPTConfig
+from parallel.comm import Communicator
+from parallel.topology import topology_from_env
+from tests.distributed import run_distributed
+from tests.numerics import EPS32, assert_state_within_roundoff, fp64_reference
+from tests.test_train_faults import torchrun
+from zeropp.collectives.partition import Partition
+from planner.comm import rank_bytes
+from zeropp.diloco import PHASE, OuterSettings, attach, exchange_per_step
+from zeropp.kernels.format import QMAX
+
+CFG = dict(vocab_size=96, num_layers=2, hidden_size=32, num_attention_heads=4,
+           max_position_embeddings=16, hidden_dropout=0.0, attention_dropout=0.0)
+SEQ, PER_RANK, LR = 16, 2, 1e-2
+BLOCK = 128
+
+
+def batches(steps, ranks):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 96, (ranks * PER_RANK, SEQ + 1), generator=g) for _ in range(steps)]
+
+
+def build(topo, zero=None, optim=None):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**CFG))
+    ds = zeropp.DeepSpeedConfig.from_dict({"zero_optimization": {
+        "stage": 3, "reduce_bucket_size": 3000, "allgather_bucket_size": 5000,
+        "stage3_param_persistence_threshold": 16, "stage3_prefetch_bucket_size": 20000, **(zero or {})}})
+    return zeropp.initialize(model, ds, Communicator(topo), torch.device("cpu"), optim or zeropp.OptimizerSettings(lr=LR))
+
+
+def train(engine, data, index, after_step=None):
+    """Steps on rows [index * PER_RANK, ...) of each batch."""
+    for batch in data:
+        x = batch[index * PER_RANK:(index + 1) * PER_RANK]
+        engine.backward(engine(x[:, :-1], x[:, 1:]))
+        engine.step()
+        if after_step is not None:
+            after_step()
+    return engine.module_state_dict()
+
+
+def cross_partition(topo):
+    return Partition(group=topo.across_group, size=topo.groups, rank=topo.offset // topo.world_size)
+
+
+def diloco(job, nodes, settings, optim=None, zero=None):
+    topo = job.group_topology(nodes).build_groups()
+    engine = build(topo, zero, optim)
+    return engine, attach(engine, cross_partition(topo), settings), topo
+
+
+def local_flat(sync, f=0):
+    return torch.cat([s.master.detach().reshape(-1).clone() for s in sync.fragments[f]])
+
+
+def scenarios(rank, world, tmp):
+    """Every 4-rank scenario below in one set of processes (each its own groups and engines)."""
+    out = {fn.__name__: fn(rank, world) for fn in (group_runs, one_group, sgd_runs, averaging_runs, int4_runs,
+                                                    streaming_runs)}
+    out["resume_runs"] = resume_runs(rank, world, tmp)
+    out["nonfinite_runs"] = nonfinite_runs(rank, world)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("diloco"))
+    per_rank = run_distributed(scenarios, world_size=4, args=(tmp,))
+    return {"tmp": tmp, **{name: [r[name] for r in per_rank] for name in per_rank[0]}}
+
+
+# -- an engine over a group of ranks -------------------------------------------------------------
+
+GROUP_CASES = [(2, 1, {}),   # 2 nodes x 2, a group per node: ZeRO-3
+               (1, 2, {"zero_quantized_weights": True, "zero_quantized_gradients": True})]  # 4 x 1: ZeRO++
+
+
+def group_runs(rank, world):
+    out = []
+    for per_node, nodes, zero in GROUP_CASES:
+        topo = topology_from_env(per_node).group_topology(nodes).build_groups()
+        engine = build(topo, zero)
+        sd = train(engine, batches(3, topo.world_size), topo.rank)
+        s = engine.comm.stats
+        out.append((sd, s.intra_node_bytes, s.inter_node_bytes, topo.ranks))
+    return out
+
+
+def alone_runs(rank, world):
+    out = []
+    for per_node, _, zero in GROUP_CASES:
+        engine = build(topology_from_env(per_node), zero)
+        sd = train(engine, batches(3, world), rank)
+        out.append((sd, engine.comm.stats.intra_node_bytes, engine.comm.stats.inter_node_bytes))
+    return out
+
+
+def test_group_engine_trains_as_the_engine_alone(runs):
+    groups = runs["group_runs"]
+    alone = run_distributed(alone_runs, world_size=2)
+    for rank, cases in enumerate(groups):
+        for (sd, intra, inter, ranks), ref, (per_node, nodes, _) in zip(cases, alone[rank % 2], GROUP_CASES):
+            assert ranks == [rank // 2 * 2, rank // 2 * 2 + 1]
+            for k, v in ref[0].items():
+                assert torch.equal(sd[k], v), (per_node, nodes, k)
+            assert (intra, inter) == ref[1:], (per_node, nodes)
+    assert groups[0][1][2] > 0 and groups[0][0][2] == 0   # ZeRO++ case crosses nodes; the other does not
+
+
+# -- one group is the engine --------------------------------------------------------------------
+
+def one_group(rank, world):
+    job = topology_from_env(2)
+    plain = train(build(job), batches(4, world), rank)
+    engine, sync, _ = diloco(job, 2, OuterSettings(2, lr=1.0, momentum=0.0, fragments=2, overlap=False))
+    mode = train(engine, batches(4, world), rank)
+    return plain, mode, sync.outer_steps
+
+
+def test_one_group_is_the_engine_bit_for_bit(runs):
+    for plain, mode, outer_steps in runs["one_group"]:
+        assert outer_steps == 4   # 2 fragments, each at steps 1 and 3 or 2 and 4 (H = 2)
+        for k, v in plain.items():
+            assert torch.equal(mode[k], v), k
+
+
+# -- H = 1 ----------------------------------------------------------------------------------------
+
+SGD = zeropp.OptimizerSettings(type="sgd", lr=0.1, weight_decay=0.01)
+EVERY_STEP = OuterSettings(1, lr=1.0, momentum=0.0, fragments=2, overlap=False)
+
+
+def sgd_runs(rank, world):
+    job = topology_from_env(2)
+    data = batches(4, world)
+    single = train(build(job, optim=SGD), data, rank)
+    engine, _, _ = diloco(job, 1, EVERY_STEP, optim=SGD)
+    return single, train(engine, data, rank)
+
+
+def test_every_step_with_sgd_is_synchronous_data_parallel(runs):
+    data = batches(4, 4)
+    torch.manual_seed(0)
+    steps = [[lambda m, x=x: m(x[:, :-1], x[:, 1:])] for x in data]
+    _, _, exact = fp64_reference(GPT(GPTConfig(**CFG)), steps, lr=SGD.lr, clip=0.0, optimizer="sgd",
+                                 weight_decay=SGD.weight_decay)
+    for single, got in runs["sgd_runs"]:
+        assert_state_within_roundoff(got, single, exact, "H=1 SGD vs synchronous data parallel")
+
+
+def averaging_runs(rank, world):
+    job = topology_from_env(2)
+    data = batches(3, world)
+    ref = build(job.group_topology(1).build_groups())
+    cross = cross_partition(ref.comm.topology)
+
+    def average():   # parameter averaging through the state dict: another path than the outer step
+        sd = ref.module_state_dict()
+        for v in sd.values():
+            dist.all_reduce(v, group=cross.group)
+            v.div_(cross.size)
+        ref.load_module_state_dict(sd)
+    averaged = train(ref, data, rank, after_step=average)
+    engine, _, _ = diloco(job, 1, EVERY_STEP)
+    return averaged, train(engine, data, rank)
+
+
+def test_every_step_with_adamw_is_parameter_averaging(runs):
+    results = runs["averaging_runs"]
+    for averaged, got in results:
+        for k, v in averaged.items():
+            assert torch.equal(got[k], v), k
+    assert all(torch.equal(results[0][1][k], results[2][1][k]) for k in results[0][1])   # groups agree
+
+
+# -- INT4 outer gradients -------------------------------------------------------------------------
+
+def int4_runs(rank, world):
+    job = topology_from_env(2)
+    data = batches(2, world)
+    plain = build(job.group_topology(1).build_groups())
+    engine, sync, _ = diloco(job, 1, OuterSettings(2, lr=1.0, momentum=0.0, quantization="int4", overlap=False))
+    start = sync.glob[0].clone()
+    train(plain, data, rank)   # the locals the outer step starts from (it runs after step 2)
+    mine = start - torch.cat([s.master.detach().reshape(-1) for s in plain.shards if s.valid])
+    train(engine, data, rank)
+    everyone = [torch.empty_like(mine) for _ in range(sync.cross.size)]
+    dist.all_gather(everyone, mine, group=sync.cross.group)
+    return start, torch.stack(everyone), sync.glob[0].clone(), local_flat(sync), sync.err[0].clone(), sync.cross.rank
+
+
+def block_half_steps(d):
+    """Per element, half the INT4 step of its block: max|block| / 7 / 2 (zeropp/kernels/quant.py)."""
+    n = d.numel()
+    padded = torch.nn.functional.pad(d.abs(), (0, -n % BLOCK)).view(-1, BLOCK)
+    return (padded.amax(dim=1, keepdim=True) / QMAX[4] / 2).expand(-1, BLOCK).reshape(-1)[:n]
+
+
+def test_int4_outer_gradients_within_the_block_bound(runs):
+    for start, deltas, glob, local, err, me in runs["int4_runs"]:
+        exact = start.double() - deltas.double().mean(0)
+        halves = torch.stack([block_half_steps(d.double()) for d in deltas])
+        slack = 4 * EPS32 * (start.double().abs() + deltas.double().abs().max(0).values)
+        assert ((glob.double() - exact).abs() <= halves.mean(0) + slack).all()
+        assert not torch.equal(glob.double(), exact)   # quantized: not the exact mean
+        assert torch.equal(local, glob)                # the masters are the new global
+        assert torch.isfinite(err).all() and err.abs().max() > 0   # what my quantization left
+        assert (err.double().abs() <= halves[me] + slack).all()
+
+
+def nonfinite_runs(rank, world):
+    import warnings
+    job = topology_from_env(2)
+    engine, sync, _ = diloco(job, 1, OuterSettings(1, quantization="int4", overlap=False))
+    data = batches(2, world)
+    train(engine, data[:1], rank)
+    before = sync.glob[0].clone(), sync.err[0].clone(), sync.mom[0].clone()
+    if rank == 0:   # one weight of group 0 goes bad: its shard's outer gradient is not finite
+        sync.fragments[0][0].master.view(-1)[0] = float("nan")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(engine, data[1:], rank)
+    after = sync.glob[0], sync.err[0], sync.mom[0]
+    return [torch.equal(a, b) for a, b in zip(before, after)], bool(torch.isfinite(sync.err[0]).all()), \
+        [str(w.message) for w in caught]
+
+
+def test_a_non_finite_outer_gradient_changes_no_outer_state(runs):
+    for rank, (unchanged, finite, caught) in enumerate(runs["nonfinite_runs"]):
+        assert finite
+        if rank % 2 == 0:   # ranks 0 and 2 hold the bad shard, in either group
+            assert unchanged == [True, True, True]
+            assert any("outer step of fragment 0 skipped: its outer gradient is not finite" in c for c in caught)
+        else:               # the other shard's exchange went on
+            assert unchanged == [False, False, False] and not caught
+
+
+# -- streaming ---------------------------------------------------------------------------------------
+
+def streaming_runs(rank, world):
+    job = topology_from_env(2)
+    engine, sync, _ = diloco(job, 1, OuterSettings(4, fragments=2))
+    issued = []
+    train(engine, batches(8, world), rank, after_step=lambda: issued.append([x.fragment for x in sync.pending]))
+    sync.finish()
+    sent = engine.comm.stats.by_phase[PHASE]
+    return (issued, sync.outer_steps, [g.clone() for g in sync.glob], [sync.due(s) for s in range(1, 9)],
+            sent, sum(g.numel() for g in sync.glob), sync.s, rank)
+
+
+def test_streaming_fragments_at_staggered_steps(runs):
+    results = runs["streaming_runs"]
+    for rank, (issued, outer_steps, glob, due, sent, owned, settings, _) in enumerate(results):
+        assert due == [[], [1], [], [0], [], [1], [], [0]]
+        assert issued == due                    # in flight for one inner step after its issue
+        assert outer_steps == 4
+        for a, b in zip(glob, results[rank ^ 2][2]):   # the same rank of the other group
+            assert torch.equal(a, b)
+        # the planner's bytes per inner step (planner/outer.py) are what the 8 steps sent, across nodes
+        c = exchange_per_step(owned, settings)
+        assert sent == [0, 8 * sum(rank_bytes(c.op, (rank % 2, rank % 2 + 2), rank, c.nbytes, 2))] and sent[1] > 0
+
+
+# -- checkpoints ---------------------------------------------------------------------------------------
+
+META = {"model_config": {}, "param_shapes": {}}
+
+
+def resume_runs(rank, world, tmp):
+    from training.checkpoint import load_checkpoint, save_checkpoint
+    job = topology_from_env(2)
+    settings = OuterSettings(2, fragments=2, quantization="int4")   # momentum, error, an exchange in flight
+    data = batches(6, world)
+    engine, sync, _ = diloco(job, 1, settings)
+    train(engine, data[:3], rank)
+    meta = {"model_config": {}, "param_shapes": {n: list(p.shape) for n, p in engine.module.named_parameters()}}
+    save_checkpoint(f"{tmp}/grouped", 3, engine, 0, meta)
+    saved_global = {k: v.local.clone() for k, v in sync.checkpoint_state(2).items() if ".global." in k}
+    full = train(engine, data[3:], rank)
+    engine, again, _ = diloco(job, 1, settings)
+    load_checkpoint(f"{tmp}/grouped", engine)
+    resumed = train(engine, data[3:], rank)
+    regrouped = build(job)   # one group of 4: from the global parameters the 2 groups shared
+    load_checkpoint(f"{tmp}/grouped", regrouped)
+    regrouped = regrouped.module_state_dict()
+    plain = build(job)   # a checkpoint of one group: every group starts from it, the outer state from its weights
+    train(plain, data[:2], rank)
+    save_checkpoint(f"{tmp}/plain", 2, plain, 0, META)
+    engine, fresh, _ = diloco(job, 1, settings)
+    load_checkpoint(f"{tmp}/plain", engine)
+    return (full, resumed, sync.outer_steps, again.outer_steps, plain.module_state_dict(),
+            engine.module_state_dict(), torch.equal(local_flat(fresh), fresh.glob[0]), fresh.steps, regrouped,
+            saved_global)
+
+
+def test_resume_is_exact_and_a_plain_checkpoint_starts_every_group(runs):
+    """Same layout: bit for bit. A one-group checkpoint: every group from it, the outer state reset."""
+    for (full, resumed, outer_steps, outer_steps_resumed, plain, started, glob_is_local, steps,
+         _, _) in runs["resume_runs"]:
+        for k, v in full.items():
+            assert torch.equal(resumed[k], v), k
+        assert outer_steps == outer_steps_resumed == 5   # 6 issued, the last in flight
+        for k, v in plain.items():
+            assert torch.equal(started[k], v), k
+        assert glob_is_local and steps == 0   # the outer state reset to the loaded weights
+
+
+def test_export_and_another_number_of_groups_take_the_global_parameters(runs):
+    from tools.export_checkpoint import consolidated_state_dict
+    per_rank = [r[-1] for r in runs["resume_runs"]]
+    exported, meta = consolidated_state_dict(runs["tmp"] + "/grouped")
+    assert meta["groups"] == 2 and exported
+    for regrouped in (r[-2] for r in runs["resume_runs"]):
+        assert all(torch.equal(regrouped[k], v) for k, v in exported.items())
+    for name, weight in exported.items():
+        mine = [per_rank[r][f"outer_sync.global.{name}"] for r in (0, 1)]   # group 0's two shards
+        assert torch.equal(weight.view(-1), torch.cat(mine))
+        assert torch.equal(torch.cat([per_rank[r][f"outer_sync.global.{name}"] for r in (2, 3)]), weight.view(-1))
+
+
+# -- bad input: one line each, exit 2, before any work -----------------------------------------------
+
+from tests.test_cli_errors import corpus, fails, good   # noqa: E402,F401 (corpus: the fixture)
+
+OUTER = ("--zero-stage", "3", "--outer-sync-interval", "4")
+
+
+@pytest.mark.parametrize("world, per_node, extra, says", [
+    (4, 2, ("--zero-stage", "3", "--outer-sync-interval", "0"), "--outer-sync-interval: must be >= 1, got 0"),
+    (4, 2, OUTER + ("--outer-fragments", "2"), "--outer-fragments 2 exceeds the 1 layers"),
+    (6, 2, OUTER + ("--group-size", "2"), "--group-size 2 must divide the 3 node(s)"),
+    (2, 1, OUTER, "--group-size 1 makes groups of one rank"),
+    (4, 2, ("--zero-stage", "2", "--outer-sync-interval", "4"), "this run is ZeRO stage 2; pass --zero-stage 3"),
+    (4, 2, ("--zero-stage", "3", "--outer-lr", "0.5"), "--outer-lr has no effect without --outer-sync-interval"),
+    (4, 2, OUTER + ("--no-load-optim",), "--no-load-optim does not reset the outer state"),
+    (4, 2, OUTER + ("--sharding", "fsdp2"), "runs this application's engine in each group; drop --sharding fsdp2"),
+    (1, 1, OUTER + ("--dry-run", "--cluster", "configs/clusters/v100_4x16_100gbps.yaml", "--group-size", "3"),
+     "--group-size 3 must divide the 4 nodes of --cluster configs/clusters/v100_4x16_100gbps.yaml"),
+])
+def test_bad_outer_input(corpus, capsys, monkeypatch, world, per_node, extra, says):  # noqa: F811
+    monkeypatch.setenv("WORLD_SIZE", str(world))   # as torchrun sets them, before any process group
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(per_node))
+    fails(good(corpus, *extra), capsys, says)
+
+
+# -- train.py ------------------------------------------------------------------------------------------
+
+def test_dry_run_plans_the_bytes_across_groups(capsys):
+    import train
+    train.main(["--dry-run", "--cluster", "configs/clusters/v100_4x16_100gbps.yaml", "--num-layers", "4",
+                "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "256", "--micro-batch-size", "2",
+                "--lr", "1e-4", "--zero-stage", "3", "--outer-sync-interval", "64", "--outer-quantization", "int4",
+                "--outer-fragments", "2", "--group-size", "2"])
+    out = capsys.readouterr().out
+    assert "-- Outer synchronization: 2 groups of 2 node(s)" in out
+    ratio = float(out.split("(ratio ")[1].split(")")[0])
+    assert 0 < ratio < 0.01   # INT4 shards every 64 steps against ZeRO-3's gathers and reductions every step
+
+
+def test_train_py_runs_the_mode_and_logs_it(corpus, tmp_path):  # noqa: F811
+    d = corpus
+    rc, log = torchrun(4, ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+                           "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "12", "--lr", "3e-3",
+                           "--data-path", str(d / "docs_text_document"), "--tokenizer-model", str(d / "sp.model"),
+                           "--data-cache-path", str(tmp_path / "cache"), "--log-interval", "4", "--eval-iters", "0",
+                           "--zero-stage", "3", "--ranks-per-node", "2", "--outer-sync-interval", "4",
+                           "--outer-fragments", "2", "--outer-quantization", "int4",
+                           "--tensorboard-dir", str(tmp_path / "tb")])
+    assert rc == 0, log
+    lines = [line for line in log.splitlines() if "lm loss:" in line]
+    steps = [int(line.split("outer steps: ")[1].split(" ")[0]) for line in lines]
+    assert steps == [1, 3, 5]   # fragment 1 at steps 2, 6, 10, fragment 0 at 4, 8, 12: each applied a step later
+    assert all(float(line.split("cross-group MB: ")[1].split(" ")[0]) > 0 for line in lines)
+    assert "5 fragment exchanges over 2 groups" in log
+    assert "> outer synchronization: 2 groups of 1 node(s) x 2 ranks, each its own engine; every 4 inner steps in 2 " \
+           "fragment(s), outer lr 0.7, Nesterov momentum 0.9, int4 outer gradients, overlap on" in log
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [e.value for e in events.Scalars("outer/steps")] == steps
+    assert {"outer/cross-group-MB-per-iteration", "outer/drift"} <= set(events.Tags()["scalars"])
+
+
+# -- ZeRO++ with hpZ inside groups of 2 nodes x 2 (8 ranks) ----------------------------------------------
+
+ZEROPP_ALL = {"zero_quantized_weights": True, "zero_quantized_gradients": True, "zero_hpz_partition_size": 2,
+              "zero_quantized_weight_deltas": True}
+
+
+def zeropp_group(rank, world):
+    topo = topology_from_env(2).group_topology(2).build_groups() if world == 8 else topology_from_env(2)
+    engine = build(topo, ZEROPP_ALL)
+    sd = train(engine, batches(3, topo.world_size), topo.rank)
+    return sd, engine.comm.stats.intra_node_bytes, engine.comm.stats.inter_node_bytes
+
+
+@pytest.mark.slow
+def test_group_engine_with_every_zeropp_switch_trains_as_alone():
+    groups = run_distributed(zeropp_group, world_size=8)
+    alone = run_distributed(zeropp_group, world_size=4)
+    for rank, (sd, intra, inter) in enumerate(groups):
+        ref = alone[rank % 4]
+        assert all(torch.equal(sd[k], v) for k, v in ref[0].items())
+        assert (intra, inter) == ref[1:] and inter > 0

@@ -1,0 +1,85 @@
+"""The outer synchronization's command line (--outer-*, --group-size) and its wiring: the
+engine of each group runs over its own ranks (parallel/topology.py `group_topology`) and
+synchronizes across the groups (zeropp/diloco.py)."""
+from __future__ import annotations
+
+import os
+
+from common import ConfigError
+from parallel.comm import Communicator
+from parallel.launch import print_rank0
+from parallel.topology import Topology
+from zeropp.collectives.partition import Partition
+from zeropp.diloco import KEY, PHASE, OuterSettings, attach
+
+OUTER_FLAGS = ("outer_lr", "outer_momentum", "outer_fragments", "outer_quantization", "no_outer_overlap",
+               "group_size")
+
+
+def check_outer_args(args, flag):
+    """One line per bad input, before any work; `flag(args, dest, value)` names a flag."""
+    if args.outer_sync_interval is None:
+        given = [flag(args, d) for d in OUTER_FLAGS if d in args.explicit]
+        if given:
+            raise ConfigError(f"{', '.join(given)} has no effect without --outer-sync-interval; add "
+                              f"--outer-sync-interval H (e.g. 64) or drop it")
+        return
+    H = flag(args, "outer_sync_interval", args.outer_sync_interval)
+    if getattr(args, "sharding", "zero") != "zero":   # the outer loop steps this application's fp32 masters
+        raise ConfigError(f"{H} runs this application's engine in each group; drop --sharding {args.sharding}")
+    stage = args.ds_config.zero_optimization.stage
+    if stage != 3:
+        raise ConfigError(f"{H} runs ZeRO-3 (or ZeRO++) inside each group, and this run is ZeRO stage {stage}; "
+                          f"pass --zero-stage 3")
+    if args.ds_config.zero_optimization.auto_switches():   # the link probe measures the job, not a group
+        raise ConfigError(f"--zeropp auto does not choose for {H} yet; set the ZeRO++ switches yourself")
+    if args.no_load_optim:   # the outer state would keep the weights from before the load
+        raise ConfigError(f"--no-load-optim does not reset the outer state of {H} yet; drop it")
+    if args.outer_fragments > args.num_layers:
+        raise ConfigError(f"{flag(args, 'outer_fragments', args.outer_fragments)} exceeds the "
+                          f"{args.num_layers} layers (a fragment is a run of layers); pass at most {args.num_layers}")
+    if args.dry_run:   # the planner checks the groups against --cluster (planner/outer.py)
+        return
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    per_node = args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    nodes, size = world // per_node, args.group_size
+    if nodes % size:
+        raise ConfigError(f"{flag(args, 'group_size', size)} must divide the {nodes} node(s) of {per_node} rank(s); "
+                          f"pass a divisor of {nodes}")
+    if size * per_node < 2:
+        raise ConfigError(f"{flag(args, 'group_size', size)} makes groups of one rank (nodes of {per_node}); "
+                          f"ZeRO-3 needs 2+ ranks a group: pass a larger --group-size or more --ranks-per-node")
+
+
+def engine_comm(args, topology: Topology) -> Communicator:
+    """The communicator of this rank's engine: over its group in the outer mode, else the job."""
+    if args.outer_sync_interval is None:
+        return Communicator(topology)
+    return Communicator(topology.group_topology(args.group_size).build_groups())
+
+
+def attach_outer(args, engine):
+    """The outer loop on `engine`, exchanging with the same rank of every other group (the group
+    holding the same shard); nothing without --outer-sync-interval."""
+    if args.outer_sync_interval is None:
+        return None
+    group = engine.comm.topology
+    cross = Partition(group=group.across_group, size=group.groups, rank=group.offset // group.world_size)
+    settings = OuterSettings(args.outer_sync_interval, args.outer_lr, args.outer_momentum, args.outer_fragments,
+                             args.outer_quantization, overlap=not args.no_outer_overlap)
+    print_rank0(f"> outer synchronization: {group.groups} groups of {group.num_nodes} node(s) x "
+                f"{group.ranks_per_node} ranks, each its own engine; every {settings.interval} inner steps in "
+                f"{settings.fragments} fragment(s), outer lr {settings.lr}, Nesterov momentum {settings.momentum}, "
+                f"{settings.quantization} outer gradients, overlap {'on' if settings.overlap else 'off'}")
+    return attach(engine, cross, settings)
+
+
+def outer_fields(engine, stats, iterations: int) -> dict:
+    """The log line's outer fields (none when the mode is off): exchanges applied so far, this
+    rank's bytes across groups per iteration, and its shard's RMS distance between its group's
+    parameters and the mean over the groups at the last exchange."""
+    sync = engine.parts.carried.get(KEY) if hasattr(engine, "parts") else None
+    if sync is None:
+        return {}
+    inter = stats.by_phase[PHASE][1] if PHASE in stats.by_phase else 0
+    return {"outer_steps": sync.outer_steps, "cross_group_mb": inter / iterations / 2**20, "outer_drift": sync.drift}
