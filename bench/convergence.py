@@ -282,6 +282,7 @@ def main(argv=None):
     p.add_argument("--sharding", choices=["zero", "fsdp2"], default="zero",
                    help="fsdp2: both runs on torch's FSDP2 (train.py --sharding fsdp2), the candidate with the "
                         "ZeRO++ plug-in; runs named FSDP2 and FSDP2 + ZeRO++")
+    p.add_argument("--names", default=None, help="the two runs' names, baseline first: e.g. 'ZeRO-3,DiLoCo H=16'")
     p.add_argument("--tolerance", type=float, default=TOLERANCE,
                    help="the criterion: |candidate / baseline final validation loss - 1| (default %(default)s)")
     p.add_argument("--timeout", type=float, default=None,
@@ -310,7 +311,7 @@ def main(argv=None):
     out_dir.mkdir(parents=True, exist_ok=True)
 
     base_config(scratch)
-    B, C = FSDP2_NAMES if a.sharding == "fsdp2" else NAMES
+    B, C = a.names.split(",") if a.names else FSDP2_NAMES if a.sharding == "fsdp2" else NAMES
     sharding = ["--sharding", a.sharding] if a.sharding != "zero" else []
     variants = [(B, ZERO3_FLAGS + sharding, a.seed)]
     if not a.baseline_only:
@@ -351,6 +352,7 @@ def main(argv=None):
                   + (f" --seed {a.seed}" if a.seed != 1234 else "")
                   + (f" --sharding {a.sharding} --zeropp-flags {shlex.quote(a.zeropp_flags)}" if a.sharding != "zero" else "")
                   + (f" --tolerance {a.tolerance}" if a.tolerance != TOLERANCE else "")
+                  + (f" --names {shlex.quote(a.names)} --zeropp-flags {shlex.quote(a.zeropp_flags)}" if a.names else "")
                   + (f" --persistence-threshold {a.persistence_threshold}" if a.persistence_threshold is not None
                      else ""))
     setup = {"invocation": invocation, "names": [B, C], "tolerance": a.tolerance, "sharding": a.sharding,
