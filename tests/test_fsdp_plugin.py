@@ -80,14 +80,14 @@ def test_hpz_alone_is_fsdp2_bit_for_bit_and_backward_gathers_stay_in_node(bf16):
 
 
 # -- error bounds where quantized ----------------------------------------------------------------
-def comms_against_exact(rank, world):
+def comms_against_exact(rank, world, ranks_per_node):
     """The plug-in's comms called as FSDP2 calls them, on rows every rank can rebuild."""
     import torch.nn.functional as F
 
     from parallel.topology import topology_from_env
     from zeropp.config import ZeroConfig
     from zeropp.fsdp import ModuleReduce, NodeAwareGather, ZeroPP
-    topo = topology_from_env(2)
+    topo = topology_from_env(ranks_per_node)
     zero = ZeroConfig(stage=3, zero_quantized_weights=True, zero_quantized_gradients=True)
     plugin = ZeroPP(topo, zero, torch.device("cpu"), overlap=False, max_inflight=2)
     g = torch.Generator().manual_seed(7)
@@ -105,14 +105,15 @@ def comms_against_exact(rank, world):
     reduce(mine, rows[rank].clone().view(-1), dist.group.WORLD, dist.ReduceOp.SUM)
     sent = rows[:, rank]
     exact = sent.sum(0)
-    bound = int4_bound(sent, 2, 2, plugin.reduction.block_size)
+    bound = int4_bound(sent, world // ranks_per_node, ranks_per_node, plugin.reduction.block_size)
     out["int4_worst"] = float(((mine - exact).abs() / (bound + 1e-6)).max())
     out["changed"] = not torch.equal(mine, exact) and not torch.equal(gathered.view(world, total), every)
     return out
 
 
-def test_quantized_comms_within_the_engines_int8_and_int4_bounds():
-    for r in run_distributed(comms_against_exact, 4):
+@pytest.mark.parametrize("world, ranks_per_node", [(4, 2), (6, 2)], ids=["2x2", "3x2"])
+def test_quantized_comms_within_the_engines_int8_and_int4_bounds(world, ranks_per_node):
+    for r in run_distributed(comms_against_exact, world, args=(ranks_per_node,)):
         assert r["int8_worst"] <= 1.0 and r["int4_worst"] <= 1.0 and r["changed"], r
 
 
