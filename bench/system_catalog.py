@@ -24,7 +24,7 @@ FSDP2_PLAIN = ("fsdp2", "fsdp2-hpz")
 # FSDP2 + our plug-in (zeropp/fsdp.py apply_zeropp): its switches per row; each row's
 # MixedPrecisionPolicy in bf16 is FSDP2_PLUGIN_REDUCE_DTYPE's (bench/peer_systems.py).
 _OFF = dict(quantized_weights=False, hpz=False, quantized_gradients=False, loco=False)
-FSDP2_PLUGIN = {"fsdp2+qwz": {**_OFF, "quantized_weights": True}, "fsdp2+hpz": {**_OFF, "hpz": True},
+FSDP2_PLUGIN = {"fsdp2+overlap": dict(_OFF), "fsdp2+qwz": {**_OFF, "quantized_weights": True}, "fsdp2+hpz": {**_OFF, "hpz": True},
                 "fsdp2+qgz": {**_OFF, "quantized_gradients": True},
                 "fsdp2+loco": {**_OFF, "quantized_gradients": True, "loco": True},
                 "fsdp2+zeropp": dict(quantized_weights=True, hpz=True, quantized_gradients=True, loco=True)}
@@ -52,7 +52,7 @@ LABELS = {"ddp": "ours stage 0 (DDPEngine)", "zero1": "ours ZeRO-1", "zero2": "o
           "deepspeed-z3-hpz": "DeepSpeed ZeRO-3 + hpZ (reuse 0)",
           "zeropp-loco": "ours ZeRO++ + LoCo", "zeropp-deltas": "ours ZeRO++ + INT4 weight deltas",
           "zeropp-loco-deltas": "ours ZeRO++ + LoCo + deltas",
-          "fsdp2+qwz": "FSDP2 + plug-in qwZ", "fsdp2+hpz": "FSDP2 + plug-in hpZ", "fsdp2+qgz": "FSDP2 + plug-in qgZ",
+          "fsdp2+overlap": "FSDP2 + plug-in, no technique (its CPU overlap)", "fsdp2+qwz": "FSDP2 + plug-in qwZ", "fsdp2+hpz": "FSDP2 + plug-in hpZ", "fsdp2+qgz": "FSDP2 + plug-in qgZ",
           "fsdp2+loco": "FSDP2 + plug-in qgZ+LoCo", "fsdp2+zeropp": "FSDP2 + plug-in qwZ+hpZ+qgZ+LoCo"}
 PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's default stage3_param_persistence_threshold (1e5)
 # The "reuse 0" rows: weights released after forward, gathered again in backward (reuse distance 0),

@@ -164,7 +164,8 @@ def timed_loop(rank, world, sysd, a, hook=None):
         hook("end")
     counted = sysd["counted"]() if "counted" in sysd else None
     intercepted = {"bytes": COUNTER.bytes, "inter_bytes": COUNTER.inter_bytes, "calls": COUNTER.calls,
-                   "by_op": dict(COUNTER.by_op), "calls_by_op": dict(COUNTER.calls_by_op)}
+                   "by_op": dict(COUNTER.by_op), "calls_by_op": dict(COUNTER.calls_by_op),
+                   "seconds_by_op": dict(COUNTER.seconds_by_op)}
     # One step's time is its slowest rank's; the loss is the mean over ranks.
     t = torch.tensor(times, dtype=torch.float64)
     l = torch.tensor(losses, dtype=torch.float64)
