@@ -9,13 +9,15 @@ Per system (--repeats passes, odd ones in reverse order; medians over the passes
 main thread spent inside the call (bench/dist_counter.py; plain FSDP2 on CPU issues every
 collective synchronously, so that is the time it is blocked), and for systems on our
 Communicator the ms blocked in Work.wait() by phase (their collectives are asynchronous).
-Compute = step - blocked. Then each collective alone on a transformer block's gradient
+Compute = step - blocked; beside it the CPU time each rank used per step (all its threads:
+a rank that waits for the others uses none). Then each collective alone on a transformer block's gradient
 (bf16, 4 ranks): gloo's reduce_scatter_tensor against all_reduce and all_to_all_single.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import resource
 import os
 import statistics
 import time
@@ -38,13 +40,17 @@ def rank_of_system(rank, world, system, a):
 
     def hook(event):
         waits[event] = dict(comm.wait_seconds) if comm is not None else {}
+        use = resource.getrusage(resource.RUSAGE_SELF)
+        waits[event + "_cpu"] = use.ru_utime + use.ru_stime   # every thread of the rank
     res = timed_loop(rank, world, sysd, a, hook=hook)
+    cpu = waits.pop("end_cpu") - waits.pop("start_cpu")
     dist.barrier()
     n = a["steps"]
     return {"step_ms": [1000 * t for t in res["step_times_s"][a["warmup"]:]],
             "in_call_ms": {k: 1000 * v / n for k, v in res["intercepted"]["seconds_by_op"].items()},
             "calls": {k: v / n for k, v in res["intercepted"]["calls_by_op"].items()},
-            "wait_ms": {k: 1000 * (v - waits["start"].get(k, 0.0)) / n for k, v in waits["end"].items()}}
+            "wait_ms": {k: 1000 * (v - waits["start"].get(k, 0.0)) / n for k, v in waits["end"].items()},
+            "cpu_ms": 1000 * cpu / n}
 
 
 def rank_of_collectives(rank, world, numel, reps):
@@ -100,7 +106,8 @@ def main(argv=None):
                                 for k in sorted({k for r in res for k in r[key]})}   # noqa: B023
             passes[s].append({"step_ms": statistics.median(res[0]["step_ms"]),   # each step: its slowest rank's
                               "in_call_ms": mean("in_call_ms"), "wait_ms": mean("wait_ms"),
-                              "calls_per_step_rank0": res[0]["calls"]})
+                              "calls_per_step_rank0": res[0]["calls"],
+                              "cpu_ms": statistics.mean(r["cpu_ms"] for r in res)})
     rows = {}
     for s, got in passes.items():
         if not got:
@@ -110,7 +117,8 @@ def main(argv=None):
         rows[s] = {"label": LABELS.get(s, s), "step_ms": statistics.median(g["step_ms"] for g in got),
                    "step_ms_passes": [g["step_ms"] for g in got], "in_call_ms": med("in_call_ms"),
                    "wait_ms": med("wait_ms"), "calls_per_step_rank0": got[0]["calls_per_step_rank0"],
-                   "blocked_ms_passes": [sum((g["wait_ms"] or g["in_call_ms"]).values()) for g in got]}
+                   "blocked_ms_passes": [sum((g["wait_ms"] or g["in_call_ms"]).values()) for g in got],
+                   "cpu_ms": statistics.median(g["cpu_ms"] for g in got)}
     block = sum(q.numel() for q in make_model(a, meta=True).blocks[0].parameters())
     numel = -(-block // 4) * 4
     coll, err = spawn_ranks(rank_of_collectives, 4, args=(numel, args.reps), env=env, timeout=600)
@@ -127,7 +135,8 @@ def main(argv=None):
         r["blocked_ms"], r["compute_ms"] = blocked, r["step_ms"] - blocked
         print(f"{r['label']}: step {r['step_ms']:.0f} ms (passes: "
               + ", ".join(f"{t:.0f}" for t in r["step_ms_passes"]) + f"), blocked in collectives {blocked:.0f} ms "
-              f"({100 * blocked / r['step_ms']:.0f}%), the rest {r['step_ms'] - blocked:.0f} ms")
+              f"({100 * blocked / r['step_ms']:.0f}%), the rest {r['step_ms'] - blocked:.0f} ms; CPU time per rank "
+              f"(all its threads) {r['cpu_ms']:.0f} ms/step")
         print("   inside torch.distributed calls, ms/step: "
               + ", ".join(f"{k} {v:.0f} ({r['calls_per_step_rank0'].get(k, 0):.0f} calls)"
                           for k, v in r["in_call_ms"].items()))
