@@ -3,11 +3,13 @@ through our Communicator (FSDP2, DeepSpeed) and as a cross-check of it: every
 collective call and the bytes it puts on the wire, charged with the same ring
 model as parallel/comm.py (wire_bytes): all-gather / reduce-scatter (n-1) x S,
 all-reduce 2 (n-1) S / n, broadcast S except the last of the chain, all-to-all
-(n-1) S / n. `COUNTER.install()` wraps torch.distributed's functions (before
-DeepSpeed binds them)."""
+(n-1) S / n. Also the seconds spent inside each outermost call (a synchronous
+collective: the time blocked in it). `COUNTER.install()` wraps torch.distributed's
+functions (before DeepSpeed binds them)."""
 from __future__ import annotations
 
 import threading
+import time
 
 import torch.distributed as dist
 
@@ -35,6 +37,7 @@ class DistCounter:
         self.calls = 0
         self.by_op: dict[str, int] = {}        # torch.distributed function -> bytes
         self.calls_by_op: dict[str, int] = {}  # torch.distributed function -> calls
+        self.seconds_by_op: dict[str, float] = {}  # torch.distributed function -> seconds inside it
 
     @staticmethod
     def _nb(t):
@@ -98,10 +101,13 @@ class DistCounter:
                 except Exception:  # never let accounting break the run
                     pass
             counter._local.depth = depth + 1
+            t0 = time.perf_counter()
             try:
                 return fn(*args, **kw)
             finally:
                 counter._local.depth = depth
+                if counter.enabled and depth == 0:
+                    counter.seconds_by_op[name] = counter.seconds_by_op.get(name, 0.0) + time.perf_counter() - t0
         wrapped.__wrapped__ = fn
         return wrapped
 

@@ -1,11 +1,11 @@
 """The peers our systems are compared with (bench/zero_systems.py builds them): a plain
-PyTorch loop, PyTorch FSDP2 and DeepSpeed, each set up on this rank with the same model,
+PyTorch loop, PyTorch FSDP2 (alone and with our plug-in) and DeepSpeed, each set up on this rank with the same model,
 data and AdamW; each returns its step functions (`fwd_bwd`, `opt_step`, `mem`)."""
 from __future__ import annotations
 
 import torch
 
-from bench.system_catalog import DEEPSPEED, OPTIM, bf16, make_model, ranks_per_node, zero_section
+from bench.system_catalog import DEEPSPEED, FSDP2_PLUGIN, OPTIM, bf16, make_model, ranks_per_node, zero_section
 
 
 def torch_adamw(params):
@@ -54,7 +54,7 @@ def torch_loop(model):
         return {"model_state_bytes": p + g + o,
                 "model_state_by_kind": {"parameters": p, "gradients": g, "optimizer": o}}
 
-    return dict(fwd_bwd=fwd_bwd, opt_step=opt_step, mem=mem)
+    return dict(fwd_bwd=fwd_bwd, opt_step=opt_step, mem=mem, opt=opt)
 
 
 def setup_plain(a, world):
@@ -66,18 +66,35 @@ def setup_fsdp2(a, world, system="fsdp2"):
     all with reshard_after_forward=True (the root's default would keep wte/wpe/ln_f from
     forward to backward): every weight is re-gathered, as in our reuse-0 row. "fsdp2-hpz":
     reshard_after_forward = ranks per node, backward gathers inside the node (its hpZ).
-    bf16: MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16) over fp32 masters."""
+    "fsdp2+...": the same, then our plug-in (zeropp.fsdp.apply_zeropp) with the row's
+    switches (FSDP2_PLUGIN), attached to the optimizer; its Communicator's counts are the row's.
+    bf16: MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=plugin_reduce_dtype(system))
+    over fp32 masters."""
     from torch.distributed.fsdp import fully_shard
     kw = {}
     if bf16(a):
         from torch.distributed.fsdp import MixedPrecisionPolicy
-        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=plugin_reduce_dtype(system))
     reshard = ranks_per_node(a) if system == "fsdp2-hpz" else True
     model = make_model(a)
     for block in model.blocks:
         fully_shard(block, reshard_after_forward=reshard, **kw)
     fully_shard(model, reshard_after_forward=reshard, **kw)
-    return torch_loop(model)
+    sysd = torch_loop(model)
+    if system in FSDP2_PLUGIN:
+        from zeropp.fsdp import apply_zeropp
+        sysd["comm"] = apply_zeropp(model, ranks_per_node(a), **FSDP2_PLUGIN[system]).attach(sysd["opt"]).comm
+    return sysd
+
+
+def plugin_reduce_dtype(system: str) -> torch.dtype:
+    """The gradient reduction's dtype in bf16. Plain FSDP2 and the plug-in's rows without qgZ:
+    bf16 (half the bytes of an fp32 reduction on the wire). Rows with qgZ: fp32, INT4 on the
+    wire either way, and an fp32 result is what FSDP2 views as the fp32 masters' gradient
+    without a cast, which lets the plug-in complete the reduction later, under backward
+    (zeropp/fsdp.py ModuleReduce); a bf16 one it must complete at once."""
+    quantized = FSDP2_PLUGIN.get(system, {}).get("quantized_gradients")
+    return torch.float32 if quantized else torch.bfloat16
 
 
 def setup_deepspeed(a, system, world):

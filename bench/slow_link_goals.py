@@ -11,6 +11,8 @@ communication; under the table each goal next to its limit with PASS/FAIL.
 - goal 2: ZeRO++ / ZeRO-3 throughput unthrottled >= 0.90;
 - goal 3: auto / ZeRO-3 unthrottled >= 0.98, auto within 5% of the best fixed
   combination at every rate.
+- issue 26 (FSDP2 + our plug-in, every technique): >= 3x plain FSDP2 at 100 Mbit/s, >= 0.90x
+  our engine's ZeRO++ at 100 and 200 Mbit/s, >= 0.95x plain FSDP2 unthrottled.
 """
 from __future__ import annotations
 
@@ -28,6 +30,9 @@ STEP_OVER_BOUND_MAX = 1.15
 ZEROPP_OVER_ZERO3_MIN = 0.90
 AUTO_OVER_ZERO3_MIN = 0.98
 AUTO_OVER_BEST_MIN = 0.95
+# issue 26: (row, against, rates, at least)
+PLUGIN_GOALS = (("fsdp2+zeropp", "fsdp2", (100,), 3.0), ("fsdp2+zeropp", "zeropp-loco", (100, 200), 0.90),
+                ("fsdp2+zeropp", "zeropp", (100, 200), 0.90), ("fsdp2+zeropp", "fsdp2", (0,), 0.95))
 
 
 def busier_direction_bytes(row) -> float:
@@ -190,6 +195,15 @@ def goals(rows, rates, labels, rate_name):
                    + ", ".join(f"{b['value']:.2f}x at {rate_name(r)} (best {labels.get(b['best_fixed'], b['best_fixed'])})"
                                for r, b in best.items())
                    + f" (goal >= {AUTO_OVER_BEST_MIN} at every rate): {verdict(ok)}")
+    for row, other, at, least in PLUGIN_GOALS:
+        vals = {r: by[(row, r)]["samples_per_s"] / by[(other, r)]["samples_per_s"] for r in at
+                if (row, r) in by and (other, r) in by}
+        if vals:
+            ok = min(vals.values()) >= least
+            res.setdefault("plugin_goals", {})[f"{row}/{other}"] = {"values": vals, "least": least, "pass": ok}
+            out.append(f"Issue 26 {labels.get(row, row)} / {labels.get(other, other)} throughput: "
+                       + ", ".join(f"{v:.2f}x at {rate_name(r)}" for r, v in vals.items())
+                       + f" (goal >= {least:.2f}): {verdict(ok)}")
     for r in rates:  # what auto chose, its last log line (the choice, predicted), next to the measured step
         x = by.get((AUTO, r))
         for seg in (x or {}).get("auto") or []:

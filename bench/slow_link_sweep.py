@@ -136,6 +136,7 @@ def segment(run, a):
             "intercepted_calls_rank0": pr[0]["intercepted"]["calls"],
             "intercepted_by_op_rank0": pr[0]["intercepted"]["by_op"],
             "counted": (sum(x["counted"]["inter_bytes"] for x in pr) if pr[0].get("counted") else None),
+            "counted_source": pr[0].get("counted_source"),
             "counted_by_phase": ({k: sum(x["counted"]["inter_by_phase"].get(k, 0) for x in pr)
                                   for k in sorted({k for x in pr for k in x["counted"]["inter_by_phase"]})}
                                  if pr[0].get("counted") else None),
@@ -149,7 +150,7 @@ def segment(run, a):
 
 def summarize(system, rate, runs, a):
     """One row: the segments run at `rate` pooled (their timed steps together)."""
-    from bench.system_catalog import LABELS, OURS
+    from bench.system_catalog import LABELS
     world = 2 * RANKS_PER_NODE
     row = {"system": system, "label": LABELS.get(system, system), "rate_mbit": rate,
            "wall_s": sum(r["wall_s"] for r in runs)}
@@ -188,7 +189,7 @@ def summarize(system, rate, runs, a):
     row["intercepted_inter_bytes_per_step"] = tot("intercepted") / n
     row["intercepted_calls_per_step_rank0"] = tot("intercepted_calls_rank0") / n
     row["intercepted_by_op_rank0"] = {k: v / segs[0]["n"] for k, v in segs[0]["intercepted_by_op_rank0"].items()}
-    if system in OURS and segs[0]["counted"] is not None:
+    if segs[0]["counted_source"] == "Communicator" and segs[0]["counted"] is not None:   # ours, FSDP2 + plug-in
         row["counted_inter_bytes_per_step"] = tot("counted") / n
         row["counted_inter_by_phase_per_step"] = {k: v / segs[0]["n"] for k, v in segs[0]["counted_by_phase"].items()}
         row["counted_calls_per_step_rank0"] = tot("counted_calls_rank0") / n

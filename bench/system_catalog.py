@@ -20,16 +20,25 @@ OURS = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "zero3-reuse0": 3,
         "zeropp-deltas": 3, "zeropp-loco-deltas": 3}
 DEEPSPEED = {"deepspeed-z1": 1, "deepspeed-z2": 2, "deepspeed-z3": 3, "deepspeed-z3-reuse0": 3,
              "deepspeed-z3-hpz": 3}
-FSDP2 = ("fsdp2", "fsdp2-hpz")
+FSDP2_PLAIN = ("fsdp2", "fsdp2-hpz")
+# FSDP2 + our plug-in (zeropp/fsdp.py apply_zeropp): its switches per row; each row's
+# MixedPrecisionPolicy in bf16 is FSDP2_PLUGIN_REDUCE_DTYPE's (bench/peer_systems.py).
+_OFF = dict(quantized_weights=False, hpz=False, quantized_gradients=False, loco=False)
+FSDP2_PLUGIN = {"fsdp2+overlap": dict(_OFF), "fsdp2+qwz": {**_OFF, "quantized_weights": True}, "fsdp2+hpz": {**_OFF, "hpz": True},
+                "fsdp2+qgz": {**_OFF, "quantized_gradients": True},
+                "fsdp2+loco": {**_OFF, "quantized_gradients": True, "loco": True},
+                "fsdp2+zeropp": dict(quantized_weights=True, hpz=True, quantized_gradients=True, loco=True)}
+FSDP2 = FSDP2_PLAIN + tuple(FSDP2_PLUGIN)
 # Peers whose gradient reduce-scatter is torch's reduce_scatter_tensor, which ProcessGroupGloo runs
-# as a full all-reduce (twice a ring's bytes); ours send an all-to-all on gloo (zeropp/collectives/exact.py).
-GLOO_ALL_REDUCE_PEERS = FSDP2 + tuple(DEEPSPEED)
+# as a full all-reduce (twice a ring's bytes); ours (and the plug-in's) send an all-to-all on gloo
+# (zeropp/collectives/exact.py).
+GLOO_ALL_REDUCE_PEERS = FSDP2_PLAIN + tuple(DEEPSPEED)
 # bench/zero_bench.py's systems (one node); the ZeRO++ rows need several nodes: SLOW_LINK_SYSTEMS.
 ALL_SYSTEMS = ["ddp", "zero1", "zero2", "zero3", "zero3-reuse0", "fsdp2", "deepspeed-z1", "deepspeed-z2",
                "deepspeed-z3", "deepspeed-z3-reuse0"]
 SLOW_LINK_SYSTEMS = ["zero3-reuse0", "zero3", "zeropp-qwz", "zeropp-hpz", "zeropp-qgz", "zeropp", "auto",
                      "zeropp-loco", "zeropp-deltas", "zeropp-loco-deltas", "fsdp2",
-                     "fsdp2-hpz", "deepspeed-z3-reuse0", "deepspeed-z3-hpz"]
+                     "fsdp2-hpz", "deepspeed-z3-reuse0", "deepspeed-z3-hpz", *FSDP2_PLUGIN]
 DEFAULT_SYSTEMS = ["ddp", "zero1", "zero2", "zero3", "zero3-reuse0", "fsdp2", "deepspeed-z3"]
 WORLD1_SYSTEMS = ["plain", "ddp", "zero3"]
 LABELS = {"ddp": "ours stage 0 (DDPEngine)", "zero1": "ours ZeRO-1", "zero2": "ours ZeRO-2",
@@ -42,7 +51,9 @@ LABELS = {"ddp": "ours stage 0 (DDPEngine)", "zero1": "ours ZeRO-1", "zero2": "o
           "auto": "ours ZeRO++ auto (planner.auto)", "fsdp2-hpz": "PyTorch FSDP2 (reshard to node)",
           "deepspeed-z3-hpz": "DeepSpeed ZeRO-3 + hpZ (reuse 0)",
           "zeropp-loco": "ours ZeRO++ + LoCo", "zeropp-deltas": "ours ZeRO++ + INT4 weight deltas",
-          "zeropp-loco-deltas": "ours ZeRO++ + LoCo + deltas"}
+          "zeropp-loco-deltas": "ours ZeRO++ + LoCo + deltas",
+          "fsdp2+overlap": "FSDP2 + plug-in, no technique (its CPU overlap)", "fsdp2+qwz": "FSDP2 + plug-in qwZ", "fsdp2+hpz": "FSDP2 + plug-in hpZ", "fsdp2+qgz": "FSDP2 + plug-in qgZ",
+          "fsdp2+loco": "FSDP2 + plug-in qgZ+LoCo", "fsdp2+zeropp": "FSDP2 + plug-in qwZ+hpZ+qgZ+LoCo"}
 PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's default stage3_param_persistence_threshold (1e5)
 # The "reuse 0" rows: weights released after forward, gathered again in backward (reuse distance 0),
 # prefetch bucket 1/REUSE0_PREFETCH_FRACTION of the model; a["bucket_fraction"] (bench/slow_link.py):

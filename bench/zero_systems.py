@@ -59,6 +59,12 @@ def setup_ours(a, system, world, prepare=None):
                 "peaks": r.get("peaks", {}),
                 "memory_report": r}
 
+    return dict(fwd_bwd=fwd_bwd, opt_step=engine.step, mem=mem, **communicator_counts(comm))
+
+
+def communicator_counts(comm):
+    """`reset` and `counted` for a system whose collectives go through our Communicator `comm`
+    (our engine, FSDP2 + plug-in): its byte accounting, as the row's counted bytes."""
     def reset():
         comm.reset_stats()
 
@@ -71,8 +77,7 @@ def setup_ours(a, system, world, prepare=None):
                 "by_phase": {k: v[0] + v[1] for k, v in s.by_phase.items()},
                 "calls_by_phase": dict(s.calls)}
 
-    return dict(fwd_bwd=fwd_bwd, opt_step=engine.step, mem=mem, reset=reset, counted=counted,
-                counted_source="Communicator", comm=comm)
+    return dict(reset=reset, counted=counted, counted_source="Communicator", comm=comm)
 
 
 # --------------------------------------------------------------------------------------
@@ -91,6 +96,8 @@ def build_system(rank, world, system, a, prepare=None):
         sysd = setup_ours(a, system, world, prepare)
     elif system in FSDP2:
         sysd = setup_fsdp2(a, world, system)
+        if "comm" in sysd:   # FSDP2 + plug-in
+            sysd.update(communicator_counts(sysd["comm"]))
     elif system == "plain":
         sysd = setup_plain(a, world)
     else:
@@ -157,7 +164,8 @@ def timed_loop(rank, world, sysd, a, hook=None):
         hook("end")
     counted = sysd["counted"]() if "counted" in sysd else None
     intercepted = {"bytes": COUNTER.bytes, "inter_bytes": COUNTER.inter_bytes, "calls": COUNTER.calls,
-                   "by_op": dict(COUNTER.by_op), "calls_by_op": dict(COUNTER.calls_by_op)}
+                   "by_op": dict(COUNTER.by_op), "calls_by_op": dict(COUNTER.calls_by_op),
+                   "seconds_by_op": dict(COUNTER.seconds_by_op)}
     # One step's time is its slowest rank's; the loss is the mean over ranks.
     t = torch.tensor(times, dtype=torch.float64)
     l = torch.tensor(losses, dtype=torch.float64)
