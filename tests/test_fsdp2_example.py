@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 from tests.distributed import run_distributed
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fsdp2_zeropp.py"
@@ -22,6 +24,7 @@ def save_resume_and_straight(rank, world, ckpt):
     return first, resumed, straight
 
 
+@pytest.mark.slow   # ~20 s idle: tests/test_fsdp_plugin.py covers the same resume in the default suite
 def test_example_learns_and_resumes_from_dcp_exactly(tmp_path):
     for first, resumed, straight in run_distributed(save_resume_and_straight, 4, args=(str(tmp_path / "ckpt"),)):
         assert first + resumed == straight, (first, resumed, straight)

@@ -13,8 +13,9 @@ What it does, through FSDP2's public hooks (torch 2.13, `FSDPModule`):
   (zeropp/techniques/qwz.py); inside a node (hpZ's backward gather) exact.
 - `set_custom_reduce_scatter`, one per FSDP module (its error feedback is kept per module):
   qgZ's hierarchical INT4 reduction (zeropp/techniques/qgz.py), with LoCo's error feedback
-  (zeropp/techniques/loco.py) and optionally Hadamard smoothing; off, the exact reduction
-  (on gloo an all-to-all: a ring's bytes, where gloo's reduce-scatter is an all-reduce).
+  (zeropp/techniques/loco.py) and optionally Hadamard smoothing; off, FSDP2's own
+  reduce-scatter, counted (so hpZ alone gives FSDP2's bits; on gloo that reduce-scatter runs as
+  an all-reduce, twice a ring's bytes, where the engine's exact reduction sends an all-to-all).
 - hpZ: after forward each module keeps its weights sharded over the ranks of its node
   (FSDP2's `reshard_after_forward=<ranks per node>`), so backward gathers inside the node.
   torch 2.13's `set_reshard_after_forward` takes only a bool, so `_reshard_within_node` sets
