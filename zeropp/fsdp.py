@@ -45,7 +45,7 @@ from zeropp.collectives.exact import ShardGather
 from zeropp.collectives.partition import Partition, as_dcp
 from zeropp.config import LocoConfig, ZeroConfig
 
-STATE_KEYS = ("layout", "reductions")   # the scalar state `state_dict` saves beside the errors
+PREFETCH = 2   # units whose forward gathers a unit issues ahead (CPU: FSDP2 has no streams there)
 
 
 class PluginError(ConfigError):
@@ -280,9 +280,11 @@ def apply_zeropp(model: torch.nn.Module, topology: Topology | int | None = None,
         totals[key] = sum(_shard_numel(p, topology.world_size) for p in params)
     if overlap and device.type == "cpu":   # on CUDA FSDP2 overlaps through its streams
         model._set_unshard_async_op(True)
-        blocks = [m for m in modules if m is not model]
-        for here, after in zip(blocks, blocks[1:]):
-            here.set_modules_to_forward_prefetch([after])
+        # each unit (the root first) issues the gathers of the next PREFETCH units: on a slow link
+        # the forward is link-bound, and one ahead leaves the link idle while the next is quantized
+        order = [model] + [m for m in modules if m is not model]
+        for i, here in enumerate(order[:-1]):
+            here.set_modules_to_forward_prefetch(order[i + 1:i + 1 + PREFETCH])
     if plugin.reduction is not None:
         plugin.reduction.expect(totals, topology, device)
     if hpz and 1 < topology.ranks_per_node < topology.world_size:
