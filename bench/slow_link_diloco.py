@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -85,7 +86,11 @@ def main(argv=None):
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--setup-timeout", type=float, default=300)
     p.add_argument("--out", default=str(RESULTS / "slow_link_diloco.json"))
+    p.add_argument("--from-json", default=None, help="run nothing: render this results file again into --out")
     args = p.parse_args(argv)
+    if args.from_json:
+        render(json.loads(Path(args.from_json).read_text()), Path(args.out))
+        return 0
     if os.geteuid() != 0:
         print("slow_link_diloco: SKIPPED (not root): the emulated link needs network namespaces")
         return 0
@@ -101,8 +106,9 @@ def main(argv=None):
          "seq": args.seq, "micro_batch": args.micro_batch, "warmup": args.warmup, "steps": args.steps,
          "seed": 1234, "dtype": args.dtype, "ranks_per_node": 2, "repeats": 1, "bucket_fraction": 8,
          "profile": False}
-    steps_at = dict(x.split(":") for x in args.steps_at.split(",") if x)
+    steps_at = {r: int(n) for r, n in (x.split(":") for x in args.steps_at.split(",") if x)}
     logdir = Path(tempfile.mkdtemp(prefix="slow_link_diloco_"))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # the namespaces go in `finally`
     t0, port, rows, search = time.monotonic(), 29600, [], []
     uptime = [sh("uptime").stdout.strip()]
     try:
@@ -187,7 +193,7 @@ def render(report, out: Path):
             f"torch CPU capability {v.get('cpu_capability')}, {v.get('cpus')} cores.",
             f"Timed: per-step systems {c['warmup']} warm-up + {c['steps']} steps (at "
             + ", ".join(f"{k} Mbit/s: {n}" for k, n in c["steps_at"].items())
-            + "), median step; DiLoCo {c['warmup']} warm-up + {c['cycles']} x H inner steps, samples/s over the "
+            + f"), median step; DiLoCo {c['warmup']} warm-up + {c['cycles']} x H inner steps, samples/s over the "
             f"whole timed window (outer exchanges included).",
             f"Fragments at {c['fragments_rate']} Mbit/s, H = 16: {fr} -> F = {c['best_fragments']}.",
             "Load (uptime) at the start and after each system: " + " | ".join(report["uptime"]), "",
