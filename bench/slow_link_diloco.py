@@ -136,8 +136,8 @@ def main(argv=None):
               "versions": versions(), "uptime": uptime, "fragment_search": search, "results": rows,
               "command": " ".join([sys.executable, "-m", "bench.slow_link_diloco"] + (argv or sys.argv[1:])),
               "wall_s": time.monotonic() - t0}
-    H0 = outer_interval(args.diloco.split(",")[0])
-    report["planner_20mbit"] = {"H": H0, "F": best, "line": predicted_step(a, H0, best, 20, args.tokenizer_model)}
+    report["planner_20mbit"] = [{"H": H, "F": best, "line": predicted_step(a, H, best, 20, args.tokenizer_model)}
+                                for H in map(outer_interval, args.diloco.split(","))]
     render(report, Path(args.out))
     Path(args.out).with_suffix(".partial.json").unlink(missing_ok=True)
     return 0
@@ -197,16 +197,18 @@ def render(report, out: Path):
             f"whole timed window (outer exchanges included).",
             f"Fragments at {c['fragments_rate']} Mbit/s, H = 16: {fr} -> F = {c['best_fragments']}.",
             "Load (uptime) at the start and after each system: " + " | ".join(report["uptime"]), "",
-            fmt_table(hdr, lines), "", *goals, "",
-            f"Planner (--dry-run, 20 Mbit/s, H = {report['planner_20mbit']['H']}, F = {report['planner_20mbit']['F']}):"
-            f" {report['planner_20mbit']['line']}"]
-    m = by.get((f"diloco-h{report['planner_20mbit']['H']}", 20))
-    if m:
-        text.append(f"Measured at 20 Mbit/s: {ms(m):.0f} ms per inner step "
-                    f"(window mean), {m['step_ms_median']:.0f} ms median")
+            fmt_table(hdr, lines), "", *goals, ""]
+    plans = []
+    for plan in report["planner_20mbit"]:   # predicted, then measured, one line each
+        plans.append(f"Planner (--dry-run, 20 Mbit/s, H = {plan['H']}, F = {plan['F']}): {plan['line']}")
+        m = by.get((f"diloco-h{plan['H']}", 20))
+        if m:
+            plans.append(f"Measured at 20 Mbit/s, H = {plan['H']}: {ms(m):.0f} ms per inner step (window mean), "
+                         f"{m['step_ms_median']:.0f} ms median")
+    text += plans
     print("\n".join(text), flush=True)
     out.write_text(json.dumps(report, indent=1, default=str))
-    md = text[:4] + ["", md_table(hdr, lines), ""] + [f"- {g}" for g in goals] + [""] + text[6 + len(goals) + 1:]
+    md = text[:4] + ["", md_table(hdr, lines), ""] + [f"- {g}" for g in goals] + [""] + [f"- {l}" for l in plans]
     out.with_suffix(".md").write_text("\n".join(md) + "\n")
 
 
