@@ -115,7 +115,8 @@ def run_system(system: str, rates: list[int], a: dict, port: int, setup_timeout:
 def segment(run, a):
     """The numbers of one timed segment (one rate, once), from the ranks' results."""
     pr = run["per_rank"]
-    n, w = a["steps"], a["warmup"]
+    w = a["warmup"]
+    n = len(pr[0]["step_times_s"]) - w   # a["steps"], or a["steps_at"] for this rate
     # The link: node A's local rank 0 read vA, node B's read vB (tx of one end = rx of the other).
     heads = [x for x in pr if x["local_rank"] == 0]
     a_end = next(x for x in heads if x["ifname"] == IF[0])
@@ -170,6 +171,10 @@ def summarize(system, rate, runs, a):
                step_ms_all=[[1000 * t for t in sg["all_times"]] for sg in segs],
                timed_steps=n, segments=len(segs),
                samples_per_s=world * a["micro_batch"] / med,
+               step_ms_mean=1000 * statistics.mean(times),
+               # over the timed windows' wall time: with the per-step barriers, and an exchange that
+               # overlaps steps (DiLoCo) wherever it delays them
+               samples_per_s_window=world * a["micro_batch"] * n / sum(sg["window"] for sg in segs),
                tokens_per_s=world * a["micro_batch"] * a["seq"] / med,
                loss_first=segs[0]["losses"][0], losses=[sg["losses"] for sg in segs],
                peak_rss_mb=max(sg["peak_rss_mb"] for sg in segs),

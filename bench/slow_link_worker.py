@@ -110,7 +110,8 @@ def main():
                     waits[event] = dict(getattr(comm, "wait_seconds", None) or {})
                 dist.barrier()
 
-            res = timed_loop(rank, world, sysd, a, hook=hook)
+            steps = (a.get("steps_at") or {}).get(str(rate), a["steps"])   # fewer where a step is slow
+            res = timed_loop(rank, world, sysd, {**a, "steps": steps}, hook=hook)
             # Calibration: bytes one barrier puts on the link, and the idle rate.
             calib = {}
             if local_rank == 0:

@@ -15,9 +15,13 @@ ZEROPP = {"zeropp-qwz": ("qwz",), "zeropp-hpz": ("hpz",), "zeropp-qgz": ("qgz",)
           "zeropp": ("qwz", "hpz", "qgz"), "deepspeed-z3-hpz": ("hpz",), "auto": ("auto",),
           "zeropp-loco": ("qwz", "hpz", "qgz", "loco"), "zeropp-deltas": ("qwz", "hpz", "qgz", "deltas"),
           "zeropp-loco-deltas": ("qwz", "hpz", "qgz", "loco", "deltas")}
+# Streaming DiLoCo rows (zeropp/diloco.py), "diloco-h<H>": a group per node, each running the "zero3"
+# row's engine, exchanging every H inner steps; fragments and quantization from a["outer_fragments"]
+# (default 1) and a["outer_quantization"] (default int4). Built as train.py builds it (training/outer.py).
+DILOCO = ("diloco-h16", "diloco-h64")
 OURS = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "zero3-reuse0": 3,
         "zeropp-qwz": 3, "zeropp-hpz": 3, "zeropp-qgz": 3, "zeropp": 3, "auto": 3, "zeropp-loco": 3,
-        "zeropp-deltas": 3, "zeropp-loco-deltas": 3}
+        "zeropp-deltas": 3, "zeropp-loco-deltas": 3, **dict.fromkeys(DILOCO, 3)}
 DEEPSPEED = {"deepspeed-z1": 1, "deepspeed-z2": 2, "deepspeed-z3": 3, "deepspeed-z3-reuse0": 3,
              "deepspeed-z3-hpz": 3}
 FSDP2_PLAIN = ("fsdp2", "fsdp2-hpz")
@@ -29,16 +33,17 @@ FSDP2_PLUGIN = {"fsdp2+overlap": dict(_OFF), "fsdp2+qwz": {**_OFF, "quantized_we
                 "fsdp2+loco": {**_OFF, "quantized_gradients": True, "loco": True},
                 "fsdp2+zeropp": dict(quantized_weights=True, hpz=True, quantized_gradients=True, loco=True)}
 FSDP2 = FSDP2_PLAIN + tuple(FSDP2_PLUGIN)
-# Peers whose gradient reduce-scatter is torch's reduce_scatter_tensor, which ProcessGroupGloo runs
-# as a full all-reduce (twice a ring's bytes); ours (and the plug-in's) send an all-to-all on gloo
-# (zeropp/collectives/exact.py).
-GLOO_ALL_REDUCE_PEERS = FSDP2_PLAIN + tuple(DEEPSPEED)
+# Rows whose gradient reduce-scatter is torch's reduce_scatter_tensor, which ProcessGroupGloo runs
+# as a full all-reduce (twice a ring's bytes): the peers, and the plug-in's rows without qgZ (it
+# leaves FSDP2's reduce-scatter); ours send an all-to-all on gloo (zeropp/collectives/exact.py).
+GLOO_ALL_REDUCE_PEERS = (FSDP2_PLAIN + tuple(k for k, v in FSDP2_PLUGIN.items() if not v["quantized_gradients"])
+                         + tuple(DEEPSPEED))
 # bench/zero_bench.py's systems (one node); the ZeRO++ rows need several nodes: SLOW_LINK_SYSTEMS.
 ALL_SYSTEMS = ["ddp", "zero1", "zero2", "zero3", "zero3-reuse0", "fsdp2", "deepspeed-z1", "deepspeed-z2",
                "deepspeed-z3", "deepspeed-z3-reuse0"]
 SLOW_LINK_SYSTEMS = ["zero3-reuse0", "zero3", "zeropp-qwz", "zeropp-hpz", "zeropp-qgz", "zeropp", "auto",
                      "zeropp-loco", "zeropp-deltas", "zeropp-loco-deltas", "fsdp2",
-                     "fsdp2-hpz", "deepspeed-z3-reuse0", "deepspeed-z3-hpz", *FSDP2_PLUGIN]
+                     "fsdp2-hpz", "deepspeed-z3-reuse0", "deepspeed-z3-hpz", *FSDP2_PLUGIN, *DILOCO]
 DEFAULT_SYSTEMS = ["ddp", "zero1", "zero2", "zero3", "zero3-reuse0", "fsdp2", "deepspeed-z3"]
 WORLD1_SYSTEMS = ["plain", "ddp", "zero3"]
 LABELS = {"ddp": "ours stage 0 (DDPEngine)", "zero1": "ours ZeRO-1", "zero2": "ours ZeRO-2",
@@ -53,7 +58,8 @@ LABELS = {"ddp": "ours stage 0 (DDPEngine)", "zero1": "ours ZeRO-1", "zero2": "o
           "zeropp-loco": "ours ZeRO++ + LoCo", "zeropp-deltas": "ours ZeRO++ + INT4 weight deltas",
           "zeropp-loco-deltas": "ours ZeRO++ + LoCo + deltas",
           "fsdp2+overlap": "FSDP2 + plug-in, no technique (its CPU overlap)", "fsdp2+qwz": "FSDP2 + plug-in qwZ", "fsdp2+hpz": "FSDP2 + plug-in hpZ", "fsdp2+qgz": "FSDP2 + plug-in qgZ",
-          "fsdp2+loco": "FSDP2 + plug-in qgZ+LoCo", "fsdp2+zeropp": "FSDP2 + plug-in qwZ+hpZ+qgZ+LoCo"}
+          "fsdp2+loco": "FSDP2 + plug-in qgZ+LoCo", "fsdp2+zeropp": "FSDP2 + plug-in qwZ+hpZ+qgZ+LoCo",
+          **{s: f"ours streaming DiLoCo H={s.rsplit('-h', 1)[1]}" for s in DILOCO}}
 PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's default stage3_param_persistence_threshold (1e5)
 # The "reuse 0" rows: weights released after forward, gathered again in backward (reuse distance 0),
 # prefetch bucket 1/REUSE0_PREFETCH_FRACTION of the model; a["bucket_fraction"] (bench/slow_link.py):
@@ -62,6 +68,19 @@ REUSE0 = ("zero3-reuse0", "deepspeed-z3-reuse0", "zeropp-qwz", "zeropp-hpz", "ze
           "deepspeed-z3-hpz", "auto", "zeropp-loco", "zeropp-deltas", "zeropp-loco-deltas")
 REUSE0_PREFETCH_FRACTION = 4
 OPTIM = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+
+
+def outer_interval(system: str) -> int | None:
+    """H of a DiLoCo row, else None."""
+    return int(system.rsplit("-h", 1)[1]) if system in DILOCO else None
+
+
+def outer_argv(system: str, a) -> list[str] | None:
+    """train.py's outer-synchronization flags of a DiLoCo row (None for the others)."""
+    if system not in DILOCO:
+        return None
+    return ["--outer-sync-interval", str(outer_interval(system)), "--outer-fragments",
+            str(a.get("outer_fragments", 1)), "--outer-quantization", a.get("outer_quantization", "int4")]
 
 
 def stage_of(system: str) -> int:

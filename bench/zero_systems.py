@@ -15,7 +15,17 @@ import torch.distributed as dist
 
 from bench.dist_counter import COUNTER
 from bench.peer_systems import setup_deepspeed, setup_fsdp2, setup_plain
-from bench.system_catalog import DEEPSPEED, FSDP2, OPTIM, OURS, bf16, make_batches, make_model, zero_section
+from bench.system_catalog import (
+    DEEPSPEED,
+    FSDP2,
+    OPTIM,
+    OURS,
+    bf16,
+    make_batches,
+    make_model,
+    outer_argv,
+    zero_section,
+)
 
 def rss_now_mb():
     with open("/proc/self/status") as f:
@@ -35,7 +45,14 @@ def setup_ours(a, system, world, prepare=None):
     raw = {"zero_optimization": zero_section(system, a)}
     if bf16(a):
         raw["bf16"] = {"enabled": True}
-    comm = Communicator(topology_from_env())
+    outer = outer_argv(system, a)
+    if outer is not None:   # a DiLoCo row: wired as train.py wires it
+        from training.flags import build_parser
+        from training.outer import attach_outer, engine_comm
+        outer = build_parser().parse_args(outer)
+        comm = engine_comm(outer, topology_from_env())
+    else:
+        comm = Communicator(topology_from_env())
     if prepare is not None:  # e.g. resolve "auto" switches (bench/slow_link_auto.py): dict or config
         raw = prepare(raw, comm)
     ds = raw if isinstance(raw, zeropp.DeepSpeedConfig) else zeropp.DeepSpeedConfig.from_dict(raw)
@@ -45,6 +62,8 @@ def setup_ours(a, system, world, prepare=None):
                                                         eps=OPTIM["eps"],
                                                         weight_decay=OPTIM["weight_decay"]),
                                gradient_accumulation_steps=1, param_init=model.init_parameter)
+    if outer is not None:
+        attach_outer(outer, engine)
 
     def fwd_bwd(x, y):
         loss = engine(x, y)

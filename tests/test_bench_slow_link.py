@@ -106,3 +106,14 @@ def test_link_time_bound_and_goals():
     hdr, table = row_table(rows + [{"system": "fsdp2", "rate_mbit": 200, "error": "x"}],
                            ["zero3-reuse0", "fsdp2"], [200, 0], {}, rate_name)
     assert [l[2] for l in table[2:]] == ["ERROR", "-"] and len(table[0]) == len(hdr)
+
+
+def test_diloco_rows_are_zero3_with_trains_outer_flags():
+    from bench.system_catalog import DILOCO, outer_argv
+    from training.flags import build_parser
+    for system in DILOCO:
+        assert zero_section(system, {**A, "bucket_fraction": 8}) == zero_section("zero3", {**A, "bucket_fraction": 8})
+        ns = build_parser().parse_args(outer_argv(system, {**A, "outer_fragments": 2}))
+        assert f"-h{ns.outer_sync_interval}" in system
+        assert (ns.outer_fragments, ns.outer_quantization, ns.group_size) == (2, "int4", 1)
+    assert outer_argv("zero3", A) is None
