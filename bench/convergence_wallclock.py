@@ -20,9 +20,13 @@ from pathlib import Path
 
 
 def step_ms(slow_link: dict, system: str, rate: int) -> float:
+    """The system's time per step at `rate`: over the whole timed window where the bench took one
+    (DiLoCo: its exchanges included), else the median step."""
     for r in slow_link["results"]:
         if r["system"] == system and r["rate_mbit"] == rate:
-            return r["step_ms_median"]
+            window = r.get("samples_per_s_window")
+            samples_per_step = r["samples_per_s"] * r["step_ms_median"] / 1000
+            return 1000 * samples_per_step / window if window else r["step_ms_median"]
     raise SystemExit(f"error: {system} at {rate} Mbit/s is not in the slow-link results; run it there first")
 
 
@@ -37,14 +41,15 @@ def main(argv=None):
     a = p.parse_args(argv)
     systems = dict(item.rsplit("=", 1) for item in a.run)
     link = json.loads(Path(a.slow_link).read_text())
-    rows, curves = [], []
+    rows, curves, seen = [], [], set()
     for path in a.convergence:
         data = json.loads(Path(path).read_text())
         setup = data["setup"]
         tokens_per_iter = setup["global_batch"] * setup["model"]["seq_length"]
         for name, run in data["runs"].items():
-            if name not in systems or run["error"]:
-                continue
+            if name not in systems or run["error"] or (name, setup["seed"]) in seen:
+                continue   # a baseline run in several files is drawn once
+            seen.add((name, setup["seed"]))
             ms = step_ms(link, systems[name], a.rate)
             val = run["validation"]
             curves.append({"name": name, "seed": setup["seed"],
@@ -58,7 +63,8 @@ def main(argv=None):
                                                     "convergence": a.convergence, "rows": rows,
                                                     "curves": curves}, indent=1) + "\n")
     md = [f"Validation loss against tokens and against wall-clock at {a.rate} Mbit/s (iterations x the "
-          f"median step measured on the emulated link, `{a.slow_link}`):", "",
+          f"step measured on the emulated link, over its whole timed window where the bench took one, "
+          f"`{a.slow_link}`):", "",
           "| run | seed | final val loss | tokens | step ms at the rate | hours for the run |", "|---|---|---|---|---|---|"]
     md += [f"| {r['run']} | {r['seed']} | {r['final_validation_loss']:.4f} | {r['tokens']:,} | "
            f"{r['step_ms_at_rate']:.0f} | {r['hours_at_rate']:.3f} |" for r in rows]
