@@ -225,6 +225,8 @@ def misuse(rank, world):
     fully_shard(model)
     out["topology"] = error(lambda: apply_zeropp(model, 3))
     out["loco_alone"] = error(lambda: apply_zeropp(model, 2, quantized_gradients=False, loco=True))
+    out["block"] = error(lambda: apply_zeropp(model, 2, weight_block_size=3))
+    out["beta"] = error(lambda: apply_zeropp(model, 2, loco=True, loco_beta=float("nan")))
     apply_zeropp(model, 2)
     out["twice"] = error(lambda: apply_zeropp(model, 2))
     return out
@@ -233,7 +235,9 @@ def misuse(rank, world):
 def test_misuse_is_one_clear_error():
     r = run_distributed(misuse, 4)[0]
     assert "call fully_shard(model) first" in r["unsharded"], r
-    assert "--ranks-per-node 3 must divide the world size 4" in r["topology"], r
+    assert "ranks per node (topology) 3 must divide the world size 4" in r["topology"], r
+    assert r["block"].startswith("apply_zeropp: weight_block_size must be a power of two"), r
+    assert r["beta"].startswith("apply_zeropp: loco_beta must be in [0, 1)") and "got nan" in r["beta"], r
     assert "set quantized_gradients=True" in r["loco_alone"], r
     assert "already applied" in r["twice"], r
     assert all("\n" not in v for v in r.values()), r

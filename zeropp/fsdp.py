@@ -266,8 +266,8 @@ def apply_zeropp(model: torch.nn.Module, topology: Topology | int | None = None,
                       zero_quantized_gradients_block_size=gradient_block_size)
     try:
         zero.validate("apply_zeropp")
-    except ConfigError as e:
-        raise PluginError(str(e)) from None
+    except ConfigError as e:   # the engine's key names, said as this call's arguments
+        raise PluginError(_argument_names(str(e))) from None
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
     device = next(model.parameters()).device
     plugin = ZeroPP(topology, zero, device, overlap, max_inflight_reductions, communicator)
@@ -293,6 +293,19 @@ def apply_zeropp(model: torch.nn.Module, topology: Topology | int | None = None,
     return plugin
 
 
+_ARGUMENTS = {"apply_zeropp.zero_quantized_weights_block_size": "apply_zeropp: weight_block_size",
+              "apply_zeropp.zero_quantized_gradients_block_size": "apply_zeropp: gradient_block_size",
+              "apply_zeropp.zeropp_loco_param.err_beta": "apply_zeropp: loco_beta",
+              "apply_zeropp.zeropp_loco_param.reset_T": "apply_zeropp: loco_reset_every",
+              "--ranks-per-node": "ranks per node (topology)"}
+
+
+def _argument_names(message: str) -> str:
+    for key, argument in _ARGUMENTS.items():
+        message = message.replace(key, argument)
+    return message
+
+
 def _topology(topology) -> Topology:
     if isinstance(topology, Topology):
         return topology
@@ -300,7 +313,7 @@ def _topology(topology) -> Topology:
     try:
         return topology_from_env(topology)
     except TopologyError as e:
-        raise PluginError(f"apply_zeropp: {e}") from None
+        raise PluginError(_argument_names(f"apply_zeropp: {e}")) from None
 
 
 def _check_world(params, topology: Topology):
