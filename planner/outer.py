@@ -31,7 +31,7 @@ def format_outer_plan(args) -> str:
     base = plan_config(job, zero if label(zero) == "ZeRO-3" else companion(zero, rpn), trace, cluster)
 
     settings = OuterSettings(args.outer_sync_interval, args.outer_lr, args.outer_momentum, args.outer_fragments,
-                             args.outer_quantization, overlap=not args.no_outer_overlap)
+                             args.outer_quantization, args.outer_sync_delay)
     shards = shard_layout(trace, group_job.world, 0, mine.zero.stage, mine.zero.stage3_param_persistence_threshold,
                           mine.zero.zero_hpz_partition_size)
     c = exchange_per_step(sum(s.valid for s in shards), settings)
@@ -42,11 +42,11 @@ def format_outer_plan(args) -> str:
     exchange = inter * settings.interval / settings.fragments * rpn / cluster.inter_bw \
         + (groups - 1) * cluster.inter_node_latency_us * 1e-6
     step = mine.timing.iteration
-    exposed = (max(0.0, exchange - step) if settings.overlap else exchange) * settings.fragments / settings.interval
+    exposed = max(0.0, exchange - settings.delay * step) * settings.fragments / settings.interval
     lines = [format_plan(group_job, group_cluster, trace, [mine]), "",
              f"-- Outer synchronization: {groups} groups of {size} node(s) (the plan above is one group's; "
              f"{label(mine.zero)} inside), every {settings.interval} inner steps, {settings.fragments} fragment(s), "
-             f"{settings.quantization} outer gradients, overlap {'on' if settings.overlap else 'off'}",
+             f"{settings.quantization} outer gradients, merged {settings.delay} inner step(s) after issue",
              f"   across groups per inner step per GPU: {inter / 1e6:.3f} MB ({c.op} over {groups} ranks / H); "
              f"ZeRO-3 over all {cluster.world_size} GPUs: {zero3_inter / 1e6:.1f} MB inter-node "
              f"(ratio {inter / zero3_inter if zero3_inter else float('nan'):.4f})",

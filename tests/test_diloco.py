@@ -79,6 +79,7 @@ def scenarios(rank, world, tmp):
     out = {fn.__name__: fn(rank, world) for fn in (group_runs, one_group, sgd_runs, averaging_runs, int4_runs,
                                                     streaming_runs)}
     out["resume_runs"] = resume_runs(rank, world, tmp)
+    out["delayed_resume"] = delayed_resume(rank, world, tmp)
     out["nonfinite_runs"] = nonfinite_runs(rank, world)
     return out
 
@@ -133,7 +134,7 @@ def test_group_engine_trains_as_the_engine_alone(runs):
 def one_group(rank, world):
     job = topology_from_env(2)
     plain = train(build(job), batches(4, world), rank)
-    engine, sync, _ = diloco(job, 2, OuterSettings(2, lr=1.0, momentum=0.0, fragments=2, overlap=False))
+    engine, sync, _ = diloco(job, 2, OuterSettings(2, lr=1.0, momentum=0.0, fragments=2, delay=0))
     mode = train(engine, batches(4, world), rank)
     return plain, mode, sync.outer_steps
 
@@ -148,7 +149,7 @@ def test_one_group_is_the_engine_bit_for_bit(runs):
 # -- H = 1 ----------------------------------------------------------------------------------------
 
 SGD = zeropp.OptimizerSettings(type="sgd", lr=0.1, weight_decay=0.01)
-EVERY_STEP = OuterSettings(1, lr=1.0, momentum=0.0, fragments=2, overlap=False)
+EVERY_STEP = OuterSettings(1, lr=1.0, momentum=0.0, fragments=2, delay=0)
 
 
 def sgd_runs(rank, world):
@@ -200,7 +201,7 @@ def int4_runs(rank, world):
     job = topology_from_env(2)
     data = batches(2, world)
     plain = build(job.group_topology(1).build_groups())
-    engine, sync, _ = diloco(job, 1, OuterSettings(2, lr=1.0, momentum=0.0, quantization="int4", overlap=False))
+    engine, sync, _ = diloco(job, 1, OuterSettings(2, lr=1.0, momentum=0.0, quantization="int4", delay=0))
     start = sync.glob[0].clone()
     train(plain, data, rank)   # the locals the outer step starts from (it runs after step 2)
     mine = start - torch.cat([s.master.detach().reshape(-1) for s in plain.shards if s.valid])
@@ -232,7 +233,7 @@ def test_int4_outer_gradients_within_the_block_bound(runs):
 def nonfinite_runs(rank, world):
     import warnings
     job = topology_from_env(2)
-    engine, sync, _ = diloco(job, 1, OuterSettings(1, quantization="int4", overlap=False))
+    engine, sync, _ = diloco(job, 1, OuterSettings(1, quantization="int4", delay=0))
     data = batches(2, world)
     train(engine, data[:1], rank)
     before = sync.glob[0].clone(), sync.err[0].clone(), sync.mom[0].clone()
@@ -249,11 +250,9 @@ def nonfinite_runs(rank, world):
 def test_a_non_finite_outer_gradient_changes_no_outer_state(runs):
     for rank, (unchanged, finite, caught) in enumerate(runs["nonfinite_runs"]):
         assert finite
-        if rank % 2 == 0:   # ranks 0 and 2 hold the bad shard, in either group
-            assert unchanged == [True, True, True]
-            assert any("outer step of fragment 0 skipped: its outer gradient is not finite" in c for c in caught)
-        else:               # the other shard's exchange went on
-            assert unchanged == [False, False, False] and not caught
+        # ranks 0 and 2 hold the bad shard; every rank skips the fragment's outer step with them
+        assert unchanged == [True, True, True], rank
+        assert any("outer step of fragment 0 skipped: its outer gradient is not finite" in c for c in caught)
 
 
 # -- streaming ---------------------------------------------------------------------------------------
@@ -261,20 +260,24 @@ def test_a_non_finite_outer_gradient_changes_no_outer_state(runs):
 def streaming_runs(rank, world):
     job = topology_from_env(2)
     engine, sync, _ = diloco(job, 1, OuterSettings(4, fragments=2))
-    issued = []
-    train(engine, batches(8, world), rank, after_step=lambda: issued.append([x.fragment for x in sync.pending]))
-    sync.finish()
+    issued, drift = [], []
+    train(engine, batches(8, world), rank, after_step=lambda: (issued.append([x.fragment for x in sync.pending]),
+                                                               drift.append(sync.drift)))
+    in_flight = sync.drain()
     sent = engine.comm.stats.by_phase[PHASE]
     return (issued, sync.outer_steps, [g.clone() for g in sync.glob], [sync.due(s) for s in range(1, 9)],
-            sent, sum(g.numel() for g in sync.glob), sync.s, rank)
+            sent, sum(g.numel() for g in sync.glob), sync.s, (in_flight, drift))
 
 
 def test_streaming_fragments_at_staggered_steps(runs):
     results = runs["streaming_runs"]
-    for rank, (issued, outer_steps, glob, due, sent, owned, settings, _) in enumerate(results):
+    for rank, (issued, outer_steps, glob, due, sent, owned, settings, (in_flight, drift)) in enumerate(results):
         assert due == [[], [1], [], [0], [], [1], [], [0]]
         assert issued == due                    # in flight for one inner step after its issue
-        assert outer_steps == 4
+        assert outer_steps == 3 and in_flight == 1   # the last, issued at step 8, completed unapplied
+        # the drift: none before the first outer step (step 3), then the group's, the same on its ranks
+        assert all(d != d for d in drift[:2]) and all(d > 0 for d in drift[2:])
+        assert drift[2:] == results[rank ^ 1][-1][1][2:]
         for a, b in zip(glob, results[rank ^ 2][2]):   # the same rank of the other group
             assert torch.equal(a, b)
         # the planner's bytes per inner step (planner/outer.py) are what the 8 steps sent, across nodes
@@ -298,6 +301,8 @@ def resume_runs(rank, world, tmp):
     save_checkpoint(f"{tmp}/grouped", 3, engine, 0, meta)
     saved_global = {k: v.local.clone() for k, v in sync.checkpoint_state(2).items() if ".global." in k}
     full = train(engine, data[3:], rank)
+    engine, _, _ = diloco(job, 1, settings)
+    straight = train(engine, data, rank)   # never saved: a save must not change the run
     engine, again, _ = diloco(job, 1, settings)
     load_checkpoint(f"{tmp}/grouped", engine)
     resumed = train(engine, data[3:], rank)
@@ -309,17 +314,48 @@ def resume_runs(rank, world, tmp):
     save_checkpoint(f"{tmp}/plain", 2, plain, 0, META)
     engine, fresh, _ = diloco(job, 1, settings)
     load_checkpoint(f"{tmp}/plain", engine)
-    return (full, resumed, sync.outer_steps, again.outer_steps, plain.module_state_dict(),
+    return (full, resumed, straight, sync.outer_steps, again.outer_steps, plain.module_state_dict(),
             engine.module_state_dict(), torch.equal(local_flat(fresh), fresh.glob[0]), fresh.steps, regrouped,
             saved_global)
 
 
+def delayed_resume(rank, world, tmp):
+    """Merged 2 steps after issue, exact exchange, saved in the background after step 3: the
+    exchange issued at step 2 is in flight and the masters have moved since."""
+    from training.checkpoint import load_checkpoint, save_checkpoint
+    job = topology_from_env(2)
+    settings = OuterSettings(4, fragments=2, delay=2)
+    data = batches(6, world)
+    engine, sync, _ = diloco(job, 1, settings)
+    straight = train(engine, data, rank)
+    engine, sync, _ = diloco(job, 1, settings)
+    train(engine, data[:3], rank)
+    in_flight = [(x.fragment, x.merge_at) for x in sync.pending]
+    meta = {"model_config": {}, "param_shapes": {n: list(p.shape) for n, p in engine.module.named_parameters()}}
+    pending = save_checkpoint(f"{tmp}/delayed", 3, engine, 0, meta, async_group=dist.new_group(backend="gloo"))
+    saving = train(engine, data[3:], rank)
+    pending.finish()
+    engine, again, _ = diloco(job, 1, settings)
+    load_checkpoint(f"{tmp}/delayed", engine)
+    loaded = [(x.fragment, x.merge_at, x.stepped) for x in again.pending]
+    return straight, saving, train(engine, data[3:], rank), in_flight, loaded
+
+
+def test_a_delayed_merge_resumes_exactly_from_a_background_save(runs):
+    for straight, saving, resumed, in_flight, loaded in runs["delayed_resume"]:
+        assert in_flight == [(1, 4)] and loaded == [(1, 4, True)]   # issued at 2, merged after 4
+        for k, v in straight.items():
+            assert torch.equal(saving[k], v) and torch.equal(resumed[k], v), k
+
+
 def test_resume_is_exact_and_a_plain_checkpoint_starts_every_group(runs):
-    """Same layout: bit for bit. A one-group checkpoint: every group from it, the outer state reset."""
-    for (full, resumed, outer_steps, outer_steps_resumed, plain, started, glob_is_local, steps,
+    """Same layout: bit for bit, the exchange in flight at the save included (a resume issues it
+    again), and as a run that never saved. A one-group checkpoint: every group from it, the outer
+    state reset."""
+    for (full, resumed, straight, outer_steps, outer_steps_resumed, plain, started, glob_is_local, steps,
          _, _) in runs["resume_runs"]:
-        for k, v in full.items():
-            assert torch.equal(resumed[k], v), k
+        for k, v in straight.items():
+            assert torch.equal(resumed[k], v) and torch.equal(full[k], v), k
         assert outer_steps == outer_steps_resumed == 5   # 6 issued, the last in flight
         for k, v in plain.items():
             assert torch.equal(started[k], v), k
@@ -349,6 +385,7 @@ OUTER = ("--zero-stage", "3", "--outer-sync-interval", "4")
 @pytest.mark.parametrize("world, per_node, extra, says", [
     (4, 2, ("--zero-stage", "3", "--outer-sync-interval", "0"), "--outer-sync-interval: must be >= 1, got 0"),
     (4, 2, OUTER + ("--outer-fragments", "2"), "--outer-fragments 2 exceeds the 1 layers"),
+    (4, 2, OUTER + ("--outer-sync-delay", "4"), "--outer-sync-delay 4 must be below --outer-sync-interval 4"),
     (6, 2, OUTER + ("--group-size", "2"), "--group-size 2 must divide the 3 node(s)"),
     (2, 1, OUTER, "--group-size 1 makes groups of one rank"),
     (4, 2, ("--zero-stage", "2", "--outer-sync-interval", "4"), "this run is ZeRO stage 2; pass --zero-stage 3"),
@@ -392,9 +429,9 @@ def test_train_py_runs_the_mode_and_logs_it(corpus, tmp_path):  # noqa: F811
     steps = [int(line.split("outer steps: ")[1].split(" ")[0]) for line in lines]
     assert steps == [1, 3, 5]   # fragment 1 at steps 2, 6, 10, fragment 0 at 4, 8, 12: each applied a step later
     assert all(float(line.split("cross-group MB: ")[1].split(" ")[0]) > 0 for line in lines)
-    assert "5 fragment exchanges over 2 groups" in log
+    assert "5 outer steps (fragment exchanges) over 2 groups" in log and "1 exchange(s) not merged at the end" in log
     assert "> outer synchronization: 2 groups of 1 node(s) x 2 ranks, each its own engine; every 4 inner steps in 2 " \
-           "fragment(s), outer lr 0.7, Nesterov momentum 0.9, int4 outer gradients, overlap on" in log
+           "fragment(s), outer lr 0.7, Nesterov momentum 0.9, int4 outer gradients, merged 1 inner step(s) after issue" in log
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()

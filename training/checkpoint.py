@@ -36,7 +36,7 @@ import json
 import os
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -49,7 +49,7 @@ from training.checkpoint_files import (CHECKSUMS, FORMAT_VERSION, META, TRACKER,
                                        read_meta, resolve_checkpoint, verify_on_all_ranks, write_text_atomic)
 from training.checkpoint_state import engine_device, rng_state, set_rng_state, single_process_quiet
 from training.preflight import check_writable_dir
-from zeropp.collectives.partition import FlatState, as_dcp
+from zeropp.collectives.partition import as_dcp
 from zeropp.diloco import GLOBAL
 
 # GPTConfig fields that must match to load weights (dropout, recomputation may change)
@@ -136,18 +136,20 @@ def save_checkpoint(save_dir: str, iteration: int, engine, consumed_train_sample
             error = e
     _raise_save_error(save_dir, iteration, _broadcast(error))
 
-    # What the metadata records is taken now: training may go on while the files are written.
+    # The tensors first: taking them may complete what the scalar state then records (an outer
+    # exchange in flight, zeropp/diloco.py). The metadata is taken now: training may go on
+    # while the files are written.
+    state = engine.checkpoint_state()
     info = dict(meta, format=FORMAT_VERSION, iteration=iteration, consumed_train_samples=consumed_train_samples,
                 world_size=world, groups=engine.comm.topology.groups, engine=engine.scalar_state())
     done = _Finisher(save_dir, iteration, tmp, final, info, rng_state(), keep_last, start)
-    state = engine.checkpoint_state()
     writer = (storage_writer or _default_writer)(tmp)
     try:
         if async_group is not None:
             # Our own staging: a CPU copy of this rank's slices, then DCP's save in a thread over the
             # checkpoint group. (DCP's async_save stages by storage and rejects our views into one
             # flat buffer.)
-            staged = {k: FlatState(v.local.to("cpu", copy=True), v.numel, v.sharded) for k, v in state.items()}
+            staged = {k: replace(v, local=v.local.to("cpu", copy=True)) for k, v in state.items()}
             future = _background_writer().submit(dcp.save, as_dcp(staged, torch.device("cpu"), async_group,
                                                                    engine.comm.topology),
                                                  storage_writer=writer, process_group=async_group)

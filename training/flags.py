@@ -278,8 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="exchange the model in this many runs of layers, at staggered steps")
     g.add_argument("--outer-quantization", choices=["none", "int4"], default="none",
                    help="int4: outer gradients in INT4 blocks with error feedback")
-    g.add_argument("--no-outer-overlap", action="store_true",
-                   help="apply each exchange at once instead of one inner step later")
+    g.add_argument("--outer-sync-delay", type=_count, default=1, metavar="TAU",
+                   help="inner steps an exchange overlaps before it is merged (below H; 0: wait for it at once)")
     g.add_argument("--group-size", type=_int, default=1, help="nodes per group")
 
     g = p.add_argument_group("planning")

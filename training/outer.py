@@ -12,7 +12,7 @@ from parallel.topology import Topology
 from zeropp.collectives.partition import Partition
 from zeropp.diloco import KEY, PHASE, OuterSettings, attach
 
-OUTER_FLAGS = ("outer_lr", "outer_momentum", "outer_fragments", "outer_quantization", "no_outer_overlap",
+OUTER_FLAGS = ("outer_lr", "outer_momentum", "outer_fragments", "outer_quantization", "outer_sync_delay",
                "group_size")
 
 
@@ -35,6 +35,9 @@ def check_outer_args(args, flag):
         raise ConfigError(f"--zeropp auto does not choose for {H} yet; set the ZeRO++ switches yourself")
     if args.no_load_optim:   # the outer state would keep the weights from before the load
         raise ConfigError(f"--no-load-optim does not reset the outer state of {H} yet; drop it")
+    if args.outer_sync_delay >= args.outer_sync_interval:
+        raise ConfigError(f"{flag(args, 'outer_sync_delay', args.outer_sync_delay)} must be below {H} (a fragment "
+                          f"is merged before its next exchange); pass at most {args.outer_sync_interval - 1}")
     if args.outer_fragments > args.num_layers:
         raise ConfigError(f"{flag(args, 'outer_fragments', args.outer_fragments)} exceeds the "
                           f"{args.num_layers} layers (a fragment is a run of layers); pass at most {args.num_layers}")
@@ -66,11 +69,11 @@ def attach_outer(args, engine):
     group = engine.comm.topology
     cross = Partition(group=group.across_group, size=group.groups, rank=group.offset // group.world_size)
     settings = OuterSettings(args.outer_sync_interval, args.outer_lr, args.outer_momentum, args.outer_fragments,
-                             args.outer_quantization, overlap=not args.no_outer_overlap)
+                             args.outer_quantization, args.outer_sync_delay)
     print_rank0(f"> outer synchronization: {group.groups} groups of {group.num_nodes} node(s) x "
                 f"{group.ranks_per_node} ranks, each its own engine; every {settings.interval} inner steps in "
                 f"{settings.fragments} fragment(s), outer lr {settings.lr}, Nesterov momentum {settings.momentum}, "
-                f"{settings.quantization} outer gradients, overlap {'on' if settings.overlap else 'off'}")
+                f"{settings.quantization} outer gradients, merged {settings.delay} inner step(s) after issue")
     return attach(engine, cross, settings)
 
 

@@ -16,11 +16,16 @@ averaged; e_i <- (D_i + e_i) - Q(D_i + e_i), committed only when the outer step 
 
 Streaming (arXiv 2501.18512): the model is cut into F fragments, contiguous runs of layers
 (parameters outside the layers go with the nearest: embeddings first, the final norm last);
-fragment f is exchanged after the inner steps s with s % H == f H // F. With `overlap` the
-exchange is issued async and applied after the next inner step (tau = 1): meanwhile that
-step trained the fragment from its unsynchronized values, and the paper's merge keeps half
-of it: local <- MIX local + (1 - MIX) global (their mixing factor alpha; MIX = 0.5). Without
-overlap the exchange is applied at once and the local fragment becomes the global one.
+fragment f is exchanged after the inner steps s with s % H == f H // F, issued async and
+merged `delay` inner steps later (their tau; torchft's fragment_sync_delay): meanwhile those
+steps trained the fragment from its unsynchronized values, and the paper's merge keeps half
+of it: local <- MIX local + (1 - MIX) global (their mixing factor alpha; MIX = 0.5). With
+delay 0 the exchange is waited for at once and the local fragment becomes the global one.
+
+An exchange in flight at a checkpoint is completed and its outer step taken (the global
+values, the momentum and the error are saved as they will be), while the masters, which the
+inner steps own until the merge, are saved as they are: the merge comes at its own step
+after a resume as in a run that never stopped.
 """
 from __future__ import annotations
 
@@ -40,6 +45,7 @@ MIX = 0.5
 KEY = "outer_sync"
 GLOBAL = KEY + ".global."   # + a parameter's name: its global values in checkpoints
 PHASE = "outer_sync"
+DRIFT = "outer_drift"   # the drift's all-reduce inside a group (not across groups)
 _LAYER = re.compile(r"\.(\d+)\.")
 
 
@@ -50,7 +56,7 @@ class OuterSettings:
     momentum: float = 0.9         # Nesterov
     fragments: int = 1
     quantization: str = "none"    # or "int4"
-    overlap: bool = True          # apply each exchange one inner step after issuing it
+    delay: int = 1                # inner steps between issuing an exchange and merging it (< H)
     block_size: int = DEFAULT_BLOCK_SIZE[4]
 
 
@@ -81,15 +87,19 @@ def layer_fragments(names: list[str], fragments: int) -> list[int]:
 @dataclass
 class Exchange:
     fragment: int
-    work: object                  # parallel.comm.Work
-    buf: torch.Tensor             # exact: the summed locals; int4: the gathered wire rows
-    mine: torch.Tensor            # my outer gradient g - l_i (the drift from the mean, when applied)
-    error: torch.Tensor | None    # int4: the error this exchange leaves, if it is applied
+    merge_at: int                 # the inner step after which it is merged into the masters
+    work: object = None           # parallel.comm.Work; None once the outer step is taken
+    buf: torch.Tensor | None = None     # exact: the summed locals; int4: the gathered wire rows
+    mine: torch.Tensor | None = None    # my outer gradient g - l_i (the drift from the mean)
+    error: torch.Tensor | None = None   # int4: the error this exchange leaves
+    stepped: bool = False         # the outer step is taken: the global values are the new ones
+    drift: float = float("nan")   # the group's RMS of l_i - mean(l), once stepped
+    note: str | None = None       # why the outer step was skipped, if it was
 
 
 class OuterSync:
     """The outer loop of one rank, a carried part of its engine (zeropp/collectives/protocols.py
-    CarriedState): `end_step` counts the inner steps and issues and applies the exchanges."""
+    CarriedState): `end_step` counts the inner steps, issues the exchanges and merges them."""
 
     def __init__(self, engine, cross: Partition, settings: OuterSettings):
         self.engine, self.cross, self.s = engine, cross, settings
@@ -104,7 +114,7 @@ class OuterSync:
         self.err = zeros() if settings.quantization == "int4" else None
         self.steps = self.outer_steps = 0
         self.pending: list[Exchange] = []
-        self.drift = float("nan")   # RMS over my shard of l_i - mean(l) at the last outer step
+        self.drift = float("nan")   # of the last merged exchange
 
     def _local(self, f: int) -> torch.Tensor:
         ms = [s.master.detach().reshape(-1) for s in self.fragments[f]]
@@ -119,34 +129,40 @@ class OuterSync:
     def end_step(self, applied: bool) -> str | None:
         """After every inner step (applied or skipped: the schedule counts steps)."""
         self.steps += 1
-        notes = [self._apply(x, mix=True) for x in self.pending]
-        self.pending = []
+        notes = [self._merge(x) for x in self.pending if x.merge_at == self.steps]
+        self.pending = [x for x in self.pending if x.merge_at > self.steps]
         for f in self.due(self.steps):
             x = self._issue(f)
-            if self.s.overlap:
+            if self.s.delay:
                 self.pending.append(x)
             else:
-                notes.append(self._apply(x, mix=False))
+                notes.append(self._merge(x))
         return "; ".join(n for n in notes if n) or None
 
     def _issue(self, f: int) -> Exchange:
         local, g = self._local(f), self.glob[f]
         mine, alone = g - local, self.cross.size == 1   # one group: nobody to exchange with
+        x = Exchange(f, self.steps + self.s.delay, mine=mine)
         if self.err is None:   # the locals, summed over the groups
-            work = Work() if alone else self.comm.all_reduce(local, group=self.cross.group, async_op=True,
-                                                             phase=PHASE)
-            return Exchange(f, work, local, mine, None)
+            x.work = Work() if alone else self.comm.all_reduce(local, group=self.cross.group, async_op=True,
+                                                               phase=PHASE)
+            x.buf = local
+            return x
         send = mine + self.err[f]
         q = quantize(send, 4, self.s.block_size)
         wire = q.to_bytes()
-        rows = torch.empty(self.cross.size, wire.numel(), dtype=torch.uint8, device=wire.device)
+        x.buf = torch.empty(self.cross.size, wire.numel(), dtype=torch.uint8, device=wire.device)
         if alone:
-            rows.copy_(wire.view(1, -1))
-        work = Work() if alone else self.comm.all_gather(rows.view(-1), wire, group=self.cross.group,
-                                                         async_op=True, phase=PHASE)
-        return Exchange(f, work, rows, mine, send.sub_(dequantize(q)))
+            x.buf.copy_(wire.view(1, -1))
+        x.work = Work() if alone else self.comm.all_gather(x.buf.view(-1), wire, group=self.cross.group,
+                                                           async_op=True, phase=PHASE)
+        x.error = send.sub_(dequantize(q))
+        return x
 
-    def _apply(self, x: Exchange, mix: bool) -> str | None:
+    def _outer_step(self, x: Exchange):
+        """Wait for `x` and step the outer state of its fragment (collective over my group)."""
+        if x.stepped or x.note:
+            return
         x.work.wait()
         f, g, n = x.fragment, self.glob[x.fragment], self.cross.size
         if x.error is None:
@@ -156,9 +172,11 @@ class OuterSync:
             parts = Quantized.from_bytes(x.buf, g.numel(), 4, self.s.block_size)
             outer = dequantize_reduce(parts, torch.float32, 1.0 / n)
             mean = g - outer
-        if not bool(torch.isfinite(outer).all()):   # a group diverged: keep every state as it was
-            return f"outer step of fragment {f} skipped: its outer gradient is not finite"
-        self.drift = (outer - x.mine).square().mean().sqrt().item() if g.numel() else 0.0
+        x.work = x.buf = None
+        finite, x.drift = self._group_check(outer, outer - x.mine)
+        if not finite:   # a group diverged: every rank keeps every state as it was
+            x.note = f"outer step of fragment {f} skipped: its outer gradient is not finite"
+            return
         new = mean.add(outer, alpha=1.0 - self.s.lr)
         if self.mom is not None:
             self.mom[f].mul_(self.s.momentum).add_(outer)
@@ -166,25 +184,38 @@ class OuterSync:
         if x.error is not None:
             self.err[f].copy_(x.error)
         g.copy_(new)
-        off = 0
+        x.mine = x.error = None
+        x.stepped = True
+        self.outer_steps += 1
+
+    def _merge(self, x: Exchange) -> str | None:
+        """The new global values of `x`'s fragment into the masters (collective over my group)."""
+        self._outer_step(x)
+        if x.note:
+            return x.note
+        off, keep = 0, MIX if self.s.delay else 0.0   # delay 0: nothing trained it meanwhile
         with torch.no_grad():
-            for s in self.fragments[f]:
-                part = new[off:off + s.valid].view_as(s.master)
-                s.master.mul_(MIX).add_(part, alpha=1.0 - MIX) if mix else s.master.copy_(part)
+            for s in self.fragments[x.fragment]:
+                part = self.glob[x.fragment][off:off + s.valid].view_as(s.master)
+                s.master.mul_(keep).add_(part, alpha=1.0 - keep) if keep else s.master.copy_(part)
                 off += s.valid
         self.engine.masters_changed()
-        self.outer_steps += 1
+        self.drift = x.drift
         return None
 
-    def finish(self):
-        """Apply what is in flight (before a checkpoint, or at the end of training)."""
-        notes = [self._apply(x, mix=True) for x in self.pending]
-        self.pending = []
-        return "; ".join(n for n in notes if n) or None
+    def _group_check(self, outer: torch.Tensor, diff: torch.Tensor) -> tuple[bool, float]:
+        """Whether `outer` is finite on every shard of my group (so all its ranks agree, and the
+        other groups too: they hold the same outer gradient), and the RMS of `diff` over them."""
+        bad = (~torch.isfinite(outer)).any().float()
+        sums = torch.stack([diff.square().sum().nan_to_num(), diff.new_tensor(float(diff.numel())), bad])
+        self.comm.all_reduce(sums, phase=DRIFT)
+        return sums[2].item() == 0, (sums[0] / sums[1].clamp(min=1)).sqrt().item()
 
     def checkpoint_state(self, world: int) -> dict[str, FlatState]:
-        """My slices of the outer state, in the masters' layout (a key per parameter)."""
-        self.finish()
+        """My slices of the outer state, in the masters' layout (a key per parameter), with the
+        outer steps of the exchanges in flight taken (collective over my group)."""
+        for x in self.pending:
+            self._outer_step(x)
         out = {}
         empty = torch.zeros(0, device=self.engine.device)
         for name, state in (("global", self.glob), ("momentum", self.mom), ("error", self.err)):
@@ -201,20 +232,24 @@ class OuterSync:
         return out
 
     def scalar_state(self) -> dict:
-        # outer steps counting those in flight: a checkpoint applies them (checkpoint_state)
-        return {"steps": self.steps, "outer_steps": self.outer_steps + len(self.pending), "groups": self.cross.size,
-                "settings": self._layout()}
+        """With the merges to come: taken after checkpoint_state(), which steps them."""
+        return {"steps": self.steps, "outer_steps": self.outer_steps, "groups": self.cross.size,
+                "settings": self._layout(),
+                "merges": [[x.fragment, x.merge_at, x.drift, x.note] for x in self.pending if x.stepped or x.note]}
 
     def _layout(self) -> list:
         """What the saved outer state's shape and schedule depend on."""
-        return [self.s.interval, self.s.fragments, self.s.quantization, self.mom is not None]
+        return [self.s.interval, self.s.fragments, self.s.quantization, self.mom is not None, self.s.delay]
 
     def carried(self, saved: dict | None) -> bool:
         return saved is not None and saved.get("groups") == self.cross.size and saved.get("settings") == self._layout()
 
     def load_scalar_state(self, saved: dict | None) -> str | None:
+        self.drain()
         if self.carried(saved):
             self.steps, self.outer_steps = saved["steps"], saved["outer_steps"]
+            self.pending = [Exchange(f, at, stepped=note is None, drift=drift, note=note)
+                            for f, at, drift, note in saved.get("merges", [])]
             return None
         for f in range(self.s.fragments):   # the loaded masters are the global parameters
             self.glob[f].copy_(self._local(f))
@@ -231,10 +266,22 @@ class OuterSync:
     def plan_step(self) -> list[PlannedCollective]:
         return [exchange_per_step(sum(g.numel() for g in self.glob), self.s)]
 
+    def drain(self) -> int:
+        """Complete the exchanges in flight, neither stepped nor merged (the end of training: a
+        run resumed from the last checkpoint takes them again)."""
+        for x in self.pending:
+            if x.work is not None:
+                x.work.wait()
+        n, self.pending = len(self.pending), []
+        return n
+
     def summary(self) -> str | None:
-        return (f"outer synchronization: {self.outer_steps} fragment exchanges over {self.cross.size} groups "
-                f"(every {self.s.interval} inner steps, {self.s.fragments} fragment(s), "
-                f"{self.s.quantization} outer gradients)")
+        """The end of training: the exchanges in flight complete, unapplied, as at a checkpoint."""
+        unmerged = self.drain()
+        return (f"outer synchronization: {self.outer_steps} outer steps (fragment exchanges) over {self.cross.size} "
+                f"groups (every {self.s.interval} inner steps, {self.s.fragments} fragment(s), "
+                f"{self.s.quantization} outer gradients)"
+                + (f"; {unmerged} exchange(s) not merged at the end (a resume merges them)" if unmerged else ""))
 
 
 def attach(engine, cross: Partition, settings: OuterSettings) -> OuterSync:
