@@ -126,13 +126,15 @@ def segment(run, a):
     cal = a_end["calib"]
     window = la["end"]["t"] - la["start"]["t"]
     tx_a, tx_b = d(la, "tx_bytes"), d(lb, "tx_bytes")
-    # In the window besides the steps: 1 + n + 1 barriers (hook, the per-step one, hook)
-    # and whatever flows while idle (nothing, normally; measured for 0.5 s).
+    # In the window besides the steps: 1 + n + 1 barriers (hook, the per-step one, hook; the
+    # per-step one stays inside a node for DiLoCo's groups: bench/zero_systems.py) and whatever
+    # flows while idle (nothing, normally; measured for 0.5 s).
+    crossing = 2 + (0 if pr[0].get("step_barrier") == "group" else n)
     return {"n": n, "times": pr[0]["step_times_s"][w:],  # each step: its slowest rank
             "all_times": pr[0]["step_times_s"], "losses": pr[0]["losses"],
             "tx_a": tx_a, "tx_b": tx_b, "rx_a": d(la, "rx_bytes"), "rx_b": d(lb, "rx_bytes"),
             "window": window, "barrier": cal["barrier_bytes"], "idle": cal["idle_bytes_per_s"],
-            "overhead": (n + 2) * cal["barrier_bytes"] + cal["idle_bytes_per_s"] * window,
+            "overhead": crossing * cal["barrier_bytes"] + cal["idle_bytes_per_s"] * window,
             "intercepted": sum(x["intercepted"]["inter_bytes"] for x in pr),
             "intercepted_calls_rank0": pr[0]["intercepted"]["calls"],
             "intercepted_by_op_rank0": pr[0]["intercepted"]["by_op"],

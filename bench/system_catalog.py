@@ -17,7 +17,8 @@ ZEROPP = {"zeropp-qwz": ("qwz",), "zeropp-hpz": ("hpz",), "zeropp-qgz": ("qgz",)
           "zeropp-loco-deltas": ("qwz", "hpz", "qgz", "loco", "deltas")}
 # Streaming DiLoCo rows (zeropp/diloco.py), "diloco-h<H>": a group per node, each running the "zero3"
 # row's engine, exchanging every H inner steps; fragments and quantization from a["outer_fragments"]
-# (default 1) and a["outer_quantization"] (default int4). Built as train.py builds it (training/outer.py).
+# (default 1), a["outer_quantization"] (default int4) and a["outer_sync_delay"] (default 1). Built as
+# train.py builds it (training/outer.py).
 DILOCO = ("diloco-h16", "diloco-h64")
 OURS = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "zero3-reuse0": 3,
         "zeropp-qwz": 3, "zeropp-hpz": 3, "zeropp-qgz": 3, "zeropp": 3, "auto": 3, "zeropp-loco": 3,
@@ -80,7 +81,8 @@ def outer_argv(system: str, a) -> list[str] | None:
     if system not in DILOCO:
         return None
     return ["--outer-sync-interval", str(outer_interval(system)), "--outer-fragments",
-            str(a.get("outer_fragments", 1)), "--outer-quantization", a.get("outer_quantization", "int4")]
+            str(a.get("outer_fragments", 1)), "--outer-quantization", a.get("outer_quantization", "int4"),
+            "--outer-sync-delay", str(a.get("outer_sync_delay", 1))]
 
 
 def stage_of(system: str) -> int:

@@ -113,7 +113,7 @@ def test_diloco_rows_are_zero3_with_trains_outer_flags():
     from training.flags import build_parser
     for system in DILOCO:
         assert zero_section(system, {**A, "bucket_fraction": 8}) == zero_section("zero3", {**A, "bucket_fraction": 8})
-        ns = build_parser().parse_args(outer_argv(system, {**A, "outer_fragments": 2}))
+        ns = build_parser().parse_args(outer_argv(system, {**A, "outer_fragments": 2, "outer_sync_delay": 3}))
         assert f"-h{ns.outer_sync_interval}" in system
-        assert (ns.outer_fragments, ns.outer_quantization, ns.group_size) == (2, "int4", 1)
+        assert (ns.outer_fragments, ns.outer_quantization, ns.group_size, ns.outer_sync_delay) == (2, "int4", 1, 3)
     assert outer_argv("zero3", A) is None
