@@ -265,19 +265,25 @@ def streaming_runs(rank, world):
                                                                drift.append(sync.drift)))
     in_flight = sync.drain()
     sent = engine.comm.stats.by_phase[PHASE]
+    peaks = engine.peak_buffers()
     return (issued, sync.outer_steps, [g.clone() for g in sync.glob], [sync.due(s) for s in range(1, 9)],
-            sent, sum(g.numel() for g in sync.glob), sync.s, (in_flight, drift))
+            sent, sum(g.numel() for g in sync.glob), sync.s,
+            (in_flight, drift, peaks["outer_exchange_peak"], peaks["outer_exchange_bound"],
+             max(g.numel() for g in sync.glob)))
 
 
 def test_streaming_fragments_at_staggered_steps(runs):
     results = runs["streaming_runs"]
-    for rank, (issued, outer_steps, glob, due, sent, owned, settings, (in_flight, drift)) in enumerate(results):
+    for rank, (issued, outer_steps, glob, due, sent, owned, settings, (in_flight, drift, peak, bound, largest)) \
+            in enumerate(results):
         assert due == [[], [1], [], [0], [], [1], [], [0]]
         assert issued == due                    # in flight for one inner step after its issue
         assert outer_steps == 3 and in_flight == 1   # the last, issued at step 8, completed unapplied
         # the drift: none before the first outer step (step 3), then the group's, the same on its ranks
         assert all(d != d for d in drift[:2]) and all(d > 0 for d in drift[2:])
         assert drift[2:] == results[rank ^ 1][-1][1][2:]
+        # in flight: one fragment at a time (exact: my locals to sum and my outer gradient), within the bound
+        assert 0 < peak <= bound == 8 * largest
         for a, b in zip(glob, results[rank ^ 2][2]):   # the same rank of the other group
             assert torch.equal(a, b)
         # the planner's bytes per inner step (planner/outer.py) are what the 8 steps sent, across nodes

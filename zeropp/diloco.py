@@ -95,6 +95,19 @@ class Exchange:
     stepped: bool = False         # the outer step is taken: the global values are the new ones
     drift: float = float("nan")   # the group's RMS of l_i - mean(l), once stepped
     note: str | None = None       # why the outer step was skipped, if it was
+    wire: torch.Tensor | None = None    # int4: what I send, held until it is sent
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.buf, self.mine, self.error, self.wire) if t is not None)
+
+
+def in_flight_bound(numels: list[int], s: OuterSettings, groups: int) -> int:
+    """The most bytes of exchanges in flight at once (`Exchange.nbytes`), for fragments of `numels`
+    master elements: those issued in the last max(delay, 1) inner steps, at the worst step."""
+    def held(n):   # my outer gradient and (exact) my locals to sum or (int4) the error and the wires
+        return 8 * n + (0 if s.quantization == "none" else (groups + 1) * wire_nbytes(n, 4, s.block_size))
+    window, H, F = max(s.delay, 1), s.interval, s.fragments
+    return max(sum(held(n) for f, n in enumerate(numels) if (step - f * H // F) % H < window) for step in range(H))
 
 
 class OuterSync:
@@ -115,6 +128,7 @@ class OuterSync:
         self.steps = self.outer_steps = 0
         self.pending: list[Exchange] = []
         self.drift = float("nan")   # of the last merged exchange
+        self.in_flight_peak = 0     # bytes (Exchange.nbytes) of the exchanges in flight at once
 
     def _local(self, f: int) -> torch.Tensor:
         ms = [s.master.detach().reshape(-1) for s in self.fragments[f]]
@@ -133,6 +147,7 @@ class OuterSync:
         self.pending = [x for x in self.pending if x.merge_at > self.steps]
         for f in self.due(self.steps):
             x = self._issue(f)
+            self.in_flight_peak = max(self.in_flight_peak, x.nbytes() + sum(p.nbytes() for p in self.pending))
             if self.s.delay:
                 self.pending.append(x)
             else:
@@ -151,7 +166,7 @@ class OuterSync:
         send = mine + self.err[f]
         q = quantize(send, 4, self.s.block_size)
         wire = q.to_bytes()
-        x.buf = torch.empty(self.cross.size, wire.numel(), dtype=torch.uint8, device=wire.device)
+        x.buf, x.wire = torch.empty(self.cross.size, wire.numel(), dtype=torch.uint8, device=wire.device), wire
         if alone:
             x.buf.copy_(wire.view(1, -1))
         x.work = Work() if alone else self.comm.all_gather(x.buf.view(-1), wire, group=self.cross.group,
@@ -172,7 +187,7 @@ class OuterSync:
             parts = Quantized.from_bytes(x.buf, g.numel(), 4, self.s.block_size)
             outer = dequantize_reduce(parts, torch.float32, 1.0 / n)
             mean = g - outer
-        x.work = x.buf = None
+        x.work = x.buf = x.wire = None
         finite, x.drift = self._group_check(outer, outer - x.mine)
         if not finite:   # a group diverged: every rank keeps every state as it was
             x.note = f"outer step of fragment {f} skipped: its outer gradient is not finite"
@@ -262,6 +277,10 @@ class OuterSync:
         tensors = self.glob + (self.mom or []) + (self.err or [])
         psi = sum(s.numel for s in self.engine.shards)
         return MemoryLine(KEY, "optimizer", tensors, sum(t.numel() * 4 for t in tensors) / max(psi, 1))
+
+    def peak_buffers(self) -> dict:
+        return {"outer_exchange_peak": self.in_flight_peak,
+                "outer_exchange_bound": in_flight_bound([g.numel() for g in self.glob], self.s, self.cross.size)}
 
     def plan_step(self) -> list[PlannedCollective]:
         return [exchange_per_step(sum(g.numel() for g in self.glob), self.s)]

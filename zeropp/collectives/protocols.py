@@ -124,6 +124,9 @@ class CarriedState(Protocol):
 
     def memory(self) -> MemoryLine: ...
 
+    def peak_buffers(self) -> dict:
+        """`<name>_peak` and `<name>_bound` bytes of the buffers it keeps between steps, if any."""
+
     def plan_step(self) -> list[PlannedCollective]:
         """Its collectives after an optimizer step."""
 

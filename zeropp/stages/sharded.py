@@ -225,4 +225,6 @@ class ShardedEngine(Engine):
                  "optimizer_scratch_bound": self.masters.scratch_bound(self.zero.reduce_bucket_size, self.world, per)}
         if self.parts.hooks is not None:
             peaks.update(self.parts.hooks.peak_buffers())
+        for part in self.parts.carried.values():
+            peaks.update(part.peak_buffers())
         return peaks

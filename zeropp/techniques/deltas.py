@@ -229,6 +229,9 @@ class WeightDeltas:
     def carried_parts(self) -> dict:
         return {"weight_deltas": self}
 
+    def peak_buffers(self) -> dict:
+        return {}   # its references are model state (memory())
+
     def summary(self) -> str | None:
         if not self.arrivals:
             return None

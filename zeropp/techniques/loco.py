@@ -79,6 +79,9 @@ class ErrorFeedback:
     def summary(self) -> str | None:
         return None
 
+    def peak_buffers(self) -> dict:
+        return {}   # its errors are model state (memory())
+
     def plan_step(self) -> list[PlannedCollective]:
         return []
 
