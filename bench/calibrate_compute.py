@@ -21,6 +21,7 @@ micro-batch 1) without any sharding:
 - bench/slow_link.py's five systems of ours on 4 ranks as 2 emulated nodes x 2
   with no link (loopback only): median step times, from which
   bench/planner_calibration.py takes each system's host overhead.
+(time_model takes any model: bench/slow_link_diloco.py times its own with it.)
 Writes bench/results/calibrate_compute.json. The planner's cluster file
 (configs/clusters/emulated_slow_link.yaml) divides the compute rates by the
 ranks sharing a core (4 ranks on 2 cores: 2).
@@ -45,27 +46,37 @@ BENCH_MODEL = dict(vocab_size=4096, num_layers=4, hidden_size=192, num_attention
 SEQ, STEPS, WARMUP = 16, 20, 3
 
 
-def time_model(dtype: torch.dtype) -> dict:
-    cfg = GPTConfig(**BENCH_MODEL)
-    model = GPT(cfg).to(dtype)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-    x = torch.randint(0, cfg.vocab_size, (1, SEQ + 1), generator=torch.Generator().manual_seed(0))
-    fb, st = [], []
-    for i in range(WARMUP + STEPS):
-        t0 = time.perf_counter()
-        model(x[:, :-1], x[:, 1:]).backward()
-        t1 = time.perf_counter()
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-        t2 = time.perf_counter()
-        if i >= WARMUP:
-            fb.append(t1 - t0)
-            st.append(t2 - t1)
-    flops = flops_per_iteration(cfg, 1, SEQ, recompute=False)
+def time_model(dtype: torch.dtype, cfg: GPTConfig | None = None, seq: int = SEQ, micro_batch: int = 1,
+               steps: int = STEPS) -> dict:
+    """Forward + backward and the AdamW step of `cfg` (default BENCH_MODEL) on micro_batch x seq
+    tokens, unsharded, in one thread (a rank of the slow-link benches has one): medians of `steps`
+    wall times; fwd_bwd_cpu_ms is the thread's CPU time (well under the wall time: other load)."""
+    cfg = cfg or GPTConfig(**BENCH_MODEL)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = GPT(cfg).to(dtype)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+        x = torch.randint(0, cfg.vocab_size, (micro_batch, seq + 1), generator=torch.Generator().manual_seed(0))
+        fb, fb_cpu, st = [], [], []
+        for i in range(WARMUP + steps):
+            t0, c0 = time.perf_counter(), time.thread_time()
+            model(x[:, :-1], x[:, 1:]).backward()
+            t1, c1 = time.perf_counter(), time.thread_time()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+            t2 = time.perf_counter()
+            if i >= WARMUP:
+                fb.append(t1 - t0)
+                fb_cpu.append(c1 - c0)
+                st.append(t2 - t1)
+    finally:
+        torch.set_num_threads(threads)
+    flops = flops_per_iteration(cfg, micro_batch, seq, recompute=False)
     params = sum(p.numel() for p in model.parameters())
     fwd_bwd, step = statistics.median(fb), statistics.median(st)
     return {"dtype": str(dtype).replace("torch.", ""), "flops_per_step": flops, "params": params,
-            "fwd_bwd_ms": fwd_bwd * 1e3, "optimizer_ms": step * 1e3,
+            "fwd_bwd_ms": fwd_bwd * 1e3, "fwd_bwd_cpu_ms": statistics.median(fb_cpu) * 1e3, "optimizer_ms": step * 1e3,
             "flops_per_s": flops / fwd_bwd, "optimizer_bytes_per_s": 16 * params / step}
 
 

@@ -12,7 +12,9 @@ window's wall time (barriers and every delay an exchange causes included), which
 the fragments: F in --fragments at --fragments-rate Mbit/s with H = 16 (one cycle each);
 the fastest F is used for every DiLoCo row. The per-step systems time --steps steps, fewer
 where a step is slow (--steps-at). Then the issue's goals at the lowest rate, and the
-planner's predicted inner step (train.py --dry-run) beside the measured one.
+planner's predicted inner step (train.py --dry-run) beside the measured one at each throttled
+rate: its compute rate measured here, on this model (calibrate), its link the emulated one
+(rate and tc tbf burst); its exposed exchange against the window's excess over the unthrottled.
 """
 from __future__ import annotations
 
@@ -33,22 +35,61 @@ from bench.slow_link_report import fmt_table, md_table, rate_name
 from bench.slow_link_sweep import run_system, summarize
 
 SPEEDUP_MIN, BYTES_MAX = 10.0, 0.01   # issue 27's done-when, at the lowest rate
+PLANNED = re.compile(r"inner step ([\d.]+) s \+ ([\d.]+) s exposed")   # planner/outer.py's line
 
 
-def predicted_step(a, H, F, rate, tokenizer) -> str:
-    """The planner's line for the inner step at `rate` Mbit/s (emulated_slow_link.yaml at that rate)."""
+def calibrate(a) -> dict:
+    """This machine's compute rate per rank on the bench's own model and dtype, for the planner:
+    forward + backward in one process with one thread (bench/calibrate_compute.py's time_model),
+    divided by the ranks sharing a core, as configs/clusters/emulated_slow_link.yaml does (its
+    rates were measured on another CPU and another model: small matmuls run far below these)."""
+    import torch
+    from bench.calibrate_compute import time_model
+    from bench.slow_link import versions
+    from bench.system_catalog import model_config
+    dtype = torch.bfloat16 if a["dtype"] == "bf16" else torch.float32
+    r = time_model(dtype, model_config(a), a["seq"], a["micro_batch"])
+    ranks, cores = 2 * a["ranks_per_node"], len(os.sched_getaffinity(0))
+    share = max(1.0, ranks / cores)
+    return {**r, "model": {k: a[k] for k in ("num_layers", "hidden", "heads", "vocab", "seq", "micro_batch")},
+            "cpu_model": versions().get("cpu_model"), "ranks_per_core": share, "peak_flops": r["flops_per_s"] / share,
+            "cluster_key": "peak_flops" if a["dtype"] == "bf16" else "peak_flops_fp32",
+            "loadavg_1min": os.getloadavg()[0]}
+
+
+def calibration_line(c: dict) -> str:
+    m = c["model"]
+    return (f"Calibration ({c['cpu_model']}): {c['dtype']} forward+backward of GPT {m['num_layers']} layers, hidden "
+            f"{m['hidden']}, seq {m['seq']}, vocab {m['vocab']}, micro-batch {m['micro_batch']} in one thread: "
+            f"{c['fwd_bwd_ms']:.0f} ms ({c['fwd_bwd_cpu_ms']:.0f} ms CPU) = {c['flops_per_s'] / 1e9:.1f} GFLOP/s, / "
+            f"{c['ranks_per_core']:g} ranks per core = {c['cluster_key']} {c['peak_flops'] / 1e9:.1f} GFLOP/s per "
+            f"rank for the planner (load {c['loadavg_1min']:.1f})")
+
+
+def predicted_step(a, H, F, rate, tokenizer, calibration: dict) -> dict:
+    """The planner's inner step at `rate` Mbit/s: emulated_slow_link.yaml with this link's rate and
+    tc tbf burst (bench/netns.py) and this machine's compute rate on this model (`calibration`)."""
+    from bench.netns import tbf_burst
     text = (ROOT / "configs" / "clusters" / "emulated_slow_link.yaml").read_text()
-    cluster = Path(tempfile.mkstemp(suffix=".yaml")[1])
-    cluster.write_text(re.sub(r"(?m)^inter_node_gbps: \S+", f"inter_node_gbps: {rate / 1000}", text))
-    cmd = [sys.executable, "train.py", "--dry-run", "--cluster", str(cluster), "--tokenizer-model", tokenizer,
-           "--num-layers", str(a["num_layers"]), "--hidden-size", str(a["hidden"]), "--num-attention-heads",
-           str(a["heads"]), "--seq-length", str(a["seq"]), "--max-position-embeddings", str(a["seq"]),
-           "--micro-batch-size", str(a["micro_batch"]), "--global-batch-size", str(4 * a["micro_batch"]),
-           "--lr", "1e-4", "--zero-stage", "3", "--outer-sync-interval", str(H), "--outer-fragments", str(F),
-           "--outer-quantization", "int4"] + (["--bf16"] if a["dtype"] == "bf16" else [])
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    for key, value in (("inter_node_gbps", rate / 1000), ("inter_node_burst_kib", tbf_burst(rate) / 1024),
+                       (calibration["cluster_key"], calibration["peak_flops"])):
+        text, n = re.subn(rf"(?m)^{key}: *\S+", f"{key}: {value:.6g}", text)
+        text += "" if n else f"\n{key}: {value:.6g}\n"
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as cluster:
+        cluster.write(text)
+        cluster.flush()
+        cmd = [sys.executable, "train.py", "--dry-run", "--cluster", cluster.name, "--tokenizer-model", tokenizer,
+               "--num-layers", str(a["num_layers"]), "--hidden-size", str(a["hidden"]), "--num-attention-heads",
+               str(a["heads"]), "--seq-length", str(a["seq"]), "--max-position-embeddings", str(a["seq"]),
+               "--micro-batch-size", str(a["micro_batch"]), "--global-batch-size", str(4 * a["micro_batch"]),
+               "--lr", "1e-4", "--zero-stage", "3", "--outer-sync-interval", str(H), "--outer-fragments", str(F),
+               "--outer-quantization", "int4", "--outer-sync-delay", str(a.get("outer_sync_delay", 1))
+               ] + (["--bf16"] if a["dtype"] == "bf16" else [])
+        r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
     lines = [l.strip() for l in r.stdout.splitlines() if "across groups per inner step" in l or "inner step " in l]
-    return " / ".join(lines) if r.returncode == 0 and lines else f"dry run failed: {(r.stderr or r.stdout)[-300:]}"
+    ok = r.returncode == 0 and PLANNED.search(r.stdout)
+    return {"H": H, "F": F, "rate_mbit": rate,
+            "line": " / ".join(lines) if ok else f"dry run failed: {(r.stderr or r.stdout)[-300:]}"}
 
 
 def sweep(system, rates, a, port, args, logdir):
@@ -81,6 +122,7 @@ def main(argv=None):
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--outer-sync-delay", type=int, default=1, help="DiLoCo: inner steps an exchange overlaps")
     p.add_argument("--tokenizer-model", default=str(ROOT / "work_dir" / "kjv_sp.model"),
                    help="for the planner's vocabulary (--vocab entries)")
     p.add_argument("--timeout", type=float, default=900)
@@ -105,7 +147,7 @@ def main(argv=None):
     a = {"num_layers": args.num_layers, "hidden": args.hidden, "heads": args.heads, "vocab": args.vocab,
          "seq": args.seq, "micro_batch": args.micro_batch, "warmup": args.warmup, "steps": args.steps,
          "seed": 1234, "dtype": args.dtype, "ranks_per_node": 2, "repeats": 1, "bucket_fraction": 8,
-         "profile": False}
+         "profile": False, "outer_sync_delay": args.outer_sync_delay}
     steps_at = {r: int(n) for r, n in (x.split(":") for x in args.steps_at.split(",") if x)}
     logdir = Path(tempfile.mkdtemp(prefix="slow_link_diloco_"))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # the namespaces go in `finally`
@@ -136,8 +178,9 @@ def main(argv=None):
               "versions": versions(), "uptime": uptime, "fragment_search": search, "results": rows,
               "command": " ".join([sys.executable, "-m", "bench.slow_link_diloco"] + (argv or sys.argv[1:])),
               "wall_s": time.monotonic() - t0}
-    report["planner_20mbit"] = [{"H": H, "F": best, "line": predicted_step(a, H, best, 20, args.tokenizer_model)}
-                                for H in map(outer_interval, args.diloco.split(","))]
+    report["calibration"] = calibrate(a)   # the ranks are gone: the machine is as quiet as for the sweep
+    report["planner"] = [predicted_step(a, H, best, r, args.tokenizer_model, report["calibration"])
+                         for H in map(outer_interval, args.diloco.split(",")) for r in rates if r]
     render(report, Path(args.out))
     Path(args.out).with_suffix(".partial.json").unlink(missing_ok=True)
     return 0
@@ -198,13 +241,23 @@ def render(report, out: Path):
             f"Fragments at {c['fragments_rate']} Mbit/s, H = 16: {fr} -> F = {c['best_fragments']}.",
             "Load (uptime) at the start and after each system: " + " | ".join(report["uptime"]), "",
             fmt_table(hdr, lines), "", *goals, ""]
-    plans = []
-    for plan in report["planner_20mbit"]:   # predicted, then measured, one line each
-        plans.append(f"Planner (--dry-run, 20 Mbit/s, H = {plan['H']}, F = {plan['F']}): {plan['line']}")
-        m = by.get((f"diloco-h{plan['H']}", 20))
-        if m:
-            plans.append(f"Measured at 20 Mbit/s, H = {plan['H']}: {ms(m):.0f} ms per inner step (window mean), "
-                         f"{m['step_ms_median']:.0f} ms median")
+    plans = [calibration_line(report["calibration"])] if "calibration" in report else []
+    # older reports: the planner at 20 Mbit/s only, uncalibrated
+    planner = report.get("planner") or [{**x, "rate_mbit": 20} for x in report.get("planner_20mbit", [])]
+    for H in dict.fromkeys(x["H"] for x in planner):
+        mine = [x for x in planner if x["H"] == H]
+        plans.append(f"Planner (--dry-run, H = {H}, F = {mine[0]['F']}, {rate_name(mine[0]['rate_mbit'])}): "
+                     f"{mine[0]['line']}")
+        free = by.get((f"diloco-h{H}", 0))
+        cells = []
+        for x in mine:
+            m, p = by.get((f"diloco-h{H}", x["rate_mbit"])), PLANNED.search(x["line"])
+            cells.append(f"{rate_name(x['rate_mbit'])}: planner " + (
+                f"{1000 * float(p[1]):.0f} + {1000 * float(p[2]):.0f}" if p else "-")
+                + (f", measured {ms(m):.0f}" if m else "")
+                + (f" = {ms(free):.0f} unthrottled {ms(m) - ms(free):+.0f}" if m and free else ""))
+        plans.append(f"Inner step H = {H}, ms (planner: step + exposed exchange; measured: window mean): "
+                     + "; ".join(cells))
     text += plans
     print("\n".join(text), flush=True)
     out.write_text(json.dumps(report, indent=1, default=str))

@@ -18,7 +18,9 @@ through one (de)quantization kernel), overlap (whether communication runs under 
 reduce_scatter_factor (wire bytes of a reduce-scatter over the ring's: 1 for
 NCCL; 2 for gloo, which runs it as an all-reduce), step_overhead_ms (host work per
 iteration the time model does not itemize: Python hooks, bucket copies; hidden
-under GPU kernels, measurable on CPU ranks), reserved_gb (memory the
+under GPU kernels, measurable on CPU ranks), inter_node_burst_kib (KiB a node's link
+passes at once after idling: an emulated link's tc tbf bucket; 0 on a real link;
+planner/outer.py's exchanges, which idle between them, get it), reserved_gb (memory the
 framework and allocator keep, per GPU), description.
 
 Every key is checked: a typo or a missing key is one ConfigError naming the
@@ -54,6 +56,7 @@ class Cluster:
     overlap: bool = True
     reduce_scatter_factor: float = 1.0
     step_overhead_ms: float = 0.0        # host time per iteration the model does not itemize
+    inter_node_burst_kib: float = 0.0    # a token bucket's burst (tc tbf); 0: a real link has none
     reserved_gb: float = 1.0
     name: str = ""
     description: str = ""
@@ -130,7 +133,8 @@ def load_cluster(path: str | None) -> Cluster:
 
 
 # Keys that may be 0 (a latency, a reserve, an overhead); every other number must be > 0.
-_MAY_BE_ZERO = ("intra_node_latency_us", "inter_node_latency_us", "reserved_gb", "step_overhead_ms")
+_MAY_BE_ZERO = ("intra_node_latency_us", "inter_node_latency_us", "reserved_gb", "step_overhead_ms",
+                "inter_node_burst_kib")
 
 
 def _value(path: str, key: str, typ: str, value):

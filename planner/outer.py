@@ -1,6 +1,7 @@
 """`train.py --dry-run` with --outer-sync-interval (zeropp/diloco.py): the plan of one group's
 engine on its nodes, then what crosses between the groups: the bytes each rank sends per inner
-step, against ZeRO-3 over the whole job, and the inner step predicted at the cluster's link."""
+step, against ZeRO-3 over the whole job, each fragment's exchange at the cluster's link and the
+inner step with the part of the exchanges its --outer-sync-delay steps do not hide."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,7 +11,7 @@ from planner.cluster import load_cluster
 from planner.comm import PHASES, rank_bytes
 from planner.plan import companion, format_plan, job_from_args, label, plan_config
 from planner.trace import shard_layout, trace_model
-from zeropp.diloco import OuterSettings, exchange_per_step
+from zeropp.diloco import OuterSettings, exchange_per_step, layer_fragments
 from zeropp.stages.engine import compute_dtype
 
 
@@ -38,11 +39,20 @@ def format_outer_plan(args) -> str:
     across = tuple(g * group_job.world for g in range(groups))   # rank 0 and its peers in the other groups
     inter = sum(rank_bytes(c.op, across, 0, c.nbytes, rpn))
     zero3_inter = sum(base.mean_bytes(ph)[1] for ph in PHASES)
-    # One fragment's exchange: every rank of a node sends at once through the node's link.
-    exchange = inter * settings.interval / settings.fragments * rpn / cluster.inter_bw \
-        + (groups - 1) * cluster.inter_node_latency_us * 1e-6
+    # Each fragment's exchange, its own size (the one holding the embedding is the largest), as the
+    # training's fragments (zeropp/diloco.py): every rank of a node sends at once through its link.
+    owned = [0] * settings.fragments
+    for s, f in zip(shards, layer_fragments([s.name for s in shards], settings.fragments)):
+        owned[f] += s.valid
+    whole = [exchange_per_step(n, dataclasses.replace(settings, interval=1)) for n in owned]
+    sent = [rpn * sum(rank_bytes(x.op, across, 0, x.nbytes, rpn)) for x in whole]
     step = mine.timing.iteration
-    exposed = max(0.0, exchange - settings.delay * step) * settings.fragments / settings.interval
+    exchanges = exchange_times(cluster, sent, settings.interval / settings.fragments * step, groups)
+    # An exchange overlaps `delay` inner steps, but at most the H / F steps between two issues: past
+    # those the link is the bound (a step + its exposed part = the link's time per inner step).
+    overlap = min(settings.delay, settings.interval / settings.fragments) * step
+    exposed = sum(max(0.0, t - overlap) for t in exchanges) / settings.interval
+    each = ", ".join(f"{t:.3f}" for t in exchanges) if len(exchanges) <= 8 else f"longest {max(exchanges):.3f}"
     lines = [format_plan(group_job, group_cluster, trace, [mine]), "",
              f"-- Outer synchronization: {groups} groups of {size} node(s) (the plan above is one group's; "
              f"{label(mine.zero)} inside), every {settings.interval} inner steps, {settings.fragments} fragment(s), "
@@ -50,7 +60,23 @@ def format_outer_plan(args) -> str:
              f"   across groups per inner step per GPU: {inter / 1e6:.3f} MB ({c.op} over {groups} ranks / H); "
              f"ZeRO-3 over all {cluster.world_size} GPUs: {zero3_inter / 1e6:.1f} MB inter-node "
              f"(ratio {inter / zero3_inter if zero3_inter else float('nan'):.4f})",
-             f"   one fragment's exchange at {cluster.inter_node_gbps:g} Gbit/s per node: {exchange:.3f} s; "
+             f"   each fragment's exchange at {cluster.inter_node_gbps:g} Gbit/s per node"
+             + (f" (burst {cluster.inter_node_burst_kib:g} KiB)" if cluster.inter_node_burst_kib else "")
+             + f": {each} s; "
              f"inner step {step:.3f} s + {exposed:.3f} s exposed = {step + exposed:.3f} s; ZeRO-3 over the job: "
              f"{base.timing.iteration:.3f} s"]
     return "\n".join(lines)
+
+
+def exchange_times(cluster, sent: list[float], spacing: float, groups: int) -> list[float]:
+    """Seconds of each fragment's exchange, for the bytes a node `sent` through its link. A token
+    bucket (an emulated link's tc tbf burst, tc-tbf(8)) passes what it holds at once; it refills
+    while the link idles, from the previous exchange's end to this one's issue, `spacing` s later."""
+    wire = cluster.inter_bw / cluster.link_efficiency   # the bucket meters wire bytes
+    full = [b / cluster.inter_bw for b in sent]
+    times = []
+    for i, b in enumerate(sent):
+        tokens = min(cluster.inter_node_burst_kib * 1024, wire * max(0.0, spacing - full[i - 1]))
+        times.append(max(0.0, b - tokens * cluster.link_efficiency) / cluster.inter_bw
+                     + (groups - 1) * cluster.inter_node_latency_us * 1e-6)
+    return times

@@ -1,0 +1,65 @@
+"""planner/outer.py: the dry run's exchanges across groups (train.py --dry-run --outer-sync-interval)."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from planner.cluster import load_cluster
+
+ROOT = Path(__file__).resolve().parents[1]
+EMULATED = ROOT / "configs" / "clusters" / "emulated_slow_link.yaml"
+MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "128",
+         "--micro-batch-size", "8", "--lr", "1e-4", "--zero-stage", "3", "--outer-quantization", "int4", "--bf16"]
+
+
+def cluster_file(tmp_path, gbps: float, burst_kib: float) -> Path:
+    """The emulated link's cluster file at another rate and tc tbf burst (0: none, the default)."""
+    text = re.sub(r"(?m)^inter_node_gbps: *\S+", f"inter_node_gbps: {gbps}", EMULATED.read_text())
+    path = tmp_path / f"link_{gbps}_{burst_kib}.yaml"
+    path.write_text(text + (f"\ninter_node_burst_kib: {burst_kib}\n" if burst_kib else ""))
+    return path
+
+
+def plan(capsys, cluster: Path, H: int, F: int, delay: int) -> dict:
+    import train
+    train.main(["--dry-run", "--cluster", str(cluster), *MODEL, "--outer-sync-interval", str(H),
+                "--outer-fragments", str(F), "--outer-sync-delay", str(delay)])
+    out = capsys.readouterr().out
+    m = re.search(r"per GPU: ([\d.]+) MB .*\n.*per node(?: \(burst [\d.]+ KiB\))?: ([\d., ]+) s; "
+                  r"inner step ([\d.]+) s \+ ([\d.]+) s exposed", out)
+    assert m, out
+    return {"mb": float(m[1]), "exchanges": [float(t) for t in m[2].split(", ")], "step": float(m[3]),
+            "exposed": float(m[4])}
+
+
+def test_each_fragments_exchange_takes_its_own_bytes_and_the_links_burst(tmp_path, capsys):
+    gbps, burst_kib, H, F = 0.01, 256, 16, 4
+    plain = plan(capsys, cluster_file(tmp_path, gbps, 0), H, F, 1)
+    bursty = plan(capsys, cluster_file(tmp_path, gbps, burst_kib), H, F, 1)
+    c = load_cluster(str(cluster_file(tmp_path, gbps, 0)))
+    latency = c.inter_node_latency_us * 1e-6   # 2 groups: one hop
+    # The fragments partition a rank's shard: their exchanges carry what H inner steps send
+    # (every rank of a node at once). Printed to 1 ms and 1 kB: that much apart at most.
+    carried = sum(t - latency for t in plain["exchanges"]) * c.inter_bw / c.gpus_per_node
+    assert carried == pytest.approx(plain["mb"] * 1e6 * H, abs=F * 5e-4 * c.inter_bw / c.gpus_per_node + H * 500)
+    assert plain["exchanges"][0] > plain["exchanges"][1]   # fragment 0 holds the embeddings too
+    # Each fragment is larger than the bucket, which refills in the steps between two exchanges:
+    # the link passes the bucket's bytes at once, the rest at its rate.
+    saved = burst_kib * 1024 * 8 / (gbps * 1e9)
+    assert all(t > saved for t in plain["exchanges"])
+    for t, b in zip(plain["exchanges"], bursty["exchanges"]):
+        assert t - b == pytest.approx(saved, abs=1e-3)
+
+
+def test_a_link_slower_than_the_steps_bounds_the_inner_step(tmp_path, capsys):
+    """Past the H / F inner steps between two issues, a longer --outer-sync-delay hides nothing more:
+    the exchanges queue on the link, and an inner step takes the link's time per inner step."""
+    H, F = 16, 4
+    slow = cluster_file(tmp_path, 1e-4, 0)
+    at_spacing, longest = plan(capsys, slow, H, F, H // F), plan(capsys, slow, H, F, H - 1)
+    assert min(longest["exchanges"]) > H // F * longest["step"]   # every fragment: the link is the bound
+    link_per_step = sum(longest["exchanges"]) / H
+    assert longest["step"] + longest["exposed"] == pytest.approx(link_per_step, abs=2e-3)
+    assert longest["exposed"] == at_spacing["exposed"]
