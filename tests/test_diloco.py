@@ -436,6 +436,7 @@ def test_train_py_runs_the_mode_and_logs_it(corpus, tmp_path):  # noqa: F811
     assert steps == [1, 3, 5]   # fragment 1 at steps 2, 6, 10, fragment 0 at 4, 8, 12: each applied a step later
     assert all(float(line.split("cross-group MB: ")[1].split(" ")[0]) > 0 for line in lines)
     assert "5 outer steps (fragment exchanges) over 2 groups" in log and "1 exchange(s) not merged at the end" in log
+    assert "MB, the groups' engines and the outer exchange between them" in log and "would send" not in log
     assert "> outer synchronization: 2 groups of 1 node(s) x 2 ranks, each its own engine; every 4 inner steps in 2 " \
            "fragment(s), outer lr 0.7, Nesterov momentum 0.9, int4 outer gradients, merged 1 inner step(s) after issue" in log
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
