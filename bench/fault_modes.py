@@ -147,14 +147,16 @@ def check_group_skip(inner: dict, precision: str, value: float, per_node: int, n
     want = ref.state()
     run = Grouped(inner, precision, per_node, nodes, settings)
     skipped = run.train(list(range(STEPS)), fault={FAULT_AT: value})
+    bad, got = nonfinite(run.engine), run.state()   # every rank, before any verdict: both collective
     expect = [run.group == 0 and i == FAULT_AT for i in range(STEPS)]
     if skipped != expect:
-        return f"group {run.group} skipped steps {[i for i, s in enumerate(skipped) if s]}, not {FAULT_AT if run.group == 0 else 'none'}"
+        return (f"group {run.group} skipped steps {[i for i, s in enumerate(skipped) if s]}, "
+                f"not {FAULT_AT if run.group == 0 else 'none'}")
     if run.sync.steps != STEPS:
         return f"the outer schedule counted {run.sync.steps} of {STEPS} steps"
-    if nonfinite(run.engine):
-        return f"non-finite state after the skip: {nonfinite(run.engine)[:3]}"
-    diff = differences(want, run.state(), ignore=("loss_scaler", "global_step", "skipped_steps"))
+    if bad:
+        return f"non-finite state after the skip: {bad[:3]}"
+    diff = differences(want, got, ignore=("loss_scaler", "global_step", "skipped_steps"))
     return f"ends unlike the group that never took the step: {diff[:3]}" if diff else ""
 
 
@@ -255,10 +257,10 @@ def diloco_rows(rank, world_size, rows: list[tuple[str, OuterSettings]], faults:
     (collective: every rank runs it)."""
     torch.use_deterministic_algorithms(False)
     tables = {}
+    cell = lambda fn, *a: gathered(run_cell(fn, *a))   # noqa: E731
     for i, (layout, s) in enumerate(rows):
         per_node, nodes, inner = DILOCO_LAYOUTS[layout]
         row, path, args = {}, f"{tmp}/d{i}", (per_node, nodes, s)
-        cell = lambda fn, *a: gathered(run_cell(fn, *a))   # noqa: E731
         if "overflow" in faults:
             row["overflow"] = cell(check_group_skip, inner, "fp16", float("inf"), *args)
         if "nan" in faults:
@@ -317,17 +319,19 @@ def check_crossload(zero: dict, path: str, ranks_per_node: int) -> str:
 def fsdp2_rows(rank, world_size, combos: list[dict], faults: tuple[str, ...], ranks_per_node: int, tmp: str):
     torch.use_deterministic_algorithms(False)
     table = {}
+    cell = lambda fn, *a: gathered(run_cell(fn, *a))   # noqa: E731
     for i, zero in enumerate(combos):
         row, path = {}, f"{tmp}/f{i}"
         if "overflow" in faults:
-            row["overflow"] = gathered(run_cell(check_skip, zero, "fp16", float("inf"), ranks_per_node, "fsdp2"))
+            row["overflow"] = cell(check_skip, zero, "fp16", float("inf"), ranks_per_node, "fsdp2")
         if "nan" in faults:
-            row["nan"] = gathered(run_cell(check_skip, zero, "bf16", float("nan"), ranks_per_node, "fsdp2"))
+            row["nan"] = cell(check_skip, zero, "bf16", float("nan"), ranks_per_node, "fsdp2")
         if "resume" in faults or "engine" in faults:
-            row["resume"] = gathered(run_cell(check_resume, zero, path, ranks_per_node, "fsdp2"))
+            row["resume"] = cell(check_resume, zero, path, ranks_per_node, "fsdp2")
         if "engine" in faults:
-            row["engine"] = (gathered(run_cell(check_crossload, zero, path, ranks_per_node))
-                             if accepted(zero, world_size, ranks_per_node) else {"ok": True, "why": "n/a", "seconds": 0})
+            taken = accepted(zero, world_size, ranks_per_node)   # by the engine too
+            row["engine"] = (cell(check_crossload, zero, path, ranks_per_node) if taken
+                             else {"ok": True, "why": "n/a", "seconds": 0})
         table[name(zero)] = row
     return table
 
