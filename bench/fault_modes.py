@@ -44,7 +44,6 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-import zeropp
 from bench.fault_cells import (FAULT_AT, STEPS, accepted, batch, build, check_resume, check_skip, differences, load,
                                name, nonfinite, run_cell, save, state, train)
 from parallel.spawn import run_distributed
