@@ -9,6 +9,7 @@ import contextlib
 import hashlib
 import io
 import json
+import time
 
 import torch
 import torch.distributed as dist
@@ -37,11 +38,15 @@ STEPS, FAULT_AT = 5, 2          # steps of a run; the fault (and the save) after
 FAULTS = ("overflow", "nan", "resume", "reshard", "world", "toggle", "auto")
 
 
-def accepted(zero: dict, world: int, ranks_per_node: int) -> bool:
-    """Whether the config validator takes this zero_optimization section on this layout."""
+def accepted(zero: dict, world: int, ranks_per_node: int, sharding: str = "zero") -> bool:
+    """Whether the config validator (and with `sharding` "fsdp2", FSDP2's) takes this
+    zero_optimization section on this layout."""
+    from zeropp.fsdp_engine import check_fsdp2_config
     try:
         cfg = zeropp.DeepSpeedConfig.from_dict({"zero_optimization": zero})
         cfg.zero_optimization.validate_topology(ranks_per_node, world)
+        if sharding == "fsdp2":
+            check_fsdp2_config(cfg.zero_optimization, ranks_per_node, world)
     except ConfigError:
         return False
     return True
@@ -57,13 +62,14 @@ def name(zero: dict) -> str:
     return "+".join(parts)
 
 
-def ds_config(zero: dict, precision: str) -> dict:
+def ds_config(zero: dict, precision: str, sharding: str = "zero") -> dict:
     zero = dict(zero)
     if zero.get("zero_quantized_weight_deltas"):
         zero["zero_quantized_weight_deltas_refresh_interval"] = 3   # a refresh inside the run
-    cfg = {"gradient_clipping": 1.0,
-           "zero_optimization": {"reduce_bucket_size": 2000, "stage3_param_persistence_threshold": 0,
-                                 "stage3_prefetch_bucket_size": 5000, "stage3_max_reuse_distance": 0, **zero}}
+    buckets = {"reduce_bucket_size": 2000, "stage3_param_persistence_threshold": 0,
+               "stage3_prefetch_bucket_size": 5000, "stage3_max_reuse_distance": 0}
+    cfg = {"gradient_clipping": 1.0,   # FSDP2 refuses bucket sizes: it has units instead
+           "zero_optimization": {**(buckets if sharding == "zero" else {}), **zero}}
     if precision == "fp16":
         cfg["fp16"] = {"enabled": True, "loss_scale": 1024}   # static: a skip changes nothing at all
     elif precision == "bf16":
@@ -97,13 +103,25 @@ def pooled_groups():
         dist.new_group = new_group
 
 
-def build(zero: dict, precision: str, ranks_per_node: int):
+def build(zero: dict, precision: str, ranks_per_node: int, sharding: str = "zero", topology=None):
+    """The tiny GPT on the engine (`sharding` "fsdp2": FSDP2 + the plug-in) over the topology
+    `topology()` makes (default: every rank, nodes of `ranks_per_node`)."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(**MODEL))
     with pooled_groups():
-        comm = Communicator(topology_from_env(ranks_per_node))
-        return zeropp.initialize(model, zeropp.DeepSpeedConfig.from_dict(ds_config(zero, precision)), comm,
-                                 torch.device("cpu"), zeropp.OptimizerSettings(lr=1e-2))
+        comm = Communicator(topology() if topology else topology_from_env(ranks_per_node))
+        cfg = zeropp.DeepSpeedConfig.from_dict(ds_config(zero, precision, sharding))
+        return zeropp.initialize(model, cfg, comm, torch.device("cpu"), zeropp.OptimizerSettings(lr=1e-2),
+                                 sharding=sharding)
+
+
+def run_cell(fn, *args) -> dict:
+    start = time.perf_counter()
+    try:
+        problem = fn(*args)
+    except Exception as e:   # a cell's crash is its verdict, not the matrix's end
+        problem = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return {"ok": not problem, "why": problem, "seconds": time.perf_counter() - start}
 
 
 def batch(step: int) -> torch.Tensor:
@@ -155,13 +173,13 @@ def nonfinite(engine) -> list[str]:
             if v.local.is_floating_point() and not torch.isfinite(v.local).all()]
 
 
-def check_skip(zero: dict, precision: str, value: float, ranks_per_node: int) -> str:
+def check_skip(zero: dict, precision: str, value: float, ranks_per_node: int, sharding: str = "zero") -> str:
     """A fault at step FAULT_AT: skipped everywhere, nothing carried changed, and the run ends
     where the run without it ends."""
-    ref = build(zero, precision, ranks_per_node)
+    ref = build(zero, precision, ranks_per_node, sharding)
     train(ref, list(range(STEPS)))
     want = state(ref)
-    run = build(zero, precision, ranks_per_node)
+    run = build(zero, precision, ranks_per_node, sharding)
     train(run, list(range(FAULT_AT)))
     x = batch(FAULT_AT)
     loss = run(x[:, :-1], x[:, 1:])
@@ -181,9 +199,11 @@ def check_skip(zero: dict, precision: str, value: float, ranks_per_node: int) ->
 
 
 def save(engine, path: str):
+    """Real files; the parameters' shapes in the meta, so tools/export_checkpoint.py reads them."""
     from training.checkpoint import save_checkpoint
+    shapes = {n: list(p.shape) for n, p in engine.module.named_parameters()}
     with contextlib.redirect_stdout(io.StringIO()):
-        save_checkpoint(path, FAULT_AT, engine, 0, {"model_config": MODEL, "param_shapes": {}})
+        save_checkpoint(path, FAULT_AT, engine, 0, {"model_config": MODEL, "param_shapes": shapes})
 
 
 def load(engine, path: str) -> list[str]:
@@ -197,13 +217,13 @@ def load(engine, path: str) -> list[str]:
     return [line for line in lines[0].splitlines() if line.strip()]
 
 
-def check_resume(zero: dict, path: str, ranks_per_node: int) -> str:
-    run = build(zero, "fp32", ranks_per_node)
+def check_resume(zero: dict, path: str, ranks_per_node: int, sharding: str = "zero") -> str:
+    run = build(zero, "fp32", ranks_per_node, sharding)
     train(run, list(range(FAULT_AT)))
     save(run, path)
     train(run, list(range(FAULT_AT, STEPS)))
     want = state(run)
-    again = build(zero, "fp32", ranks_per_node)
+    again = build(zero, "fp32", ranks_per_node, sharding)
     notes = load(again, path)
     if notes:
         return f"a same-layout load reset state: {notes}"

@@ -27,6 +27,16 @@ on a tiny GPT, these faults (one column each):
   by the validator and trains.
 After every step, every rank's replicated state (loss scale, counters, the
 carried state's scalars, replicated tensors) must be the same.
+
+Then the two modes beside the engine's switches, a table each (bench/fault_modes.py says
+what each column means there):
+- streaming DiLoCo (zeropp/diloco.py), 2 groups on 2 nodes x 2 (ZeRO-3 inside) and on 4 nodes
+  x 1 (qwZ + qgZ inside), a row per outer setting (exact or INT4, merged at once or a step
+  late): overflow and nan (one group skips, the other goes on), resume, reshard (into one
+  group and back), toggle (other outer settings);
+- FSDP2 + the ZeRO++ plug-in (zeropp/fsdp_engine.py), a row per switch combination FSDP2
+  accepts on 2 nodes x 2: overflow, nan, resume, engine (its checkpoint into the engine's
+  ZeRO-3 and back).
 """
 import argparse
 import itertools
@@ -38,17 +48,20 @@ import time
 import torch
 
 from bench.fault_cells import (FAULTS, SHORT, SWITCH_VALUES, accepted, check_auto, check_load_elsewhere,
-                               check_resume, check_skip, name)
+                               check_resume, check_skip, name, run_cell)
+from bench.fault_modes import (DILOCO_FAULTS, DILOCO_LAYOUTS, FSDP2_FAULTS, outer_settings, quick_settings, run_diloco,
+                               run_fsdp2)
 from parallel.spawn import run_distributed
 
 
-def combinations(world: int = 4, ranks_per_node: int = 2) -> list[dict]:
-    """Every switch combination the validator accepts on `world` ranks in nodes of `ranks_per_node`."""
+def combinations(world: int = 4, ranks_per_node: int = 2, sharding: str = "zero") -> list[dict]:
+    """Every switch combination the validator (and FSDP2's, for "fsdp2") accepts on `world` ranks
+    in nodes of `ranks_per_node`."""
     keys = list(SWITCH_VALUES)
     out = []
     for values in itertools.product(*(SWITCH_VALUES[k] for k in keys)):
         zero = {k: v for k, v in zip(keys, values) if v is not None}
-        if accepted(zero, world, ranks_per_node):
+        if accepted(zero, world, ranks_per_node, sharding):
             out.append(zero)
     return out
 
@@ -79,15 +92,6 @@ def toggles(zero: dict, world: int, ranks_per_node: int) -> list[dict]:
             if v != zero.get(key) and accepted(other, world, ranks_per_node) and other not in out:
                 out.append(other)
     return out
-
-
-def run_cell(fn, *args) -> dict:
-    start = time.perf_counter()
-    try:
-        problem = fn(*args)
-    except Exception as e:   # a cell's crash is its verdict, not the matrix's end
-        problem = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    return {"ok": not problem, "why": problem, "seconds": time.perf_counter() - start}
 
 
 def rank_main(rank, world_size, combos: list[dict], faults: tuple[str, ...], ranks_per_node: int, tmp: str):
@@ -153,16 +157,35 @@ def layouts() -> list[tuple[int, int]]:
     return [(4, 2), (2, 1), (4, 4)]
 
 
-def print_table(title: str, table: dict):
+def print_table(title: str, table: dict, faults=FAULTS):
     print(f"\n{title}")
-    print(f"{'combination':<34}" + "".join(f"{f:>11}" for f in FAULTS) + f"{'seconds':>9}")
+    print(f"{'combination':<34}" + "".join(f"{f:>11}" for f in faults) + f"{'seconds':>9}")
     for combo, row in table.items():
-        cells = "".join(f"{('pass' if row[f]['ok'] else 'FAIL') if f in row else '-':>11}" for f in FAULTS)
+        cells = "".join(f"{('pass' if row[f]['ok'] else 'FAIL') if f in row else '-':>11}" for f in faults)
         print(f"{combo:<34}{cells}{sum(c['seconds'] for c in row.values()):9.1f}")
     for combo, row in table.items():
         for f, c in row.items():
             if not c["ok"]:
                 print(f"  {combo} / {f}: {c['why']}")
+
+
+def modes(quick_share: bool) -> dict:
+    """The rows of streaming DiLoCo (per layout) and FSDP2 + the plug-in (bench/fault_modes.py), printed."""
+    out = {"diloco": {}, "fsdp2": {}}
+    out["diloco"] = run_diloco([(layout, s) for layout in DILOCO_LAYOUTS
+                                for s in (quick_settings(layout) if quick_share else outer_settings())])
+    for layout, table in out["diloco"].items():
+        per_node, nodes, inner = DILOCO_LAYOUTS[layout]
+        seconds = sum(c["seconds"] for row in table.values() for c in row.values())
+        print_table(f"streaming DiLoCo, 4 ranks as {layout} in 2 groups of {nodes} node(s), {name(inner)} inside: "
+                    f"{len(table)} outer settings ({seconds:.0f} s)", table, DILOCO_FAULTS)
+    combos = combinations(4, 2, "fsdp2")
+    combos = quick(combos) if quick_share else combos
+    start = time.perf_counter()
+    out["fsdp2"]["2x2"] = table = run_fsdp2(combos)
+    print_table(f"FSDP2 + the ZeRO++ plug-in, 4 ranks as 2 nodes x 2: {len(combos)} combinations FSDP2 accepts "
+                f"({time.perf_counter() - start:.0f} s)", table, FSDP2_FAULTS)
+    return out
 
 
 def main(argv=None):
@@ -183,7 +206,9 @@ def main(argv=None):
                  f"accepts ({time.perf_counter() - start:.0f} s)")
         print_table(title, table)
         report["layouts"][f"{world // rpn}x{rpn}"] = table
-    cells = [c for t in report["layouts"].values() for row in t.values() for c in row.values()]
+    report["modes"] = modes(a.quick)
+    tables = list(report["layouts"].values()) + [t for mode in report["modes"].values() for t in mode.values()]
+    cells = [c for t in tables for row in t.values() for c in row.values()]
     print(f"\n{sum(c['ok'] for c in cells)} of {len(cells)} cells pass")
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w") as f:

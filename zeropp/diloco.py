@@ -266,8 +266,11 @@ class OuterSync:
             self.pending = [Exchange(f, at, stepped=note is None, drift=drift, note=note)
                             for f, at, drift, note in saved.get("merges", [])]
             return None
-        for f in range(self.s.fragments):   # the loaded masters are the global parameters
-            self.glob[f].copy_(self._local(f))
+        for f in range(self.s.fragments):   # the global parameters: the mean of the groups' loaded masters,
+            self.glob[f].copy_(self._local(f))   # the same in every group (the outer step assumes it)
+            if self.cross.size > 1:
+                self.comm.all_reduce(self.glob[f], group=self.cross.group, phase=PHASE)
+                self.glob[f].div_(self.cross.size)
         for state in (self.mom, self.err):
             for t in state or []:
                 t.zero_()
