@@ -86,7 +86,10 @@ def comms_against_exact(rank, world, ranks_per_node):
 
     from parallel.topology import topology_from_env
     from zeropp.config import ZeroConfig
-    from zeropp.fsdp import ModuleReduce, NodeAwareGather, ZeroPP
+    from torch.distributed.fsdp import fully_shard
+
+    from common.torch_private import param_group
+    from zeropp.fsdp import NodeAwareGather, UnitReduce, ZeroPP
     topo = topology_from_env(ranks_per_node)
     zero = ZeroConfig(stage=3, zero_quantized_weights=True, zero_quantized_gradients=True)
     plugin = ZeroPP(topo, zero, torch.device("cpu"), overlap=False, max_inflight=2)
@@ -101,7 +104,8 @@ def comms_against_exact(rank, world, ranks_per_node):
     out = {"int8_worst": float(((gathered.view(world, total) - every).abs() / allowed).max())}
     rows = torch.randn(world, world, 300, generator=g) * torch.rand(world, world, 1, generator=g) * 4
     mine = torch.empty(300)
-    reduce = ModuleReduce(plugin, 0, [torch.nn.Parameter(torch.zeros(1))])
+    unit = fully_shard(torch.nn.Linear(300, world, bias=False))   # one row of 300 per rank, as reduced
+    reduce = UnitReduce(plugin, 0, param_group(unit), world)
     reduce(mine, rows[rank].clone().view(-1), dist.group.WORLD, dist.ReduceOp.SUM)
     sent = rows[:, rank]
     exact = sent.sum(0)

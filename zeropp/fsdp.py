@@ -2,242 +2,51 @@
 torch's `fully_shard` (torch.distributed.fsdp), one call after it:
 
     for block in model.blocks:
-        fully_shard(block, mp_policy=mp)
+        fully_shard(block, mp_policy=mp, reshard_after_forward=ranks_per_node)   # hpZ, FSDP2's own
     fully_shard(model, mp_policy=mp)
     zeropp = apply_zeropp(model, ranks_per_node, quantized_weights=True, hpz=True,
                           quantized_gradients=True, loco=True)
     zeropp.attach(optimizer)        # LoCo's error is committed when a step is applied
 
-What it does, through FSDP2's public hooks (torch 2.13, `FSDPModule`):
-- `set_custom_all_gather`: the weight all-gather. Across nodes qwZ's INT8 blocks
-  (zeropp/techniques/qwz.py); inside a node (hpZ's backward gather) exact.
-- `set_custom_reduce_scatter`, one per FSDP module (its error feedback is kept per module):
-  qgZ's hierarchical INT4 reduction (zeropp/techniques/qgz.py), with LoCo's error feedback
-  (zeropp/techniques/loco.py) and optionally Hadamard smoothing; off, FSDP2's own
-  reduce-scatter, counted (so hpZ alone gives FSDP2's bits; on gloo that reduce-scatter runs as
-  an all-reduce, twice a ring's bytes, where the engine's exact reduction sends an all-to-all).
-- hpZ: after forward each module keeps its weights sharded over the ranks of its node
-  (FSDP2's `reshard_after_forward=<ranks per node>`), so backward gathers inside the node.
-  torch 2.13's `set_reshard_after_forward` takes only a bool, so `_reshard_within_node` sets
-  the post-forward mesh that `fully_shard(reshard_after_forward=<int>)` would have set.
-- Overlap: gathers are issued asynchronously (FSDP2's `unshard_async_op`, forward prefetch of
-  the next module); a reduction returns once issued and completes while backward goes on, at
-  most `max_inflight_reductions` in flight, all done before backward returns. FSDP2 overlaps
-  through CUDA streams; on CPU it has none, and this is what overlaps there.
+What it does, through FSDP2's public hooks (torch 2.13, `FSDPModule`), and what it leaves to
+FSDP2 (everything it promises: hooks, frozen and unused parameters, evaluation, checkpoints):
+- `set_custom_all_gather`: the weight all-gather (zeropp/fsdp_comms.py). Across nodes qwZ's
+  INT8 blocks; inside a node (hpZ's backward gather), in evaluation (`eval()`) and for packed
+  bytes exact. Bytes are booked by pass (forward or backward).
+- `set_custom_reduce_scatter`, one per FSDP unit: qgZ's hierarchical INT4 reduction, with LoCo's
+  error kept per set of parameters the unit reduces (a branch's error never lands on another's);
+  off, FSDP2's own reduce-scatter, counted (so hpZ alone gives FSDP2's bits).
+- hpZ is FSDP2's `reshard_after_forward=<ranks per node>`: pass it to `fully_shard`, or the
+  plug-in sets it (common/torch_private.py) and sets it again when `set_reshard_after_forward(True)`
+  is called later. After a forward without grad (evaluation) a unit holding the node's copy
+  reshards to the world, as plain FSDP2's units do, so a step before the next forward is seen.
+- Overlap on CPU, where FSDP2 has no streams: gathers are issued asynchronously with forward
+  prefetch (where the user set none); a reduction returns once issued and completes while
+  backward goes on only when nothing can read it before backward ends (no all-reduce hook,
+  post-accumulate-grad hook, CPU offload, divide factor, dtype conversion or accumulation;
+  `overlap_label()` says which units overlap). On CUDA FSDP2 overlaps through its streams and
+  orders the optimizer after its `_last_post_reduce_events`; the plug-in completes every
+  reduction before `backward()` returns, which those events then find done.
 
 The techniques are the engine's own parts, built from the same registry (zeropp/techniques)
 and charging the same byte accounting (parallel/comm.py): `stats` says what crossed nodes.
 """
 from __future__ import annotations
 
-import json
-
 import torch
-import torch.distributed as dist
-from torch.distributed import ReduceOp
 
 from common.errors import ConfigError
+from common.torch_private import (has_forward_prefetch, param_group, post_forward_ranks, set_post_forward_ranks,
+                                  set_unshard_async)
 from parallel.comm import Communicator
 from parallel.topology import Topology, TopologyError
-from zeropp import techniques
-from zeropp.build import fill_slots
-from zeropp.collectives.exact import ShardGather
-from zeropp.collectives.partition import Partition, as_dcp
 from zeropp.config import LocoConfig, ZeroConfig
+from zeropp.fsdp_comms import NodeAwareGather, UnitReduce
+from zeropp.fsdp_plugin import PluginError, ZeroPP
+
+__all__ = ["apply_zeropp", "PluginError", "ZeroPP", "NodeAwareGather", "UnitReduce"]
 
 PREFETCH = 2   # units whose forward gathers a unit issues ahead (CPU: FSDP2 has no streams there)
-
-
-class PluginError(ConfigError):
-    """The plug-in cannot be applied as asked (one line naming the culprit and the fix)."""
-
-
-class _Issued(dist.Work):
-    """Our collective's handle as FSDP2 waits on it: FSDP2 waits only on a c10d `Work`."""
-
-    def __init__(self, work):
-        super().__init__()
-        self.work = work
-
-    def wait(self, timeout=None) -> bool:
-        self.work.wait()
-        return True
-
-
-class NodeAwareGather:
-    """FSDP2's `AllGather` comm: qwZ (or exact) over a group that spans nodes, exact over one
-    inside a node (hpZ's post-forward group)."""
-
-    def __init__(self, plugin, across):
-        self.plugin, self.across, self.exact = plugin, across, ShardGather(plugin.comm)
-
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
-        self.plugin.progress()
-        n = output_tensor.numel() // input_tensor.numel()
-        inside = self.plugin.inside_node(group)
-        gather = self.exact if inside or self.plugin.exact_gathers else self.across
-        phase = "backward_gather" if inside else "forward_gather"
-        work = gather.start(input_tensor, Partition(group, n, -1), phase, async_op=True,
-                            out=output_tensor.view(n, input_tensor.numel()))
-        if async_op:
-            return _Issued(work)
-        work.wait()
-        return None
-
-
-class ModuleReduce:
-    """FSDP2's `ReduceScatter` comm for one FSDP module: the reduction's bucket `key` is the
-    module's, so LoCo keeps one error per module."""
-
-    def __init__(self, plugin, key: int, params: list[torch.nn.Parameter]):
-        self.plugin, self.key, self.params = plugin, key, params
-
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor, input_tensor, group, op=ReduceOp.SUM, async_op: bool = False):
-        plugin = self.plugin
-        if op not in (ReduceOp.SUM, ReduceOp.AVG):
-            raise PluginError(f"apply_zeropp's reduction sums or averages; FSDP2 asked for {op} "
-                              f"(set_gradient_divide_factor): leave the divide factor unset")
-        world = plugin.partition.size
-        if input_tensor.numel() != world * output_tensor.numel():
-            raise PluginError(f"apply_zeropp: FSDP2 reduced over {input_tensor.numel() // output_tensor.numel()} "
-                              f"ranks, not the world's {world}: apply it to a model sharded over all ranks")
-        plugin.progress()
-        average = op == ReduceOp.AVG
-        if plugin.reduction is None:   # FSDP2's own reduce-scatter, counted
-            work = plugin.comm.reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=True,
-                                              phase="grad_reduce")
-            divisor = 1
-        else:
-            work = plugin.reduction.start(input_tensor.view(world, output_tensor.numel()), output_tensor,
-                                          plugin.partition, "grad_reduce", async_op=True, key=self.key)
-            divisor = world if average else 1
-        # FSDP2 only makes views of the result before backward ends when it neither converts,
-        # rescales nor accumulates it: then the reduction may complete later.
-        later = (average and plugin.overlap and output_tensor.dtype == self.params[0].dtype
-                 and all(p.grad is None for p in self.params))
-        plugin.issued(work, output_tensor, divisor, later)
-        return None
-
-
-class ZeroPP:
-    """What `apply_zeropp` installed: the communicator (its `stats`), the reduction and its
-    carried state, the reductions in flight."""
-
-    def __init__(self, topology: Topology, zero: ZeroConfig, device, overlap: bool, max_inflight: int,
-                 comm: Communicator | None = None):
-        self.topology, self.zero, self.overlap, self.max_inflight = topology, zero, overlap, max_inflight
-        self.comm = comm or Communicator(topology)
-        self.exact_gathers = False      # True: every gather exact (evaluation, as the engine's)
-        self.partition = Partition(topology.gradient_group, topology.world_size, topology.rank)
-        ctx = techniques.BuildContext(zero, self.comm, None, None, device, weights=[], flat=None)
-        fill_slots(ctx)
-        self.gather = ctx.weight_gather or ShardGather(self.comm)
-        self.reduction = ctx.gradient_reduction   # None: FSDP2's reduce-scatter (counted)
-        self.carried = self.reduction.carried_parts() if self.reduction else {}
-        self.inflight: list = []        # (work, output, divisor)
-        self._callback_queued = False
-        self._inside: dict = {}
-
-    @property
-    def stats(self):
-        return self.comm.stats
-
-    def inside_node(self, group) -> bool:
-        key = id(group)
-        if key not in self._inside:
-            nodes = {self.topology.node_of(r) for r in self.comm.group_ranks(group)}
-            self._inside[key] = len(nodes) == 1
-        return self._inside[key]
-
-    # -- reductions in flight ----------------------------------------------------------------
-    def issued(self, work, output: torch.Tensor, divisor: int, later: bool):
-        self.inflight.append((work, output, divisor))
-        if not later:
-            self.finish()
-            return
-        while len(self.inflight) > self.max_inflight:
-            self._complete(self.inflight.pop(0))
-        if not self._callback_queued and torch._C._current_graph_task_id() != -1:
-            # inside backward: complete the rest before backward returns
-            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
-            self._callback_queued = True
-
-    def progress(self):
-        """Let the reductions in flight go on (qgZ starts its second hop), in issue order and
-        stopping at the first still busy: every rank issues each group's collectives in one order."""
-        for work, _, _ in self.inflight:
-            if not work.progress():
-                break
-
-    def finish(self):
-        """Complete every reduction in flight (FSDP2's gradients are views of their results)."""
-        self._callback_queued = False
-        while self.inflight:
-            self._complete(self.inflight.pop(0))
-
-    @staticmethod
-    def _complete(entry):
-        work, output, divisor = entry
-        work.wait()
-        if divisor != 1:
-            output.div_(divisor)
-
-    # -- carried state -----------------------------------------------------------------------
-    def end_step(self, applied: bool = True) -> list[str]:
-        """The optimizer step ended (applied, or skipped by a loss scaler): commit or drop what
-        the carried state (LoCo's error) took from this step's reductions."""
-        self.finish()
-        return [note for part in self.carried.values() if (note := part.end_step(applied))]
-
-    def attach(self, optimizer: torch.optim.Optimizer):
-        """Commit after every `optimizer.step()` (a step a scaler skips never calls it: call
-        `end_step(applied=False)` then)."""
-        optimizer.register_step_pre_hook(lambda *_: self.finish())
-        optimizer.register_step_post_hook(lambda *_: self.end_step(True))
-        return self
-
-    def state_dict(self) -> dict:
-        """For DCP, beside the model's and optimizer's: the carried errors as DTensors sharded
-        over the ranks, the layout and counts as JSON."""
-        out = {}
-        for name, part in self.carried.items():
-            for key, flat in part.checkpoint_state(self.topology.world_size).items():
-                out[key] = flat
-            scalars = part.scalar_state()
-            out[f"{name}.scalars"] = json.dumps({k: scalars[k] for k in scalars})
-        tensors = {k: v for k, v in out.items() if not isinstance(v, str)}
-        return {**{k: v for k, v in out.items() if isinstance(v, str)}, **as_dcp(tensors, _device(tensors))}
-
-    def load(self, checkpoint_id: str) -> list[str]:
-        """Restore the state `state_dict` saved under "zeropp" in the DCP checkpoint
-        `checkpoint_id`; on another layout the state starts from zero and each returned line
-        says what was reset."""
-        import torch.distributed.checkpoint as dcp
-        self.finish()
-        notes = []
-        for name, part in self.carried.items():
-            scalars = {"zeropp": {f"{name}.scalars": ""}}
-            stored = dcp.FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
-            saved = None
-            if f"zeropp.{name}.scalars" in stored:
-                dcp.load(scalars, checkpoint_id=checkpoint_id)
-                saved = json.loads(scalars["zeropp"][f"{name}.scalars"])
-            if part.carried(saved):
-                flats = part.checkpoint_state(self.topology.world_size)
-                dcp.load({"zeropp": as_dcp(flats, _device(flats))}, checkpoint_id=checkpoint_id)
-            if note := part.load_scalar_state(saved):
-                notes.append(note)
-        return notes
-
-
-def _device(flats: dict) -> torch.device:
-    return next((v.local.device for v in flats.values()), torch.device("cpu"))
 
 
 def apply_zeropp(model: torch.nn.Module, topology: Topology | int | None = None, *, quantized_weights: bool = True,
@@ -268,29 +77,99 @@ def apply_zeropp(model: torch.nn.Module, topology: Topology | int | None = None,
         zero.validate("apply_zeropp")
     except ConfigError as e:   # the engine's key names, said as this call's arguments
         raise PluginError(_argument_names(str(e))) from None
-    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    units = _units(model)
+    _check_world(model, topology)
+    ranks = topology.ranks_per_node if hpz and 1 < topology.ranks_per_node < topology.world_size else None
+    _check_reshard(units, ranks, topology.world_size)
     device = next(model.parameters()).device
     plugin = ZeroPP(topology, zero, device, overlap, max_inflight_reductions, communicator)
-    totals = {}
-    for key, module in enumerate(modules):
-        params = _own_params(module)
-        _check_world(params, topology)
-        module.set_custom_all_gather(NodeAwareGather(plugin, plugin.gather))
-        module.set_custom_reduce_scatter(ModuleReduce(plugin, key, params))
-        totals[key] = sum(_shard_numel(p, topology.world_size) for p in params)
+    gather, totals = NodeAwareGather(plugin, plugin.gather), {}
+    for key, (modules, group) in enumerate(units):
+        reduce = UnitReduce(plugin, key, group, topology.world_size)
+        modules[0].set_custom_all_gather(gather)
+        modules[0].set_custom_reduce_scatter(reduce)
+        plugin.units.append(reduce)
+        if reduce.trained_numel:
+            totals[key] = reduce.trained_numel
+        for module in modules:
+            module.register_forward_hook(reduce.watch)
+            if ranks:
+                module.register_forward_hook(_world_shard_after_eval(group, topology.world_size))
+                _keep_hpz_when_toggled(module, ranks)
     if overlap and device.type == "cpu":   # on CUDA FSDP2 overlaps through its streams
-        model._set_unshard_async_op(True)
+        set_unshard_async(model, True)
         # each unit (the root first) issues the gathers of the next PREFETCH units: on a slow link
-        # the forward is link-bound, and one ahead leaves the link idle while the next is quantized
-        order = [model] + [m for m in modules if m is not model]
+        # the forward is link-bound, and one ahead leaves the link idle while the next is quantized;
+        # a unit the user gave its own prefetch keeps it
+        order = [modules[0] for modules, _ in units]
         for i, here in enumerate(order[:-1]):
-            here.set_modules_to_forward_prefetch(order[i + 1:i + 1 + PREFETCH])
+            if not has_forward_prefetch(here):
+                here.set_modules_to_forward_prefetch(order[i + 1:i + 1 + PREFETCH])
     if plugin.reduction is not None:
         plugin.reduction.expect(totals, topology, device)
-    if hpz and 1 < topology.ranks_per_node < topology.world_size:
-        _reshard_within_node(modules, topology.ranks_per_node)
-    model._zeropp = plugin
+    # evaluation (eval()) gathers exactly, as the engine's; set before FSDP2's root issues its gathers
+    model.register_forward_pre_hook(lambda root, _: setattr(plugin, "exact_gathers", not root.training),
+                                    prepend=True)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module._zeropp = plugin
     return plugin
+
+
+def _units(model) -> list[tuple[list, object]]:
+    """The FSDP units under `model`, the root first: the modules one `fully_shard` call wrapped
+    (several for `fully_shard([a, b])`) and their parameter group."""
+    from torch.distributed.fsdp import FSDPModule
+    units: dict[int, tuple[list, object]] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        if getattr(module, "_zeropp", None) is not None:
+            raise PluginError(f"apply_zeropp was already applied to {name or 'this model'}: call it once, on the root")
+        group = param_group(module)
+        if group is not None:
+            units.setdefault(id(group), ([], group))[0].append(module)
+    return list(units.values())
+
+
+def _check_reshard(units, ranks: int | None, world: int):
+    """hpZ is FSDP2's reshard_after_forward=<ranks per node>: keep it where the user passed it to
+    fully_shard, set it where FSDP2 reshards to the world (the root keeps FSDP2's choice not to)."""
+    if ranks is None:
+        return
+    for modules, group in units:
+        now = post_forward_ranks(group)
+        if now is not None and now not in (ranks, world):
+            raise PluginError(f"apply_zeropp(hpz=True) keeps the weights over a node's {ranks} ranks after forward; "
+                              f"{type(modules[0]).__name__} was wrapped with fully_shard(reshard_after_forward={now}): "
+                              f"pass {ranks} or True")
+        if now == world:
+            set_post_forward_ranks(group, ranks)
+
+
+def _keep_hpz_when_toggled(module, ranks: int):
+    """FSDP2's `set_reshard_after_forward(True)` (its eval toggle) sets the world's mesh: set the
+    node's again, as fully_shard(reshard_after_forward=ranks) had."""
+    from torch.distributed.fsdp import FSDPModule
+    original = module.set_reshard_after_forward
+
+    def set_reshard_after_forward(reshard_after_forward: bool, recurse: bool = True) -> None:
+        original(reshard_after_forward, recurse)
+        if reshard_after_forward is True:
+            for m in (module.modules() if recurse else [module]):
+                if isinstance(m, FSDPModule) and (group := param_group(m)) is not None:
+                    set_post_forward_ranks(group, ranks)
+    module.set_reshard_after_forward = set_reshard_after_forward
+
+
+def _world_shard_after_eval(group, world: int):
+    """After a forward without grad no backward consumes the node's copy: reshard to the world,
+    as a unit without hpZ does, so an optimizer step before the next forward is gathered."""
+    def hook(module, *_):
+        ranks = post_forward_ranks(group)
+        if not torch.is_grad_enabled() and ranks is not None and ranks < world:
+            module.reshard()
+    return hook
 
 
 _ARGUMENTS = {"apply_zeropp.zero_quantized_weights_block_size": "apply_zeropp: weight_block_size",
@@ -316,42 +195,16 @@ def _topology(topology) -> Topology:
         raise PluginError(_argument_names(f"apply_zeropp: {e}")) from None
 
 
-def _check_world(params, topology: Topology):
-    mesh = params[0].device_mesh if params else None   # FSDP2's parameters are DTensors on its mesh
-    if mesh is not None and (mesh.ndim != 1 or mesh.size() != topology.world_size):
-        raise PluginError(f"apply_zeropp shards over all {topology.world_size} ranks; this model's FSDP mesh is "
+def _check_world(model, topology: Topology):
+    """The plug-in shards over the world, ranks in order (a node is consecutive ranks)."""
+    mesh = next((p.device_mesh for p in model.parameters() if hasattr(p, "device_mesh")), None)
+    if mesh is None:
+        return
+    world = topology.world_size
+    if mesh.ndim != 1 or mesh.size() != world:
+        raise PluginError(f"apply_zeropp shards over all {world} ranks; this model's FSDP mesh is "
                           f"{tuple(mesh.shape)}: pass fully_shard a 1-D mesh over the world (HSDP is not supported)")
-
-
-def _own_params(module) -> list[torch.nn.Parameter]:
-    """The parameters `fully_shard(module)` manages: its own, not those of FSDP modules inside it."""
-    from torch.distributed.fsdp import FSDPModule
-    inner = {id(p) for m in module.modules() if m is not module and isinstance(m, FSDPModule) for p in m.parameters()}
-    return [p for p in module.parameters() if id(p) not in inner]
-
-
-def _shard_numel(param, world: int) -> int:
-    """Elements of one rank's shard of `param` as FSDP2 reduces it: dim 0 padded to the world."""
-    shape = param.shape
-    rows = -(-shape[0] // world) if len(shape) else 1
-    rest = 1
-    for s in shape[1:]:
-        rest *= s
-    return rows * rest
-
-
-def _reshard_within_node(modules, ranks_per_node: int):
-    """What fully_shard(reshard_after_forward=ranks_per_node) sets, on modules that reshard
-    after forward (the root keeps FSDP2's choice not to)."""
-    from torch.distributed.fsdp._fully_shard._fsdp_init import _get_post_forward_mesh_info
-    info = None
-    for module in modules:
-        for group in module._get_fsdp_state()._fsdp_param_groups:
-            if group.post_forward_mesh_info is None:
-                continue
-            if info is None:
-                info = _get_post_forward_mesh_info(ranks_per_node, group.mesh_info)
-            group.post_forward_mesh_info = info
-            for p in group.fsdp_params:
-                p.post_forward_mesh_info = info
-                p._init_sharded_post_forward_param_metadata(torch.empty(p._orig_size, device="meta"))
+    order = mesh.mesh.flatten().tolist()
+    if order != list(range(world)):
+        raise PluginError(f"apply_zeropp's nodes are consecutive ranks; this model's FSDP mesh orders them {order}: "
+                          f"pass fully_shard a mesh over ranks 0..{world - 1} in order")

@@ -79,12 +79,12 @@ class FSDP2Engine(Engine):
         super().__init__(module, config, comm, device, optim, gradient_accumulation_steps)
         self.world, self.rank = topo.world_size, topo.rank
         self.zeropp = apply_zeropp(module, topo, communicator=comm, **plugin_switches(config.zero_optimization))
+        self.zeropp.commit_by_end_step()   # the engine's step calls end_step(applied)
         self.params = [p for p in module.parameters() if p.requires_grad]
         decay, no_decay = split_decay(module)
         self.optimizer = self._make_optimizer(decay, no_decay)
 
     def train(self, mode: bool = True):
-        self.zeropp.exact_gathers = not mode   # evaluation computes with the exact weights, as the engine's
         self._reshard()
         return super().train(mode)
 

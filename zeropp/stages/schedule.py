@@ -20,8 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-import torch
-
+from common.torch_private import top_saved_tensors_hooks
 from zeropp.collectives.partition import bucketize
 
 # A weight's last use that backward needs: (checkpoint region or None, forward event count).
@@ -65,7 +64,7 @@ def checkpoint_region(our_pack) -> object | None:
     that hook (one per checkpointed call), else None. `our_pack`: the caller's
     own pack hook, which is not a region."""
     try:
-        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        top = top_saved_tensors_hooks()
     except (AttributeError, RuntimeError):
         return None  # cannot tell: unpack requests still gather on demand
     if top is None or top[0] == our_pack:   # ==: a bound method is a new object at each access

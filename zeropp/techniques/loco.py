@@ -55,7 +55,8 @@ class ErrorFeedback:
         self.reductions: dict[int, int] = {}
         self._pending: dict[int, torch.Tensor] = {}     # this step's new error, swapped in by end_step
         self._pending_reductions: dict[int, int] = {}   # buckets reduced this step -> their new count
-        self.shapes: dict[int, tuple[int, int]] = {}   # every bucket's buffer shape (`expect`)
+        self.shapes: dict[int, tuple[int, int]] = {}   # every bucket's buffer shape (`expect`, `add`)
+        self.added: dict[str, tuple[int, int]] = {}    # buckets met while training (`add`)
         self.layout: dict = {}
         self.hadamard = hadamard   # the rotation's block size when the rows are rotated, 0: none
 
@@ -68,6 +69,19 @@ class ErrorFeedback:
         self.layout = {"world": world, "nodes": nodes, "shapes": {str(k): list(v) for k, v in shapes.items()}}
         if self.hadamard:   # absent when off: checkpoints saved before the switch existed still fit
             self.layout["hadamard"] = self.hadamard
+
+    def add(self, key: str, shape: tuple[int, int]):
+        """A bucket met while training (the FSDP2 plug-in: a unit reducing another set of its
+        parameters), with its own error from now on; checkpoints carry it beside the layout."""
+        if self.hadamard:
+            shape = (shape[0], -(-shape[1] // self.hadamard) * self.hadamard)
+        if self.layout.get("nodes", 1) > 1:   # one node keeps no error
+            self.shapes[key] = self.added[key] = tuple(shape)
+
+    def adopt(self, saved: dict):
+        """Before loading a checkpoint that fits (`carried`): the buckets it met while training."""
+        for key, shape in saved.get("added", {}).items():
+            self.add(key, tuple(shape))
 
     def _buffer(self, key: int, shape, store: dict | None = None) -> torch.Tensor:
         store = self.buffers if store is None else store
@@ -131,13 +145,22 @@ class ErrorFeedback:
 
     # -- checkpoints ---------------------------------------------------------------------
     def checkpoint_state(self, world: int) -> dict[str, FlatState]:
-        """Every bucket's buffer (zeros for one not reduced yet), as rank r's chunk of W of them."""
-        return {f"{KEY}{k}": FlatState(self._buffer(k, shape).view(-1), world * shape[0] * shape[1], sharded=True)
+        """Every bucket's buffer (zeros for one not reduced yet), as rank r's chunk of W of them.
+        A buffer is only ever made, never replaced: saving changes no error."""
+        return {f"{KEY}{k}": FlatState(self._stored(k, shape).view(-1), world * shape[0] * shape[1], sharded=True)
                 for k, shape in self.shapes.items()}
 
+    def _stored(self, key, shape) -> torch.Tensor:
+        if key not in self.buffers:
+            self.buffers[key] = torch.zeros(tuple(shape), dtype=torch.float32, device=self.device)
+        return self.buffers[key]
+
     def scalar_state(self) -> dict:   # holds: whether there is any error (none on one node)
-        return {"layout": self.layout, "reductions": {str(k): v for k, v in self.reductions.items()},
-                "holds": bool(self.shapes)}
+        out = {"layout": self.layout, "reductions": {str(k): v for k, v in self.reductions.items()},
+               "holds": bool(self.shapes)}
+        if self.added:   # absent when none: checkpoints saved before buckets could be added still fit
+            out["added"] = {k: list(v) for k, v in self.added.items()}
+        return out
 
     def carried(self, saved: dict | None) -> bool:
         """Whether a checkpoint's buffers (its scalar state `saved`) fit this job's layout."""
@@ -147,7 +170,7 @@ class ErrorFeedback:
         """After the buffers were loaded (if carried): the counts; else zero everything and say why."""
         self._pending_reductions = {}
         if self.carried(saved):
-            self.reductions = {int(k): v for k, v in saved["reductions"].items()}
+            self.reductions = {_key(k): v for k, v in saved["reductions"].items()}
             return None
         for err in self.buffers.values():
             err.zero_()
@@ -166,6 +189,11 @@ class ErrorFeedback:
         return (f"qgZ's error feedback starts from zero: saved on {was['world']} ranks in {was['nodes']} nodes "
                 f"with {len(was['shapes'])} gradient buckets, now {now['world']} ranks in {now['nodes']} nodes "
                 f"with {len(now['shapes'])} (its buffers follow that layout)")
+
+
+def _key(saved: str):
+    """A bucket key as saved: an engine bucket's index, or the name of one `add`ed while training."""
+    return int(saved) if saved.isdigit() else saved
 
 
 class CompensatedReduce(HierarchicalQuantizedReduce):

@@ -1,0 +1,148 @@
+"""Every private torch attribute the product reads or writes, in one place (checked against torch
+2.13.0): torch has no public way to ask these things, so each is named here, reached only through
+the function beside it, and tests/test_torch_private.py fails loudly when torch renames one or
+changes what it means. Nothing else in the product touches a private torch name.
+
+| attribute | used for |
+|---|---|
+| torch._C._current_graph_task_id | whether a backward pass is running (a gather is booked by pass) |
+| torch.autograd.Variable._execution_engine.queue_callback | run something when backward ends |
+| torch._C._autograd._top_saved_tensors_default_hooks | the innermost saved-tensor hook (activation checkpointing) |
+| Tensor._post_accumulate_grad_hooks | whether a parameter has post-accumulate-grad hooks |
+| FSDPModule._get_fsdp_state, FSDPState._fsdp_param_groups | a unit's FSDP parameter group |
+| FSDPModule._set_unshard_async_op | FSDP2's asynchronous unshard (CPU overlap) |
+| FSDPState._states_to_forward_prefetch | whether forward prefetch was set |
+| FSDPParamGroup.fsdp_params, .post_forward_mesh_info, .mesh_info | a group's parameters, its hpZ mesh |
+| FSDPParamGroup._all_reduce_hook, .gradient_divide_factor, .reduce_scatter_unused_params | what reads a reduction |
+| FSDPParam.sharded_param, ._unsharded_param, .offload_to_cpu, ._orig_size | one parameter's state |
+| FSDPParam.post_forward_mesh_info, ._init_sharded_post_forward_param_metadata | hpZ's post-forward shard |
+| torch.distributed.fsdp._fully_shard._fsdp_init._get_post_forward_mesh_info | fully_shard(reshard_after_forward=int)'s mesh |
+"""
+from __future__ import annotations
+
+import torch
+
+CHECKED_TORCH = "2.13"   # the torch version (major.minor) every attribute below was checked against
+
+ATTRIBUTES = (
+    "torch._C._current_graph_task_id",
+    "torch.autograd.Variable._execution_engine.queue_callback",
+    "torch._C._autograd._top_saved_tensors_default_hooks",
+    "Tensor._post_accumulate_grad_hooks",
+    "FSDPModule._get_fsdp_state",
+    "FSDPModule._set_unshard_async_op",
+    "FSDPState._fsdp_param_groups",
+    "FSDPState._states_to_forward_prefetch",
+    "FSDPParamGroup.fsdp_params",
+    "FSDPParamGroup.post_forward_mesh_info",
+    "FSDPParamGroup.mesh_info",
+    "FSDPParamGroup._all_reduce_hook",
+    "FSDPParamGroup.gradient_divide_factor",
+    "FSDPParamGroup.reduce_scatter_unused_params",
+    "FSDPParam.sharded_param",
+    "FSDPParam._unsharded_param",
+    "FSDPParam.offload_to_cpu",
+    "FSDPParam._orig_size",
+    "FSDPParam.post_forward_mesh_info",
+    "FSDPParam._init_sharded_post_forward_param_metadata",
+    "torch.distributed.fsdp._fully_shard._fsdp_init._get_post_forward_mesh_info",
+)
+
+
+# -- autograd ------------------------------------------------------------------------------------
+def in_backward() -> bool:
+    """Whether this thread is running a backward pass now."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def queue_backward_callback(fn) -> None:
+    """Run `fn` when the running backward pass ends (call only inside one)."""
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+def top_saved_tensors_hooks():
+    """The innermost (pack, unpack) saved-tensor hooks, or None."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+def has_post_accumulate_grad_hooks(tensor: torch.Tensor) -> bool:
+    return bool(getattr(tensor, "_post_accumulate_grad_hooks", None))
+
+
+# -- FSDP2 (torch.distributed.fsdp.fully_shard) --------------------------------------------------
+def fsdp_state(module):
+    """The FSDP state `fully_shard` attached (modules grouped by one `fully_shard([a, b])` share it)."""
+    return module._get_fsdp_state()
+
+
+def param_group(module):
+    """The unit's FSDP parameter group, or None for a module that manages no parameters."""
+    groups = fsdp_state(module)._fsdp_param_groups or []
+    return groups[0] if groups else None
+
+
+def set_unshard_async(module, on: bool) -> None:
+    module._set_unshard_async_op(on)
+
+
+def has_forward_prefetch(module) -> bool:
+    """Whether `set_modules_to_forward_prefetch` gave this module something to prefetch."""
+    return bool(fsdp_state(module)._states_to_forward_prefetch)
+
+
+def group_params(group) -> list:
+    """The group's FSDP parameters, in the order FSDP2 lays out their gradients for a reduction."""
+    return list(group.fsdp_params)
+
+
+def sharded_param(fsdp_param) -> torch.nn.Parameter:
+    return fsdp_param.sharded_param
+
+
+def unsharded_param(fsdp_param) -> torch.nn.Parameter | None:
+    """The gathered parameter forward computes with (None before the first gather); it persists
+    across steps, so a hook registered on it stays."""
+    return getattr(fsdp_param, "_unsharded_param", None)
+
+
+def reads_of_reduction(group) -> list[str]:
+    """What reads a reduction's output before backward ends: FSDP2 runs them right after the
+    reduce-scatter returns."""
+    reads = []
+    if group._all_reduce_hook is not None:
+        reads.append("an all-reduce hook")
+    if group.gradient_divide_factor is not None:
+        reads.append("a gradient divide factor")
+    if any(p.offload_to_cpu for p in group.fsdp_params):
+        reads.append("CPU offload")
+    if any(has_post_accumulate_grad_hooks(p.sharded_param) for p in group.fsdp_params):
+        reads.append("a post-accumulate-grad hook")
+    return reads
+
+
+def divide_factor(group) -> float | None:
+    return group.gradient_divide_factor
+
+
+def reduces_unused(group) -> bool:
+    """`set_reduce_scatter_unused_params(True)`: every parameter that requires grad is reduced."""
+    return bool(group.reduce_scatter_unused_params)
+
+
+def post_forward_ranks(group) -> int | None:
+    """Over how many ranks the group keeps its weights after forward: None (it keeps them
+    gathered), the world (it reshards), or fewer (hpZ)."""
+    info = group.post_forward_mesh_info
+    return None if info is None else info.shard_mesh_size
+
+
+def set_post_forward_ranks(group, ranks: int) -> None:
+    """What `fully_shard(reshard_after_forward=ranks)` sets on a group (torch 2.13's
+    `set_reshard_after_forward` takes only a bool)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_init import _get_post_forward_mesh_info
+    info = _get_post_forward_mesh_info(ranks, group.mesh_info)
+    group.post_forward_mesh_info = info
+    for p in group.fsdp_params:
+        p.post_forward_mesh_info = info
+        if info is not None:
+            p._init_sharded_post_forward_param_metadata(torch.empty(p._orig_size, device="meta"))

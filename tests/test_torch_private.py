@@ -1,0 +1,123 @@
+"""common/torch_private.py: every private torch attribute the product uses exists and means what
+the product assumes, on the torch installed. When torch changes one, a test here fails by name;
+when torch's version moves past the one they were checked against, the first test fails so they
+are checked again."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from common import torch_private as tp
+from tests.distributed import run_distributed
+from tests.test_structure import ROOT, source_files
+
+
+def test_checked_against_the_installed_torch():
+    installed = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    assert installed == tp.CHECKED_TORCH, (
+        f"torch {installed} is installed; common/torch_private.py was checked against {tp.CHECKED_TORCH}: "
+        f"run this file, check each attribute, then update CHECKED_TORCH")
+
+
+FOREACH = "torch._foreach_"   # torch's documented multi-tensor ops (the optimizers' foreach path), not internals
+
+
+def test_no_private_torch_attribute_outside_the_one_module():
+    """`torch._x`, a listed attribute's name, or an import from a private torch module anywhere
+    else in the product: none."""
+    found = []
+    for mod, path in source_files().items():
+        if path == ROOT / "common" / "torch_private.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                text = ast.unparse(node)
+                if text.startswith(FOREACH):
+                    continue
+                if text.startswith("torch.") or node.attr in {a.rsplit(".", 1)[-1] for a in tp.ATTRIBUTES}:
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno} {text}")
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch") and (
+                    "._" in node.module or any(a.name.startswith("_") for a in node.names)):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} from {node.module} import ...")
+    assert found == []
+
+
+def test_autograd_attributes():
+    seen = {}
+
+    def hook(grad):
+        seen["inside"] = tp.in_backward()
+        tp.queue_backward_callback(lambda: seen.setdefault("callback", tp.in_backward()))
+        return grad
+    x = torch.ones(2, requires_grad=True)
+    y = (x * 2)
+    y.register_hook(hook)
+    assert not tp.in_backward()
+    y.sum().backward()
+    assert seen == {"inside": True, "callback": True}, seen
+
+    def pack(t):
+        return t
+    assert tp.top_saved_tensors_hooks() is None
+    with torch.autograd.graph.saved_tensors_hooks(pack, pack):
+        assert tp.top_saved_tensors_hooks()[0] is pack
+
+    p = nn.Parameter(torch.ones(2))
+    assert not tp.has_post_accumulate_grad_hooks(p)
+    p.register_post_accumulate_grad_hook(lambda _: None)
+    assert tp.has_post_accumulate_grad_hooks(p)
+
+
+def fsdp_attributes(rank, world):
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    fully_shard(model[0])
+    fully_shard(model)
+    out = {}
+    group = tp.param_group(model[0])
+    params = tp.group_params(group)
+    out["params"] = [tp.sharded_param(p) is q for p, q in zip(params, model[0].parameters())]
+    out["unsharded_before"] = tp.unsharded_param(params[0]) is None
+    out["ranks"] = (tp.post_forward_ranks(group), tp.post_forward_ranks(tp.param_group(model)))
+    tp.set_post_forward_ranks(group, 2)
+    out["set"] = tp.post_forward_ranks(group)
+    out["prefetch"] = tp.has_forward_prefetch(model)
+    model.set_modules_to_forward_prefetch([model[0]])
+    out["prefetch"] = (out["prefetch"], tp.has_forward_prefetch(model))
+    tp.set_unshard_async(model, True)
+    out["reads"] = [tp.reads_of_reduction(group)]
+    model[0].set_all_reduce_hook(lambda t: None)
+    model[0].set_gradient_divide_factor(3.0)
+    model[0].weight.register_post_accumulate_grad_hook(lambda _: None)
+    out["reads"].append(tp.reads_of_reduction(group))
+    out["factor"] = tp.divide_factor(group)
+    out["unused"] = tp.reduces_unused(group)
+    model[0].set_reduce_scatter_unused_params(True)
+    out["unused"] = (out["unused"], tp.reduces_unused(group))
+    model(torch.ones(2, 4))
+    u = tp.unsharded_param(params[0])
+    out["unsharded_after"] = u is not None and tuple(u.shape) == (4, 4)
+    out["root_after"] = tp.post_forward_ranks(tp.param_group(model))
+    offloaded = fully_shard(nn.Linear(4, 4), offload_policy=CPUOffloadPolicy(pin_memory=False))
+    out["offload"] = tp.reads_of_reduction(tp.param_group(offloaded))
+    return out
+
+
+def test_fsdp2_attributes():
+    r = run_distributed(fsdp_attributes, 4)[0]
+    assert r["params"] == [True, True] and r["unsharded_before"] and r["unsharded_after"], r
+    # each reshards to the world until the first forward makes the root keep its weights
+    assert r["ranks"] == (4, 4) and r["set"] == 2 and r["root_after"] is None, r
+    assert r["prefetch"] == (False, True), r
+    assert r["reads"] == [[], ["an all-reduce hook", "a gradient divide factor", "a post-accumulate-grad hook"]], r
+    assert r["factor"] == 3.0 and r["unused"] == (False, True) and r["offload"] == ["CPU offload"], r
+
+
+def test_every_listed_attribute_is_named_in_the_module():
+    text = Path(tp.__file__).read_text()
+    body = text.split('"""', 2)[2]
+    for attribute in tp.ATTRIBUTES:
+        assert attribute.rsplit(".", 1)[-1] in body, attribute
