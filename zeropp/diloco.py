@@ -29,6 +29,7 @@ after a resume as in a run that never stopped.
 """
 from __future__ import annotations
 
+import contextlib
 import re
 from dataclasses import dataclass
 
@@ -208,15 +209,57 @@ class OuterSync:
         self._outer_step(x)
         if x.note:
             return x.note
-        off, keep = 0, MIX if self.s.delay else 0.0   # delay 0: nothing trained it meanwhile
-        with torch.no_grad():
-            for s in self.fragments[x.fragment]:
-                part = self.glob[x.fragment][off:off + s.valid].view_as(s.master)
-                s.master.mul_(keep).add_(part, alpha=1.0 - keep) if keep else s.master.copy_(part)
-                off += s.valid
+        self._set_masters(x.fragment, MIX if self.s.delay else 0.0)   # delay 0: nothing trained it meanwhile
         self.engine.masters_changed()
         self.drift = x.drift
         return None
+
+    def final_sync(self) -> str | None:
+        """The end of training: the exchanges in flight merged now, then every fragment exchanged
+        and stepped at once and the masters set to the new global values, so the global
+        parameters (what a checkpoint exports) hold every group's last steps."""
+        notes = [self._merge(x) for x in self.pending]
+        self.pending = []
+        for f in range(self.s.fragments):
+            x = self._issue(f)
+            self._outer_step(x)
+            notes.append(x.note or self._set_masters(f, 0.0))
+        self.engine.masters_changed()
+        return "; ".join(n for n in notes if n) or None
+
+    def _set_masters(self, f: int, keep: float, values: torch.Tensor | None = None):
+        """Fragment `f`'s masters <- keep * masters + (1 - keep) * `values` (default its global values)."""
+        values = self.glob[f] if values is None else values
+        off = 0
+        with torch.no_grad():
+            for s in self.fragments[f]:
+                part = values[off:off + s.valid].view_as(s.master)
+                s.master.mul_(keep).add_(part, alpha=1.0 - keep) if keep else s.master.copy_(part)
+                off += s.valid
+
+    @contextlib.contextmanager
+    def global_weights(self):
+        """The engine computes with the global parameters (those a checkpoint exports) inside, and
+        with its own masters again after, bit for bit (collective over the job). Yields the RMS
+        distance of the groups' masters from the global parameters, over the whole job."""
+        for x in self.pending:   # as a save does: the exchanges in flight stepped, merged at their step
+            self._outer_step(x)
+        own = [self._local(f) for f in range(self.s.fragments)]
+        sums = torch.zeros(2, dtype=torch.float64, device=self.engine.device)
+        for o, g in zip(own, self.glob):
+            sums += torch.stack([(o - g).double().square().sum(), sums.new_tensor(float(o.numel()))])
+        self.comm.all_reduce(sums, phase=DRIFT)
+        if self.cross.size > 1:
+            self.comm.all_reduce(sums, group=self.cross.group, phase=DRIFT)
+        for f in range(self.s.fragments):
+            self._set_masters(f, 0.0)
+        self.engine.masters_changed()
+        try:
+            yield (sums[0] / sums[1].clamp(min=1)).sqrt().item()
+        finally:
+            for f in range(self.s.fragments):
+                self._set_masters(f, 0.0, own[f])
+            self.engine.masters_changed()
 
     def _group_check(self, outer: torch.Tensor, diff: torch.Tensor) -> tuple[bool, float]:
         """Whether `outer` is finite on every shard of my group (so all its ranks agree, and the
