@@ -212,8 +212,8 @@ def check_regroup(inner: dict, per_node: int, nodes: int, settings: OuterSetting
 def globals_are_the_mean(run: Grouped) -> str:
     """After a load that resets the outer state: each global copy is the mean over the groups of
     their loaded weights (2 groups: their sum halved, one rounding whatever the order)."""
-    for f, shards in enumerate(run.sync.fragments):
-        local = torch.cat([s.master.detach().reshape(-1) for s in shards] or [torch.zeros(0)])
+    for f in range(run.sync.s.fragments):
+        local = run.sync.local(f)
         every = [torch.empty_like(local) for _ in range(run.sync.cross.size)]
         dist.all_gather(every, local, group=run.sync.cross.group)
         if not torch.equal(run.sync.glob[f], torch.stack(every).sum(0) / len(every)):

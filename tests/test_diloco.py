@@ -71,7 +71,7 @@ def diloco(job, nodes, settings, optim=None, zero=None):
 
 
 def local_flat(sync, f=0):
-    return torch.cat([s.master.detach().reshape(-1).clone() for s in sync.fragments[f]])
+    return sync.local(f)
 
 
 def scenarios(rank, world, tmp):
@@ -238,7 +238,7 @@ def nonfinite_runs(rank, world):
     train(engine, data[:1], rank)
     before = sync.glob[0].clone(), sync.err[0].clone(), sync.mom[0].clone()
     if rank == 0:   # one weight of group 0 goes bad: its shard's outer gradient is not finite
-        sync.fragments[0][0].master.view(-1)[0] = float("nan")
+        sync.owned[0].master.view(-1)[0] = float("nan")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         train(engine, data[1:], rank)
@@ -284,6 +284,7 @@ def test_streaming_fragments_at_staggered_steps(runs):
         assert drift[2:] == results[rank ^ 1][-1][1][2:]
         # in flight: one fragment at a time (exact: my locals to sum and my outer gradient), within the bound
         assert 0 < peak <= bound == 8 * largest
+        assert max(g.numel() for g in glob) - min(g.numel() for g in glob) <= 1   # cut by bytes: balanced
         for a, b in zip(glob, results[rank ^ 2][2]):   # the same rank of the other group
             assert torch.equal(a, b)
         # the planner's bytes per inner step (planner/outer.py) are what the 8 steps sent, across nodes
@@ -390,7 +391,10 @@ OUTER = ("--zero-stage", "3", "--outer-sync-interval", "4")
 
 @pytest.mark.parametrize("world, per_node, extra, says", [
     (4, 2, ("--zero-stage", "3", "--outer-sync-interval", "0"), "--outer-sync-interval: must be >= 1, got 0"),
-    (4, 2, OUTER + ("--outer-fragments", "2"), "--outer-fragments 2 exceeds the 1 layers"),
+    (4, 2, OUTER + ("--outer-fragments", "5"), "--outer-fragments 5 exceeds --outer-sync-interval 4 (each fragment"),
+    (4, 2, OUTER + ("--outer-sync-delay", "0", "--outer-merge-alpha", "0.3"),
+     "--outer-merge-alpha 0.3 has no effect with --outer-sync-delay 0"),
+    (4, 2, OUTER + ("--outer-merge-alpha", "1"), "--outer-merge-alpha: must be in [0, 1), got 1"),
     (4, 2, OUTER + ("--outer-sync-delay", "4"), "--outer-sync-delay 4 must be below --outer-sync-interval 4"),
     (6, 2, OUTER + ("--group-size", "2"), "--group-size 2 must divide the 3 node(s)"),
     (2, 1, OUTER, "--group-size 1 makes groups of one rank"),

@@ -11,10 +11,10 @@ from parallel.comm import Communicator
 from parallel.launch import print_rank0
 from parallel.topology import Topology
 from zeropp.collectives.partition import Partition
-from zeropp.diloco import KEY, PHASE, OuterSettings, attach
+from zeropp.diloco import KEY, PHASE, OuterSettings, attach, with_global_weights
 
 OUTER_FLAGS = ("outer_lr", "outer_momentum", "outer_fragments", "outer_quantization", "outer_sync_delay",
-               "group_size")
+               "outer_merge_alpha", "group_size")
 
 
 def check_outer_args(args, flag):
@@ -39,9 +39,12 @@ def check_outer_args(args, flag):
     if args.outer_sync_delay >= args.outer_sync_interval:
         raise ConfigError(f"{flag(args, 'outer_sync_delay', args.outer_sync_delay)} must be below {H} (a fragment "
                           f"is merged before its next exchange); pass at most {args.outer_sync_interval - 1}")
-    if args.outer_fragments > args.num_layers:
-        raise ConfigError(f"{flag(args, 'outer_fragments', args.outer_fragments)} exceeds the "
-                          f"{args.num_layers} layers (a fragment is a run of layers); pass at most {args.num_layers}")
+    if args.outer_sync_delay == 0 and "outer_merge_alpha" in args.explicit:   # nothing to mix: the merge is at once
+        raise ConfigError(f"{flag(args, 'outer_merge_alpha', args.outer_merge_alpha)} has no effect with "
+                          f"--outer-sync-delay 0 (the exchange is merged at once); drop it or pass a delay")
+    if args.outer_fragments > args.outer_sync_interval:
+        raise ConfigError(f"{flag(args, 'outer_fragments', args.outer_fragments)} exceeds {H} (each fragment is "
+                          f"exchanged at its own inner step); pass at most {args.outer_sync_interval}")
     if args.dry_run:   # the planner checks the groups against --cluster (planner/outer.py)
         return
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -74,11 +77,12 @@ def attach_outer(args, engine):
     group = engine.comm.topology
     cross = Partition(group=group.across_group, size=group.groups, rank=group.offset // group.world_size)
     settings = OuterSettings(args.outer_sync_interval, args.outer_lr, args.outer_momentum, args.outer_fragments,
-                             args.outer_quantization, args.outer_sync_delay)
+                             args.outer_quantization, args.outer_sync_delay, args.outer_merge_alpha)
     print_rank0(f"> outer synchronization: {group.groups} groups of {group.num_nodes} node(s) x "
                 f"{group.ranks_per_node} ranks, each its own engine; every {settings.interval} inner steps in "
                 f"{settings.fragments} fragment(s), outer lr {settings.lr}, Nesterov momentum {settings.momentum}, "
-                f"{settings.quantization} outer gradients, merged {settings.delay} inner step(s) after issue")
+                f"{settings.quantization} outer gradients, merged {settings.delay} inner step(s) after issue"
+                + (f" keeping {settings.merge_alpha:g} of the local values" if settings.delay else ""))
     if settings.interval >= args.train_iters:
         print_rank0(f"> note: --outer-sync-interval {settings.interval} >= --train-iters {args.train_iters}: the "
                     f"final synchronization at the end of training is the only one")
@@ -125,5 +129,5 @@ def global_weights(engine):
     if sync is None:
         yield None
         return
-    with sync.global_weights() as drift:
+    with with_global_weights(sync) as drift:
         yield drift

@@ -14,13 +14,14 @@ an all-reduce of the locals. INT4 (`quantization="int4"`): each rank sends its o
 its error e_i, block-quantized by zeropp/kernels/quant.py, all-gathered, dequantized and
 averaged; e_i <- (D_i + e_i) - Q(D_i + e_i), committed only when the outer step is applied.
 
-Streaming (arXiv 2501.18512): the model is cut into F fragments, contiguous runs of layers
-(parameters outside the layers go with the nearest: embeddings first, the final norm last);
-fragment f is exchanged after the inner steps s with s % H == f H // F, issued async and
+Streaming (arXiv 2501.18512): each rank's shard is cut into F fragments of equal bytes (the
+paper cuts by layers, strided; a cut by bytes keeps the largest exchange, which the link
+decides, at 1/F of the shard even when the embedding outweighs the layers); fragment f is exchanged after the inner steps s with s % H == f H // F, issued async and
 merged `delay` inner steps later (their tau; torchft's fragment_sync_delay): meanwhile those
-steps trained the fragment from its unsynchronized values, and the paper's merge keeps half
-of it: local <- MIX local + (1 - MIX) global (their mixing factor alpha; MIX = 0.5). With
-delay 0 the exchange is waited for at once and the local fragment becomes the global one.
+steps trained the fragment from its unsynchronized values, and the paper's merge keeps part
+of it: local <- alpha local + (1 - alpha) global (their mixing factor, torchft's
+fragment_update_alpha; `--outer-merge-alpha`, 0.5 by default). With delay 0 the exchange is
+waited for at once and the local fragment becomes the global one.
 
 An exchange in flight at a checkpoint is completed and its outer step taken (the global
 values, the momentum and the error are saved as they will be), while the masters, which the
@@ -39,10 +40,10 @@ from parallel.comm import Work
 from zeropp.collectives.partition import FlatState, Partition
 from zeropp.collectives.protocols import MemoryLine, PlannedCollective
 from zeropp.config import ConfigError
+from zeropp.diloco_fragments import FragmentLayout, fragment_bounds
 from zeropp.kernels.format import DEFAULT_BLOCK_SIZE, Quantized, wire_nbytes
 from zeropp.kernels.quant import dequantize, dequantize_reduce, quantize
 
-MIX = 0.5
 KEY = "outer_sync"
 GLOBAL = KEY + ".global."   # + a parameter's name: its global values in checkpoints
 PHASE = "outer_sync"
@@ -58,6 +59,7 @@ class OuterSettings:
     fragments: int = 1
     quantization: str = "none"    # or "int4"
     delay: int = 1                # inner steps between issuing an exchange and merging it (< H)
+    merge_alpha: float = 0.5      # the share of the local values a delayed merge keeps
     block_size: int = DEFAULT_BLOCK_SIZE[4]
 
 
@@ -68,21 +70,6 @@ def exchange_per_step(owned: int, s: OuterSettings) -> PlannedCollective:
         return PlannedCollective(PHASE, "all_reduce", "outer", owned * 4 // s.interval)
     return PlannedCollective(PHASE, "all_gather", "outer", wire_nbytes(owned, 4, s.block_size) // s.interval,
                              owned // s.interval, 4)
-
-
-def layer_fragments(names: list[str], fragments: int) -> list[int]:
-    """The fragment of each parameter (by name, in order): layer i of n goes to i F // n; a
-    parameter outside the layers goes with the layer before it (before the first: fragment 0)."""
-    layers = [int(m.group(1)) if (m := _LAYER.search(n)) else None for n in names]
-    n = len({i for i in layers if i is not None})
-    if fragments > max(n, 1):
-        raise ConfigError(f"--outer-fragments {fragments} exceeds the model's {n} layers; "
-                          f"pass at most {max(n, 1)}")
-    out, current = [], 0
-    for i in layers:
-        current = current if i is None else i * fragments // n
-        out.append(current)
-    return out
 
 
 @dataclass
@@ -118,22 +105,18 @@ class OuterSync:
     def __init__(self, engine, cross: Partition, settings: OuterSettings):
         self.engine, self.cross, self.s = engine, cross, settings
         self.comm = engine.comm
-        owned = [s for s in engine.shards if s.valid]
-        frag = layer_fragments([s.name for s in engine.shards], settings.fragments)
-        which = {id(s): f for s, f in zip(engine.shards, frag)}
-        self.fragments = [[s for s in owned if which[id(s)] == f] for f in range(settings.fragments)]
-        self.glob = [self._local(f).clone() for f in range(settings.fragments)]
-        zeros = lambda: [torch.zeros_like(g) for g in self.glob]   # noqa: E731
-        self.mom = zeros() if settings.momentum else None
-        self.err = zeros() if settings.quantization == "int4" else None
+        self.layout = FragmentLayout(engine.shards, settings.fragments, engine.device)
+        self.owned, self.local, self._set_masters = self.layout.owned, self.layout.local, self.layout.set
+        self.flat = {"global": torch.cat([self.local(f) for f in range(settings.fragments)])}
+        if settings.momentum:
+            self.flat["momentum"] = torch.zeros_like(self.flat["global"])
+        if settings.quantization == "int4":
+            self.flat["error"] = torch.zeros_like(self.flat["global"])
+        self.glob, self.mom, self.err = (self.layout.views(self.flat.get(k)) for k in ("global", "momentum", "error"))
         self.steps = self.outer_steps = 0
         self.pending: list[Exchange] = []
         self.drift = float("nan")   # of the last merged exchange
         self.in_flight_peak = 0     # bytes (Exchange.nbytes) of the exchanges in flight at once
-
-    def _local(self, f: int) -> torch.Tensor:
-        ms = [s.master.detach().reshape(-1) for s in self.fragments[f]]
-        return torch.cat(ms) if ms else torch.zeros(0, device=self.engine.device)
 
     def due(self, step: int) -> list[int]:
         """The fragments exchanged after inner step `step` (1, 2, ...)."""
@@ -156,7 +139,7 @@ class OuterSync:
         return "; ".join(n for n in notes if n) or None
 
     def _issue(self, f: int) -> Exchange:
-        local, g = self._local(f), self.glob[f]
+        local, g = self.local(f), self.glob[f]
         mine, alone = g - local, self.cross.size == 1   # one group: nobody to exchange with
         x = Exchange(f, self.steps + self.s.delay, mine=mine)
         if self.err is None:   # the locals, summed over the groups
@@ -209,7 +192,8 @@ class OuterSync:
         self._outer_step(x)
         if x.note:
             return x.note
-        self._set_masters(x.fragment, MIX if self.s.delay else 0.0)   # delay 0: nothing trained it meanwhile
+        keep = self.s.merge_alpha if self.s.delay else 0.0   # delay 0: nothing trained it meanwhile
+        self._set_masters(x.fragment, keep, self.glob[x.fragment])
         self.engine.masters_changed()
         self.drift = x.drift
         return None
@@ -223,43 +207,9 @@ class OuterSync:
         for f in range(self.s.fragments):
             x = self._issue(f)
             self._outer_step(x)
-            notes.append(x.note or self._set_masters(f, 0.0))
+            notes.append(x.note or self._set_masters(f, 0.0, self.glob[f]))
         self.engine.masters_changed()
         return "; ".join(n for n in notes if n) or None
-
-    def _set_masters(self, f: int, keep: float, values: torch.Tensor | None = None):
-        """Fragment `f`'s masters <- keep * masters + (1 - keep) * `values` (default its global values)."""
-        values = self.glob[f] if values is None else values
-        off = 0
-        with torch.no_grad():
-            for s in self.fragments[f]:
-                part = values[off:off + s.valid].view_as(s.master)
-                s.master.mul_(keep).add_(part, alpha=1.0 - keep) if keep else s.master.copy_(part)
-                off += s.valid
-
-    @contextlib.contextmanager
-    def global_weights(self):
-        """The engine computes with the global parameters (those a checkpoint exports) inside, and
-        with its own masters again after, bit for bit (collective over the job). Yields the RMS
-        distance of the groups' masters from the global parameters, over the whole job."""
-        for x in self.pending:   # as a save does: the exchanges in flight stepped, merged at their step
-            self._outer_step(x)
-        own = [self._local(f) for f in range(self.s.fragments)]
-        sums = torch.zeros(2, dtype=torch.float64, device=self.engine.device)
-        for o, g in zip(own, self.glob):
-            sums += torch.stack([(o - g).double().square().sum(), sums.new_tensor(float(o.numel()))])
-        self.comm.all_reduce(sums, phase=DRIFT)
-        if self.cross.size > 1:
-            self.comm.all_reduce(sums, group=self.cross.group, phase=DRIFT)
-        for f in range(self.s.fragments):
-            self._set_masters(f, 0.0)
-        self.engine.masters_changed()
-        try:
-            yield (sums[0] / sums[1].clamp(min=1)).sqrt().item()
-        finally:
-            for f in range(self.s.fragments):
-                self._set_masters(f, 0.0, own[f])
-            self.engine.masters_changed()
 
     def _group_check(self, outer: torch.Tensor, diff: torch.Tensor) -> tuple[bool, float]:
         """Whether `outer` is finite on every shard of my group (so all its ranks agree, and the
@@ -274,20 +224,9 @@ class OuterSync:
         outer steps of the exchanges in flight taken (collective over my group)."""
         for x in self.pending:
             self._outer_step(x)
-        out = {}
-        empty = torch.zeros(0, device=self.engine.device)
-        for name, state in (("global", self.glob), ("momentum", self.mom), ("error", self.err)):
-            if state is None:
-                continue
-            views = {}
-            for f, flat in enumerate(state):
-                off = 0
-                for s in self.fragments[f]:
-                    views[s.index], off = flat[off:off + s.valid], off + s.valid
-            for s in self.engine.shards:   # the groups share the global values and the momentum
-                out[f"{KEY}.{name}.{s.name}"] = FlatState(views.get(s.index, empty), s.numel, sharded=True,
-                                                          per_group=name == "error")
-        return out
+        return {f"{KEY}.{name}.{s.name}": FlatState(part, s.numel, sharded=True, per_group=name == "error")
+                for name, flat in self.flat.items()   # the groups share the global values and the momentum
+                for s, part in self.layout.per_parameter(flat)}
 
     def scalar_state(self) -> dict:
         """With the merges to come: taken after checkpoint_state(), which steps them."""
@@ -310,7 +249,7 @@ class OuterSync:
                             for f, at, drift, note in saved.get("merges", [])]
             return None
         for f in range(self.s.fragments):   # the global parameters: the mean of the groups' loaded masters,
-            self.glob[f].copy_(self._local(f))   # the same in every group (the outer step assumes it)
+            self.glob[f].copy_(self.local(f))   # the same in every group (the outer step assumes it)
             if self.cross.size > 1:
                 self.comm.all_reduce(self.glob[f], group=self.cross.group, phase=PHASE)
                 self.glob[f].div_(self.cross.size)
@@ -320,7 +259,7 @@ class OuterSync:
         return "outer state (global parameters, outer momentum, INT4 error) reset: saved by another layout"
 
     def memory(self) -> MemoryLine:
-        tensors = self.glob + (self.mom or []) + (self.err or [])
+        tensors = list(self.flat.values())
         psi = sum(s.numel for s in self.engine.shards)
         return MemoryLine(KEY, "optimizer", tensors, sum(t.numel() * 4 for t in tensors) / max(psi, 1))
 
@@ -347,6 +286,31 @@ class OuterSync:
                 f"groups (every {self.s.interval} inner steps, {self.s.fragments} fragment(s), "
                 f"{self.s.quantization} outer gradients)"
                 + (f"; {unmerged} exchange(s) not merged at the end (a resume merges them)" if unmerged else ""))
+
+
+@contextlib.contextmanager
+def with_global_weights(sync: OuterSync):
+    """The engine computes with the global parameters (those a checkpoint exports) inside, with
+    its own masters again after, bit for bit (collective over the job; an evaluation, in
+    training/outer.py). Yields the RMS distance of the groups' masters from the global ones."""
+    for x in sync.pending:   # as a save does: the exchanges in flight stepped, merged at their step
+        sync._outer_step(x)
+    own = [sync.local(f) for f in range(sync.s.fragments)]
+    sums = torch.zeros(2, dtype=torch.float64, device=sync.engine.device)
+    for o, g in zip(own, sync.glob):
+        sums += torch.stack([(o - g).double().square().sum(), sums.new_tensor(float(o.numel()))])
+    sync.comm.all_reduce(sums, phase=DRIFT)
+    if sync.cross.size > 1:
+        sync.comm.all_reduce(sums, group=sync.cross.group, phase=DRIFT)
+    for f in range(sync.s.fragments):
+        sync._set_masters(f, 0.0, sync.glob[f])
+    sync.engine.masters_changed()
+    try:
+        yield (sums[0] / sums[1].clamp(min=1)).sqrt().item()
+    finally:
+        for f in range(sync.s.fragments):
+            sync._set_masters(f, 0.0, own[f])
+        sync.engine.masters_changed()
 
 
 def attach(engine, cross: Partition, settings: OuterSettings) -> OuterSync:
