@@ -83,6 +83,7 @@ class Exchange:
     stepped: bool = False         # the outer step is taken: the global values are the new ones
     drift: float = float("nan")   # the group's RMS of l_i - mean(l), once stepped
     note: str | None = None       # why the outer step was skipped, if it was
+    reseed: bool = False          # skipped because my group's copy is not finite: it takes the global one
     wire: torch.Tensor | None = None    # int4: what I send, held until it is sent
 
     def nbytes(self) -> int:
@@ -172,9 +173,10 @@ class OuterSync:
             outer = dequantize_reduce(parts, torch.float32, 1.0 / n)
             mean = g - outer
         x.work = x.buf = x.wire = None
-        finite, x.drift = self._group_check(outer, outer - x.mine)
-        if not finite:   # a group diverged: every rank keeps every state as it was
-            x.note = f"outer step of fragment {f} skipped: its outer gradient is not finite"
+        finite, x.reseed, x.drift = self._group_check(outer, x.mine)
+        if not finite:   # a group diverged: every rank keeps the outer state as it was
+            x.note = f"outer step of fragment {f} skipped: its outer gradient is not finite" + (
+                f"; group {self.cross.rank}'s copy is not: it takes the global values" if x.reseed else "")
             return
         new = mean.add(outer, alpha=1.0 - self.s.lr)
         if self.mom is not None:
@@ -190,7 +192,10 @@ class OuterSync:
     def _merge(self, x: Exchange) -> str | None:
         """The new global values of `x`'s fragment into the masters (collective over my group)."""
         self._outer_step(x)
-        if x.note:
+        if x.note:   # skipped: the group whose copy went bad starts again from the global values
+            if x.reseed:
+                self._set_masters(x.fragment, 0.0, self.glob[x.fragment])
+                self.engine.masters_changed()
             return x.note
         keep = self.s.merge_alpha if self.s.delay else 0.0   # delay 0: nothing trained it meanwhile
         self._set_masters(x.fragment, keep, self.glob[x.fragment])
@@ -207,17 +212,21 @@ class OuterSync:
         for f in range(self.s.fragments):
             x = self._issue(f)
             self._outer_step(x)
-            notes.append(x.note or self._set_masters(f, 0.0, self.glob[f]))
+            notes.append(x.note)
+            if not x.note or x.reseed:
+                self._set_masters(f, 0.0, self.glob[f])
         self.engine.masters_changed()
         return "; ".join(n for n in notes if n) or None
 
-    def _group_check(self, outer: torch.Tensor, diff: torch.Tensor) -> tuple[bool, float]:
+    def _group_check(self, outer: torch.Tensor, mine: torch.Tensor) -> tuple[bool, bool, float]:
         """Whether `outer` is finite on every shard of my group (so all its ranks agree, and the
-        other groups too: they hold the same outer gradient), and the RMS of `diff` over them."""
-        bad = (~torch.isfinite(outer)).any().float()
-        sums = torch.stack([diff.square().sum().nan_to_num(), diff.new_tensor(float(diff.numel())), bad])
+        other groups too: they hold the same outer gradient), whether my group's own outer
+        gradient `mine` is not (its copy went bad), and the RMS of `outer - mine` over them."""
+        diff = outer - mine
+        sums = torch.stack([diff.square().sum().nan_to_num(), diff.new_tensor(float(diff.numel())),
+                            (~torch.isfinite(outer)).any().float(), (~torch.isfinite(mine)).any().float()])
         self.comm.all_reduce(sums, phase=DRIFT)
-        return sums[2].item() == 0, (sums[0] / sums[1].clamp(min=1)).sqrt().item()
+        return sums[2].item() == 0, sums[3].item() > 0, (sums[0] / sums[1].clamp(min=1)).sqrt().item()
 
     def checkpoint_state(self, world: int) -> dict[str, FlatState]:
         """My slices of the outer state, in the masters' layout (a key per parameter), with the
@@ -232,7 +241,8 @@ class OuterSync:
         """With the merges to come: taken after checkpoint_state(), which steps them."""
         return {"steps": self.steps, "outer_steps": self.outer_steps, "groups": self.cross.size,
                 "settings": self._layout(),
-                "merges": [[x.fragment, x.merge_at, x.drift, x.note] for x in self.pending if x.stepped or x.note]}
+                "merges": [[x.fragment, x.merge_at, x.drift, x.note, x.reseed]
+                           for x in self.pending if x.stepped or x.note]}
 
     def _layout(self) -> list:
         """What the saved outer state's shape and schedule depend on."""
@@ -245,8 +255,8 @@ class OuterSync:
         self.drain()
         if self.carried(saved):
             self.steps, self.outer_steps = saved["steps"], saved["outer_steps"]
-            self.pending = [Exchange(f, at, stepped=note is None, drift=drift, note=note)
-                            for f, at, drift, note in saved.get("merges", [])]
+            self.pending = [Exchange(f, at, stepped=note is None, drift=drift, note=note, reseed=bool(rest and rest[0]))
+                            for f, at, drift, note, *rest in saved.get("merges", [])]
             return None
         for f in range(self.s.fragments):   # the global parameters: the mean of the groups' loaded masters,
             self.glob[f].copy_(self.local(f))   # the same in every group (the outer step assumes it)
