@@ -12,7 +12,6 @@ node (`--ranks-per-node 2 --group-size 1`), a 2-layer GPT on a tiny corpus.
 import os
 import signal
 import subprocess
-import time
 
 import pytest
 import torch
@@ -38,6 +37,8 @@ def finish(proc, timeout: float) -> str:
     try:
         return proc.communicate(timeout=timeout)[0]
     except subprocess.TimeoutExpired:
+        for pid in worker_ranks(proc).values():   # each worker in a session of its own
+            os.kill(pid, signal.SIGKILL)
         os.killpg(proc.pid, signal.SIGKILL)
         out = proc.communicate()[0]
         pytest.fail(f"the job hung (killed after {timeout:.0f} s):\n{out[-3000:]}")
@@ -95,21 +96,20 @@ def test_sigterm_to_one_group_stops_every_group_and_saves(corpus, tmp_path):  # 
 
 
 def test_a_loss_diverging_in_one_group_stops_every_group_with_a_loadable_checkpoint(corpus, tmp_path):  # noqa: F811
-    """fp32 SGD at a learning rate that diverges: group 1's loss goes non-finite at an iteration
-    where group 0's is still finite (the log, group 0's, shows no nan iteration). Every rank
-    saves the same iteration, the last good weights, and it is the latest and loadable."""
+    """fp32 SGD at a learning rate that diverges, group 0 first: its loss is non-finite at
+    iteration 9, group 1's only at 10 (each group stopping alone, group 1 reported a save of
+    iteration 10 that never completed). Every rank stops after the same iteration and saves it,
+    the last good weights, and it is the latest and loadable."""
     save = tmp_path / "ckpt"
     proc = launch(flags(corpus, tmp_path, 30, [*GROUPS, "--outer-sync-interval", "4", "--optimizer", "sgd",
-                                               "--lr", "3", "--lr-decay-style", "constant", "--lr-warmup-iters", "0",
+                                               "--lr", "6", "--lr-decay-style", "constant", "--lr-warmup-iters", "0",
                                                "--clip-grad", "0", "--log-interval", "1", "--save-interval", "2",
                                                "--eval-interval", "1000"]))
     out = finish(proc, 120)
     assert proc.returncode == 1, out[-3000:]
     saved = {line.split("saved to ")[1].split(";")[0] for line in out.splitlines() if "not finite" in line}
     it = loadable(save)
-    assert saved == {str(save / f"iter_{it:07d}")}, saved   # one iteration, every rank
-    last = [line for line in out.splitlines() if f"iteration {it:8d}/" in line]
-    assert last and "number of nan iterations:   0" in last[0]   # group 0 was still finite: group 1 stopped it
+    assert saved == {str(save / f"iter_{it:07d}")}, (saved, it)   # what every rank said is what is there
 
 
 # -- the end of training and what is evaluated ---------------------------------------------------------

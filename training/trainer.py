@@ -152,6 +152,7 @@ class Trainer:
         self.nonfinite = NonFinitePolicy(args.max_nan_iters, engine.dtype)
         self.window: LogWindow | None = None   # the iterations since the last log line, while running
         self.cross_node = CrossNodeTraffic()
+        self.saved_at: int | None = None   # the iteration of the last save (a stop saves unless it is this one)
 
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> EarlyStop | None:
@@ -250,7 +251,7 @@ class Trainer:
         """Save the last good state (waiting for the files) on a signal, --exit-interval or a
         diverging loss (unless --save-interval just saved this iteration)."""
         path = None
-        if self.checkpointer is not None and self.save_due():   # --save-interval saved this iteration
+        if self.checkpointer is not None and self.saved_at == self.iteration:   # --save-interval saved it
             self.checkpointer.finish()
             path = iteration_dir(self.args.save, self.iteration)
         elif self.checkpointer is not None:
@@ -319,5 +320,6 @@ class Trainer:
         return self.checkpointer is not None and bool(interval) and self.iteration % interval == 0
 
     def save(self, wait: bool = False) -> str:
+        self.saved_at = self.iteration
         return self.checkpointer.save(Progress(self.iteration, self.consumed_samples, self.consumed_valid_samples),
                                       wait=wait)
