@@ -10,8 +10,12 @@
 - H = 1 with AdamW inside: parameter averaging after every step, bit for bit;
 - INT4 outer gradients: the new global parameters within the block quantization's bound of
   the exact mean, the error feedback what quantization left;
-- the streaming schedule: fragments at staggered steps, applied one step later, the groups'
-  global copies identical.
+- the streaming schedule: fragments at staggered steps (equal parts of each shard), applied one
+  step later, the groups' global copies identical;
+- a non-finite fragment in one group: one outer step skipped everywhere, that group takes the
+  global values, the next exchange is everyone's;
+- fp16 with groups whose loss scalers differ: each group's scalar state comes back to it, and
+  the resume is exact.
 """
 import pytest
 import torch

@@ -83,7 +83,7 @@ def attach_outer(args, engine):
                 f"{settings.fragments} fragment(s), outer lr {settings.lr}, Nesterov momentum {settings.momentum}, "
                 f"{settings.quantization} outer gradients, merged {settings.delay} inner step(s) after issue"
                 + (f" keeping {settings.merge_alpha:g} of the local values" if settings.delay else ""))
-    if settings.interval >= args.train_iters:
+    if args.train_iters is not None and settings.interval >= args.train_iters:   # (the benches build no schedule)
         print_rank0(f"> note: --outer-sync-interval {settings.interval} >= --train-iters {args.train_iters}: the "
                     f"final synchronization at the end of training is the only one")
     if args.clip_grad:

@@ -23,6 +23,11 @@ of it: local <- alpha local + (1 - alpha) global (their mixing factor, torchft's
 fragment_update_alpha; `--outer-merge-alpha`, 0.5 by default). With delay 0 the exchange is
 waited for at once and the local fragment becomes the global one.
 
+A non-finite outer gradient skips that exchange's outer step in every group (their global
+copies stay equal); the group whose own copy is not finite takes the global values, so the
+fragment's next exchange is every group's again. The end of training exchanges every fragment
+once more (`final_sync`): the global parameters, which an export takes, hold the last steps.
+
 An exchange in flight at a checkpoint is completed and its outer step taken (the global
 values, the momentum and the error are saved as they will be), while the masters, which the
 inner steps own until the merge, are saved as they are: the merge comes at its own step
