@@ -22,6 +22,7 @@ import zeropp
 from data.gpt_dataset import build_train_valid_test_datasets
 from data.sampler import build_data_loader
 from model import GPT, flops_per_iteration, num_parameters
+from parallel.comm import Communicator
 from parallel.launch import (init_distributed, mark_worker, print_rank0, report_error_to_torchrun,
                              report_user_error)
 from parallel.link_probe import LinkProbeError
@@ -85,7 +86,7 @@ def main(argv=None):
                                 async_save=args.async_save) if args.save else None
     trainer = Trainer(args, engine, comm, device, schedule, logger, checkpointer, train_batches, valid_ds, test_ds,
                       flops_per_iteration(cfg, args.global_batch_size, args.seq_length, args.checkpoint_activations),
-                      progress)
+                      progress, job_comm=Communicator(topology) if comm.topology.groups > 1 else comm)
     early_stop = trainer.run()
     if early_stop is None:
         print_summary(args, topology, trainer.cross_node, engine)

@@ -55,7 +55,7 @@ QUANTIZATIONS, DELAYS = ("none", "int4"), (0, 1)
 # (ranks per node, nodes per group, the engine inside each group)
 DILOCO_LAYOUTS = {"2x2": (2, 1, {"stage": 3}),
                   "4x1": (1, 2, {"stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True})}
-DILOCO_FAULTS = ("overflow", "nan", "resume", "reshard", "toggle")
+DILOCO_FAULTS = ("overflow", "nan", "resume", "reshard", "toggle", "fp16-resume", "bad-fragment")
 FSDP2_FAULTS = ("overflow", "nan", "resume", "engine")
 
 
@@ -159,18 +159,25 @@ def check_group_skip(inner: dict, precision: str, value: float, per_node: int, n
     return f"ends unlike the group that never took the step: {diff[:3]}" if diff else ""
 
 
-def check_group_resume(inner: dict, per_node: int, nodes: int, settings: OuterSettings, path: str) -> str:
-    run = Grouped(inner, "fp32", per_node, nodes, settings)
-    run.train(list(range(FAULT_AT)))
+def check_group_resume(inner: dict, per_node: int, nodes: int, settings: OuterSettings, path: str,
+                       precision: str = "fp32", fault: dict | None = None) -> str:
+    run = Grouped(inner, precision, per_node, nodes, settings)
+    run.train(list(range(FAULT_AT)), fault)
     if settings.delay and not run.sync.pending:
         return "no exchange in flight at the save"
+    if fault:   # the groups' scalar states differ at the save: each must come back to its own group
+        every = [None] * dist.get_world_size()
+        scalars = run.engine.scalar_state()
+        dist.all_gather_object(every, json.dumps([scalars["loss_scaler"], scalars["skipped_steps"]]))
+        if len(set(every)) < 2:
+            return f"the groups' loss scalers and skipped steps do not differ at the save: {every}"
     save(run.engine, path)
     run.train(list(range(FAULT_AT, STEPS)))
     want = run.state()
-    straight = Grouped(inner, "fp32", per_node, nodes, settings)
-    straight.train(list(range(STEPS)))
+    straight = Grouped(inner, precision, per_node, nodes, settings)
+    straight.train(list(range(STEPS)), fault)
     never = straight.state()
-    again = Grouped(inner, "fp32", per_node, nodes, settings)
+    again = Grouped(inner, precision, per_node, nodes, settings)
     notes = load(again.engine, path)
     if notes:
         return f"a same-layout load printed {notes}"
@@ -180,6 +187,35 @@ def check_group_resume(inner: dict, per_node: int, nodes: int, settings: OuterSe
     diff, saved = differences(never, got, ignore=()), differences(never, want, ignore=())
     return (f"the resumed run differs from one that never saved: {diff[:3]}" if diff else
             f"saving changed the run: {saved[:3]}" if saved else "")
+
+
+def check_bad_fragment(inner: dict, per_node: int, nodes: int, settings: OuterSettings) -> str:
+    """A NaN in group 0's copy of fragment 0 after step FAULT_AT: that exchange's outer step is
+    skipped in both groups, group 0 takes the global values (and says so), and the fragment's
+    next exchange is both groups' again (the global copies agree after every step)."""
+    import warnings
+    run = Grouped(inner, "fp32", per_node, nodes, settings)
+    run.train(list(range(FAULT_AT)))
+    if dist.get_rank() == 0:
+        run.sync.owned[0].master.view(-1)[0] = float("nan")
+    before, in_flight = run.sync.outer_steps, len(run.sync.pending)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run.train(list(range(FAULT_AT, FAULT_AT + 2 * settings.interval + 2)))
+    said = [str(w.message) for w in caught]
+    skipped = [m for m in said if "outer step of fragment 0 skipped" in m]
+    reseeded = [m for m in said if "group 0's copy is not: it takes the global values" in m]
+    # (nonfinite reads the checkpoint state, which steps the exchanges still in flight)
+    bad = nonfinite(run.engine) + [f"global {f}" for f, g in enumerate(run.sync.glob) if not torch.isfinite(g).all()]
+    # every exchange in flight at the fault or issued since is stepped, but the skipped one
+    issued = sum(len(run.sync.due(s)) for s in range(FAULT_AT + 1, run.sync.steps + 1))
+    stepped, expected = run.sync.outer_steps - before, in_flight + issued - 1
+    run.sync.drain()
+    if len(skipped) != 1 or bool(reseeded) != (run.group == 0):
+        return f"expected one skipped outer step, named as group 0's re-seed there: {said}"
+    if bad:
+        return f"non-finite state after the recovery: {bad[:3]}"
+    return f"{stepped} outer steps after the fault, not {expected}" if stepped != expected else ""
 
 
 def one_line(notes: list[str], says: str) -> str:
@@ -212,8 +248,8 @@ def check_regroup(inner: dict, per_node: int, nodes: int, settings: OuterSetting
 def globals_are_the_mean(run: Grouped) -> str:
     """After a load that resets the outer state: each global copy is the mean over the groups of
     their loaded weights (2 groups: their sum halved, one rounding whatever the order)."""
-    for f, shards in enumerate(run.sync.fragments):
-        local = torch.cat([s.master.detach().reshape(-1) for s in shards] or [torch.zeros(0)])
+    for f in range(run.sync.s.fragments):
+        local = run.sync.local(f)
         every = [torch.empty_like(local) for _ in range(run.sync.cross.size)]
         dist.all_gather(every, local, group=run.sync.cross.group)
         if not torch.equal(run.sync.glob[f], torch.stack(every).sum(0) / len(every)):
@@ -270,6 +306,11 @@ def diloco_rows(rank, world_size, rows: list[tuple[str, OuterSettings]], faults:
             row["reshard"] = cell(check_regroup, inner, *args, path)
         if "toggle" in faults:
             row["toggle"] = cell(check_outer_toggle, inner, *args, path)
+        if "fp16-resume" in faults:   # group 0 overflows before the save, group 1 does not
+            row["fp16-resume"] = cell(check_group_resume, inner, *args, path + "-fp16", "fp16",
+                                      {FAULT_AT - 1: float("inf")})
+        if "bad-fragment" in faults:
+            row["bad-fragment"] = cell(check_bad_fragment, inner, *args)
         tables.setdefault(layout, {})[f"{name(inner)}+{settings_name(s)}"] = row
     return tables
 

@@ -11,7 +11,7 @@ from planner.cluster import load_cluster
 from planner.comm import PHASES, rank_bytes
 from planner.plan import companion, format_plan, job_from_args, label, plan_config
 from planner.trace import shard_layout, trace_model
-from zeropp.diloco import OuterSettings, exchange_per_step, layer_fragments
+from zeropp.diloco import OuterSettings, exchange_per_step, fragment_bounds
 from zeropp.stages.engine import compute_dtype
 
 
@@ -39,11 +39,10 @@ def format_outer_plan(args) -> str:
     across = tuple(g * group_job.world for g in range(groups))   # rank 0 and its peers in the other groups
     inter = sum(rank_bytes(c.op, across, 0, c.nbytes, rpn))
     zero3_inter = sum(base.mean_bytes(ph)[1] for ph in PHASES)
-    # Each fragment's exchange, its own size (the one holding the embedding is the largest), as the
-    # training's fragments (zeropp/diloco.py): every rank of a node sends at once through its link.
-    owned = [0] * settings.fragments
-    for s, f in zip(shards, layer_fragments([s.name for s in shards], settings.fragments)):
-        owned[f] += s.valid
+    # Each fragment's exchange, cut by bytes as the training's (zeropp/diloco.py): every rank of a
+    # node sends at once through its link.
+    bounds = fragment_bounds(sum(s.valid for s in shards), settings.fragments)
+    owned = [b - a for a, b in zip(bounds, bounds[1:])]
     whole = [exchange_per_step(n, dataclasses.replace(settings, interval=1)) for n in owned]
     sent = [rpn * sum(rank_bytes(x.op, across, 0, x.nbytes, rpn)) for x in whole]
     step = mine.timing.iteration

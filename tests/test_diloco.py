@@ -10,8 +10,12 @@
 - H = 1 with AdamW inside: parameter averaging after every step, bit for bit;
 - INT4 outer gradients: the new global parameters within the block quantization's bound of
   the exact mean, the error feedback what quantization left;
-- the streaming schedule: fragments at staggered steps, applied one step later, the groups'
-  global copies identical.
+- the streaming schedule: fragments at staggered steps (equal parts of each shard), applied one
+  step later, the groups' global copies identical;
+- a non-finite fragment in one group: one outer step skipped everywhere, that group takes the
+  global values, the next exchange is everyone's;
+- fp16 with groups whose loss scalers differ: each group's scalar state comes back to it, and
+  the resume is exact.
 """
 import pytest
 import torch
@@ -71,7 +75,7 @@ def diloco(job, nodes, settings, optim=None, zero=None):
 
 
 def local_flat(sync, f=0):
-    return torch.cat([s.master.detach().reshape(-1).clone() for s in sync.fragments[f]])
+    return sync.local(f)
 
 
 def scenarios(rank, world, tmp):
@@ -81,6 +85,7 @@ def scenarios(rank, world, tmp):
     out["resume_runs"] = resume_runs(rank, world, tmp)
     out["delayed_resume"] = delayed_resume(rank, world, tmp)
     out["nonfinite_runs"] = nonfinite_runs(rank, world)
+    out["fp16_resume"] = fp16_resume(rank, world, tmp)
     return out
 
 
@@ -234,25 +239,38 @@ def nonfinite_runs(rank, world):
     import warnings
     job = topology_from_env(2)
     engine, sync, _ = diloco(job, 1, OuterSettings(1, quantization="int4", delay=0))
-    data = batches(2, world)
+    data = batches(3, world)
     train(engine, data[:1], rank)
     before = sync.glob[0].clone(), sync.err[0].clone(), sync.mom[0].clone()
     if rank == 0:   # one weight of group 0 goes bad: its shard's outer gradient is not finite
-        sync.fragments[0][0].master.view(-1)[0] = float("nan")
+        sync.owned[0].master.view(-1)[0] = float("nan")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        train(engine, data[1:], rank)
+        train(engine, data[1:2], rank)
     after = sync.glob[0], sync.err[0], sync.mom[0]
-    return [torch.equal(a, b) for a, b in zip(before, after)], bool(torch.isfinite(sync.err[0]).all()), \
-        [str(w.message) for w in caught]
+    unchanged = [torch.equal(a, b) for a, b in zip(before, after)]
+    reseeded = torch.equal(sync.local(0), sync.glob[0])   # the bad group's copy: the global values
+    steps = sync.outer_steps
+    with warnings.catch_warnings(record=True) as later:
+        warnings.simplefilter("always")
+        train(engine, data[2:], rank)   # the next exchange: every group again
+    finite = all(bool(torch.isfinite(t).all()) for t in (sync.err[0], sync.glob[0], sync.local(0)))
+    return (unchanged, finite, [str(w.message) for w in caught], reseeded, sync.outer_steps - steps,
+            [str(w.message) for w in later], sync.glob[0].clone())
 
 
-def test_a_non_finite_outer_gradient_changes_no_outer_state(runs):
-    for rank, (unchanged, finite, caught) in enumerate(runs["nonfinite_runs"]):
+def test_a_non_finite_fragment_skips_one_outer_step_and_the_bad_group_takes_the_global_values(runs):
+    results = runs["nonfinite_runs"]
+    for rank, (unchanged, finite, caught, reseeded, steps, later, glob) in enumerate(results):
         assert finite
         # ranks 0 and 2 hold the bad shard; every rank skips the fragment's outer step with them
         assert unchanged == [True, True, True], rank
         assert any("outer step of fragment 0 skipped: its outer gradient is not finite" in c for c in caught)
+        # group 0 (ranks 0, 1) says it and starts again from the global values; group 1 goes on
+        said = any("group 0's copy is not: it takes the global values" in c for c in caught)
+        assert said == (rank < 2) and (reseeded or rank >= 2)
+        assert steps == 1 and not later   # the next exchange is every group's again
+        assert torch.equal(glob, results[rank ^ 2][-1])   # the same global values in both groups
 
 
 # -- streaming ---------------------------------------------------------------------------------------
@@ -284,6 +302,7 @@ def test_streaming_fragments_at_staggered_steps(runs):
         assert drift[2:] == results[rank ^ 1][-1][1][2:]
         # in flight: one fragment at a time (exact: my locals to sum and my outer gradient), within the bound
         assert 0 < peak <= bound == 8 * largest
+        assert max(g.numel() for g in glob) - min(g.numel() for g in glob) <= 1   # cut by bytes: balanced
         for a, b in zip(glob, results[rank ^ 2][2]):   # the same rank of the other group
             assert torch.equal(a, b)
         # the planner's bytes per inner step (planner/outer.py) are what the 8 steps sent, across nodes
@@ -347,6 +366,50 @@ def delayed_resume(rank, world, tmp):
     return straight, saving, train(engine, data[3:], rank), in_flight, loaded
 
 
+def fp16_resume(rank, world, tmp):
+    """fp16, dynamic loss scale: group 0 overflows at its first step (its scale set too high),
+    group 1 does not; saved after 3 steps, loaded, 3 more steps."""
+    from training.checkpoint import load_checkpoint, save_checkpoint
+    job = topology_from_env(2)
+    fp16 = {"fp16": {"enabled": True, "initial_scale_power": 12, "hysteresis": 1}}
+    settings = OuterSettings(2, fragments=2)
+    data = batches(6, world)
+
+    def fresh():
+        topo = job.group_topology(1).build_groups()
+        torch.manual_seed(0)
+        ds = zeropp.DeepSpeedConfig.from_dict({**fp16, "zero_optimization": {
+            "stage": 3, "reduce_bucket_size": 3000, "allgather_bucket_size": 5000,
+            "stage3_param_persistence_threshold": 16, "stage3_prefetch_bucket_size": 20000}})
+        engine = zeropp.initialize(GPT(GPTConfig(**CFG)), ds, Communicator(topo), torch.device("cpu"),
+                                   zeropp.OptimizerSettings(lr=LR))
+        return engine, attach(engine, cross_partition(topo), settings)
+
+    engine, _ = fresh()
+    if rank < 2:
+        engine.loss_scaler.scale = 2.0 ** 19   # fp16's largest is 65504: this group's first steps overflow
+    train(engine, data[:3], rank)
+    meta = {"model_config": {}, "param_shapes": {n: list(p.shape) for n, p in engine.module.named_parameters()}}
+    saved = engine.scalar_state()
+    save_checkpoint(f"{tmp}/fp16", 3, engine, 0, meta)
+    straight = train(engine, data[3:], rank)
+    engine, _ = fresh()
+    load_checkpoint(f"{tmp}/fp16", engine)
+    loaded = engine.scalar_state()
+    return saved, loaded, straight, train(engine, data[3:], rank)
+
+
+def test_fp16_resume_restores_each_groups_loss_scale_and_skipped_steps(runs):
+    results = runs["fp16_resume"]
+    for rank, (saved, loaded, straight, resumed) in enumerate(results):
+        assert (0 < saved["skipped_steps"] < 3) if rank < 2 else saved["skipped_steps"] == 0, saved   # they differ
+        assert saved["loss_scaler"] != results[rank ^ 2][0]["loss_scaler"]
+        for key in ("loss_scaler", "skipped_steps", "global_step"):
+            assert loaded[key] == saved[key], (rank, key)
+        for k, v in straight.items():
+            assert torch.equal(resumed[k], v), (rank, k)
+
+
 def test_a_delayed_merge_resumes_exactly_from_a_background_save(runs):
     for straight, saving, resumed, in_flight, loaded in runs["delayed_resume"]:
         assert in_flight == [(1, 4)] and loaded == [(1, 4, True)]   # issued at 2, merged after 4
@@ -390,7 +453,10 @@ OUTER = ("--zero-stage", "3", "--outer-sync-interval", "4")
 
 @pytest.mark.parametrize("world, per_node, extra, says", [
     (4, 2, ("--zero-stage", "3", "--outer-sync-interval", "0"), "--outer-sync-interval: must be >= 1, got 0"),
-    (4, 2, OUTER + ("--outer-fragments", "2"), "--outer-fragments 2 exceeds the 1 layers"),
+    (4, 2, OUTER + ("--outer-fragments", "5"), "--outer-fragments 5 exceeds --outer-sync-interval 4 (each fragment"),
+    (4, 2, OUTER + ("--outer-sync-delay", "0", "--outer-merge-alpha", "0.3"),
+     "--outer-merge-alpha 0.3 has no effect with --outer-sync-delay 0"),
+    (4, 2, OUTER + ("--outer-merge-alpha", "1"), "--outer-merge-alpha: must be in [0, 1), got 1"),
     (4, 2, OUTER + ("--outer-sync-delay", "4"), "--outer-sync-delay 4 must be below --outer-sync-interval 4"),
     (6, 2, OUTER + ("--group-size", "2"), "--group-size 2 must divide the 3 node(s)"),
     (2, 1, OUTER, "--group-size 1 makes groups of one rank"),
@@ -435,7 +501,10 @@ def test_train_py_runs_the_mode_and_logs_it(corpus, tmp_path):  # noqa: F811
     steps = [int(line.split("outer steps: ")[1].split(" ")[0]) for line in lines]
     assert steps == [1, 3, 5]   # fragment 1 at steps 2, 6, 10, fragment 0 at 4, 8, 12: each applied a step later
     assert all(float(line.split("cross-group MB: ")[1].split(" ")[0]) > 0 for line in lines)
-    assert "5 outer steps (fragment exchanges) over 2 groups" in log and "1 exchange(s) not merged at the end" in log
+    # and at the end the one in flight merged and both fragments exchanged once more: 8
+    assert "final exchange of all 2 fragment(s) after iteration 12" in log
+    assert "8 outer steps (fragment exchanges) over 2 groups" in log and "not merged at the end" not in log
+    assert all("| lm loss of: group 0 of 2 |" in line for line in lines)
     assert "MB, the groups' engines and the outer exchange between them" in log and "would send" not in log
     assert "> outer synchronization: 2 groups of 1 node(s) x 2 ranks, each its own engine; every 4 inner steps in 2 " \
            "fragment(s), outer lr 0.7, Nesterov momentum 0.9, int4 outer gradients, merged 1 inner step(s) after issue" in log

@@ -44,7 +44,8 @@ def test_each_fragments_exchange_takes_its_own_bytes_and_the_links_burst(tmp_pat
     # (every rank of a node at once). Printed to 1 ms and 1 kB: that much apart at most.
     carried = sum(t - latency for t in plain["exchanges"]) * c.inter_bw / c.gpus_per_node
     assert carried == pytest.approx(plain["mb"] * 1e6 * H, abs=F * 5e-4 * c.inter_bw / c.gpus_per_node + H * 500)
-    assert plain["exchanges"][0] > plain["exchanges"][1]   # fragment 0 holds the embeddings too
+    # cut by bytes: every fragment's exchange the same (printed to 1 ms), the embedding's no larger
+    assert max(plain["exchanges"]) - min(plain["exchanges"]) <= 1e-3
     # Each fragment is larger than the bucket, which refills in the steps between two exchanges:
     # the link passes the bucket's bytes at once, the rest at its rate.
     saved = burst_kib * 1024 * 8 / (gbps * 1e9)

@@ -140,9 +140,12 @@ def save_checkpoint(save_dir: str, iteration: int, engine, consumed_train_sample
     # exchange in flight, zeropp/diloco.py). The metadata is taken now: training may go on
     # while the files are written.
     state = engine.checkpoint_state()
+    scalars = engine.scalar_state()   # rank 0's is meta.json's "engine"; with groups, each group's too
+    topology = engine.comm.topology
     info = dict(meta, format=FORMAT_VERSION, iteration=iteration, consumed_train_samples=consumed_train_samples,
-                world_size=world, groups=engine.comm.topology.groups, engine=engine.scalar_state())
-    done = _Finisher(save_dir, iteration, tmp, final, info, rng_state(), keep_last, start)
+                world_size=world, groups=topology.groups, engine=scalars)
+    done = _Finisher(save_dir, iteration, tmp, final, info, {"rng": rng_state(), "engine": scalars}, keep_last,
+                     start, topology.groups)
     writer = (storage_writer or _default_writer)(tmp)
     try:
         if async_group is not None:
@@ -182,9 +185,9 @@ class _Finisher:
     """The end of a save, once every rank's files are written: checksums and
     metadata by rank 0, the rename, then the tracker."""
 
-    def __init__(self, save_dir, iteration, tmp, final, info, rng, keep_last, start):
+    def __init__(self, save_dir, iteration, tmp, final, info, own, keep_last, start, groups=1):
         self.save_dir, self.iteration, self.tmp, self.final = save_dir, iteration, tmp, final
-        self.info, self.rng, self.keep_last, self.start = info, rng, keep_last, start
+        self.info, self.own, self.keep_last, self.start, self.groups = info, own, keep_last, start, groups
 
     def __call__(self) -> SaveResult:
         this_rank = rank()
@@ -193,11 +196,13 @@ class _Finisher:
         if this_rank == 0:
             mine.append(os.path.join(tmp, ".metadata"))
         sums = {os.path.basename(p): [os.path.getsize(p), file_crc32(p)] for p in mine}
-        gathered = _gather({"checksums": sums, "rng": self.rng})
+        gathered = _gather({"checksums": sums, **self.own})
         error = None
         if this_rank == 0:
             try:
                 info = dict(self.info, rng=[g["rng"] for g in gathered])
+                if self.groups > 1:   # each group's own loss scale, skipped steps (its LR), ...: its first rank's
+                    info["engine_groups"] = [g["engine"] for g in gathered[::len(gathered) // self.groups]]
                 checksums = {name: v for g in gathered for name, v in g["checksums"].items()}
                 meta_path = os.path.join(tmp, META)
                 write_text_atomic(meta_path, json.dumps(info, indent=1, default=str))
@@ -342,8 +347,11 @@ def load_checkpoint(load: str, engine, load_optim: bool = True, load_rng: bool =
     grouped = saved_groups == groups > 1   # each group's own state end to end (zeropp/diloco.py)
     # Saved by another number of groups: start from the global parameters they shared, optimizers anew.
     regroup = saved_groups > 1 and saved_groups != groups
+    scalars = meta["engine"]   # a group's own (loss scale, skipped steps, ...) where it saved them
+    if grouped and len(meta.get("engine_groups", [])) == groups:
+        scalars = meta["engine_groups"][topology.offset // topology.world_size]
     state = engine.checkpoint_state(for_load=True, optimizer=load_optim and not regroup)
-    for key in engine.uncarried_state(meta["engine"]) if load_optim and not regroup else []:
+    for key in engine.uncarried_state(scalars) if load_optim and not regroup else []:
         del state[key]   # saved in another layout (or not at all): reset, and load_scalar_state says so
     if regroup:
         state = {GLOBAL + k[len("model."):] if k.startswith("model.") and v.sharded else k: v
@@ -364,9 +372,10 @@ def load_checkpoint(load: str, engine, load_optim: bool = True, load_rng: bool =
     engine.checkpoint_loaded(state)
     if regroup and this_rank == 0:
         print(f"> {path} was saved by {saved_groups} groups of nodes and this run has {groups}: it starts from "
-              f"the global parameters they shared; the optimizer state (inner and outer) starts anew", flush=True)
+              f"the global parameters they shared; the optimizer state (inner and outer) starts anew; every group "
+              f"takes group 0's loss scale, hysteresis and skipped-step count (its learning rate)", flush=True)
     if load_optim:
-        for note in engine.load_scalar_state(meta["engine"]):
+        for note in engine.load_scalar_state(scalars):
             if this_rank == 0:
                 print(f"> {path}: {note}", flush=True)
     if load_rng:

@@ -275,11 +275,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--outer-lr", type=_positive, default=0.7)
     g.add_argument("--outer-momentum", type=_below_one, default=0.9, help="Nesterov")
     g.add_argument("--outer-fragments", type=_int, default=1,
-                   help="exchange the model in this many runs of layers, at staggered steps")
+                   help="exchange each rank's shard in this many equal parts, at staggered steps")
     g.add_argument("--outer-quantization", choices=["none", "int4"], default="none",
                    help="int4: outer gradients in INT4 blocks with error feedback")
     g.add_argument("--outer-sync-delay", type=_count, default=1, metavar="TAU",
                    help="inner steps an exchange overlaps before it is merged (below H; 0: wait for it at once)")
+    g.add_argument("--outer-merge-alpha", type=_below_one, default=0.5, metavar="ALPHA",
+                   help="a delayed merge keeps this share of the steps taken meanwhile: local <- ALPHA local + "
+                        "(1 - ALPHA) global (torchft's fragment_update_alpha)")
     g.add_argument("--group-size", type=_int, default=1, help="nodes per group")
 
     g = p.add_argument_group("planning")

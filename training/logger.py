@@ -28,7 +28,7 @@ def _outer_fields(s: dict) -> str:
     if "outer_steps" not in s:
         return ""
     return (f" outer steps: {s['outer_steps']} | cross-group MB: {s['cross_group_mb']:.3f} "
-            f"| outer drift: {s['outer_drift']:.3e} |")
+            f"| outer drift: {s['outer_drift']:.3e} | lm loss of: {s['loss_of']} |")
 
 
 class TrainingLogger:
@@ -112,14 +112,20 @@ class TrainingLogger:
                      for name in names]
             print_rank0(f"> peak during the step: {', '.join(parts).replace('_', ' ')}")
 
-    def validation_line(self, it: int, name: str, loss: float, end_of_training: bool = False):
+    def validation_line(self, it: int, name: str, loss: float, end_of_training: bool = False,
+                        drift: float | None = None):
         """Megatron's evaluation block: ` validation loss at iteration N | ...` during training,
-        `... at iteration N on validation set | ...` / `... on test set | ...` at the end."""
+        `... at iteration N on validation set | ...` / `... on test set | ...` at the end. With
+        the outer synchronization the loss is the global parameters', and `drift` the groups'
+        RMS distance from them."""
         ppl = math.exp(min(20.0, loss))
         where = f"iteration {it}" + (f" on {name} set" if end_of_training or name == "test" else "")
         text = f" validation loss at {where} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} | "
+        if drift is not None:
+            text += f"of: the global parameters | groups' drift from them: {drift:.3e} | "
         print_rank0("-" * (len(text) + 1) + "\n" + text + "\n" + "-" * (len(text) + 1))
-        self.scalars(it, {f"{name}/lm-loss": loss, f"{name}/lm-loss-ppl": ppl})
+        self.scalars(it, {f"{name}/lm-loss": loss, f"{name}/lm-loss-ppl": ppl,
+                          **({f"{name}/outer-drift": drift} if drift is not None else {})})
 
     def close(self):
         if self.writer is not None:

@@ -3,6 +3,7 @@ engine of each group runs over its own ranks (parallel/topology.py `group_topolo
 synchronizes across the groups (zeropp/diloco.py)."""
 from __future__ import annotations
 
+import contextlib
 import os
 
 from common import ConfigError
@@ -10,10 +11,10 @@ from parallel.comm import Communicator
 from parallel.launch import print_rank0
 from parallel.topology import Topology
 from zeropp.collectives.partition import Partition
-from zeropp.diloco import KEY, PHASE, OuterSettings, attach
+from zeropp.diloco import KEY, PHASE, OuterSettings, attach, with_global_weights
 
 OUTER_FLAGS = ("outer_lr", "outer_momentum", "outer_fragments", "outer_quantization", "outer_sync_delay",
-               "group_size")
+               "outer_merge_alpha", "group_size")
 
 
 def check_outer_args(args, flag):
@@ -38,9 +39,12 @@ def check_outer_args(args, flag):
     if args.outer_sync_delay >= args.outer_sync_interval:
         raise ConfigError(f"{flag(args, 'outer_sync_delay', args.outer_sync_delay)} must be below {H} (a fragment "
                           f"is merged before its next exchange); pass at most {args.outer_sync_interval - 1}")
-    if args.outer_fragments > args.num_layers:
-        raise ConfigError(f"{flag(args, 'outer_fragments', args.outer_fragments)} exceeds the "
-                          f"{args.num_layers} layers (a fragment is a run of layers); pass at most {args.num_layers}")
+    if args.outer_sync_delay == 0 and "outer_merge_alpha" in args.explicit:   # nothing to mix: the merge is at once
+        raise ConfigError(f"{flag(args, 'outer_merge_alpha', args.outer_merge_alpha)} has no effect with "
+                          f"--outer-sync-delay 0 (the exchange is merged at once); drop it or pass a delay")
+    if args.outer_fragments > args.outer_sync_interval:
+        raise ConfigError(f"{flag(args, 'outer_fragments', args.outer_fragments)} exceeds {H} (each fragment is "
+                          f"exchanged at its own inner step); pass at most {args.outer_sync_interval}")
     if args.dry_run:   # the planner checks the groups against --cluster (planner/outer.py)
         return
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -52,6 +56,10 @@ def check_outer_args(args, flag):
     if size * per_node < 2:
         raise ConfigError(f"{flag(args, 'group_size', size)} makes groups of one rank (nodes of {per_node}); "
                           f"ZeRO-3 needs 2+ ranks a group: pass a larger --group-size or more --ranks-per-node")
+    if nodes == size:   # the outer step would only move the one group against itself
+        raise ConfigError(f"{flag(args, 'group_size', size)} makes one group of the job's {nodes} node(s): there is "
+                          f"no other group to synchronize with; pass a --group-size below {nodes} (and "
+                          f"--ranks-per-node for the ranks of one node) or drop {H}")
 
 
 def engine_comm(args, topology: Topology) -> Communicator:
@@ -69,11 +77,18 @@ def attach_outer(args, engine):
     group = engine.comm.topology
     cross = Partition(group=group.across_group, size=group.groups, rank=group.offset // group.world_size)
     settings = OuterSettings(args.outer_sync_interval, args.outer_lr, args.outer_momentum, args.outer_fragments,
-                             args.outer_quantization, args.outer_sync_delay)
+                             args.outer_quantization, args.outer_sync_delay, args.outer_merge_alpha)
     print_rank0(f"> outer synchronization: {group.groups} groups of {group.num_nodes} node(s) x "
                 f"{group.ranks_per_node} ranks, each its own engine; every {settings.interval} inner steps in "
                 f"{settings.fragments} fragment(s), outer lr {settings.lr}, Nesterov momentum {settings.momentum}, "
-                f"{settings.quantization} outer gradients, merged {settings.delay} inner step(s) after issue")
+                f"{settings.quantization} outer gradients, merged {settings.delay} inner step(s) after issue"
+                + (f" keeping {settings.merge_alpha:g} of the local values" if settings.delay else ""))
+    if args.train_iters is not None and settings.interval >= args.train_iters:   # (the benches build no schedule)
+        print_rank0(f"> note: --outer-sync-interval {settings.interval} >= --train-iters {args.train_iters}: the "
+                    f"final synchronization at the end of training is the only one")
+    if args.clip_grad:
+        print_rank0(f"> note: --clip-grad {args.clip_grad:g} clips each group's own gradient norm, not the job's: "
+                    f"with --outer-sync-interval 1 pass --clip-grad 0 for synchronous data parallel")
     return attach(engine, cross, settings)
 
 
@@ -81,8 +96,38 @@ def outer_fields(engine, stats, iterations: int) -> dict:
     """The log line's outer fields (none when the mode is off): exchanges applied so far, this
     rank's bytes across groups per iteration, and its shard's RMS distance between its group's
     parameters and the mean over the groups at the last exchange."""
-    sync = engine.parts.carried.get(KEY) if hasattr(engine, "parts") else None
+    sync = outer_sync(engine)
     if sync is None:
         return {}
     inter = stats.by_phase[PHASE][1] if PHASE in stats.by_phase else 0
-    return {"outer_steps": sync.outer_steps, "cross_group_mb": inter / iterations / 2**20, "outer_drift": sync.drift}
+    return {"outer_steps": sync.outer_steps, "cross_group_mb": inter / iterations / 2**20, "outer_drift": sync.drift,
+            "loss_of": f"group 0 of {sync.cross.size}"}
+
+
+def outer_sync(engine):
+    """The engine's outer synchronization (zeropp/diloco.py OuterSync), None when the mode is off."""
+    return engine.parts.carried.get(KEY) if hasattr(engine, "parts") else None
+
+
+def final_sync(engine) -> bool:
+    """The end of training: every fragment synchronized, so the global parameters a checkpoint
+    exports hold the last inner steps of every group (collective over the job). False when off."""
+    sync = outer_sync(engine)
+    if sync is None:
+        return False
+    note = sync.final_sync()
+    print_rank0(f"> outer synchronization: final exchange of all {sync.s.fragments} fragment(s) after iteration "
+                f"{sync.steps}; every group now holds the global parameters" + (f" ({note})" if note else ""))
+    return True
+
+
+@contextlib.contextmanager
+def global_weights(engine):
+    """Evaluation computes with the global parameters (what an export takes) in the outer mode,
+    yielding the groups' RMS drift from them; with the engine's own weights otherwise (None)."""
+    sync = outer_sync(engine)
+    if sync is None:
+        yield None
+        return
+    with with_global_weights(sync) as drift:
+        yield drift

@@ -21,13 +21,16 @@ class StopRequest:
         if signum == signal.SIGINT:
             signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C stops at once
 
-    def agreed(self, comm, device: torch.device) -> bool:
-        """True on every rank if any rank was signalled (collective: one 4-byte all-reduce)."""
-        flag = torch.tensor([self.signum or 0], dtype=torch.int32, device=device)
+    def agreed(self, comm, device: torch.device, bad_streak: int = 0) -> tuple[bool, int]:
+        """(whether any rank was signalled, the longest `bad_streak` of any rank), the same on every
+        rank of `comm` (collective: one 8-byte all-reduce). `comm` must span the job: a stop
+        decided by part of it would leave the rest in the next collective."""
+        flag = torch.tensor([self.signum or 0, bad_streak], dtype=torch.int32, device=device)
         comm.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, phase="other")
-        if self.signum is None and flag.item():
-            self.signum = int(flag.item())
-        return bool(flag.item())
+        signum, streak = (int(v) for v in flag.tolist())
+        if self.signum is None and signum:
+            self.signum = signum
+        return bool(signum), streak
 
     @property
     def name(self) -> str:

@@ -24,7 +24,7 @@ from data.sampler import build_data_loader
 from parallel.comm import Communicator
 from parallel.launch import print_rank0
 from training.checkpoint import Progress, iteration_dir
-from training.outer import outer_fields
+from training.outer import final_sync, global_weights, outer_fields
 from training.signals import StopRequest
 from zeropp.memory import memory_report
 
@@ -96,10 +96,14 @@ class NonFinitePolicy:
         self.limit = max_nan_iters or (None if dtype == torch.float16 else 1)
         self.bad_streak = 0
 
-    def record(self, step: Step) -> bool:
-        """Count `step`; True when training must stop."""
+    def record(self, step: Step) -> int:
+        """Count `step`; the streak of bad iterations it ends."""
         self.bad_streak = self.bad_streak + 1 if step.bad else 0
-        return self.limit is not None and self.bad_streak >= self.limit
+        return self.bad_streak
+
+    def must_stop(self, bad_streak: int) -> bool:
+        """Whether a streak (the longest over the job's ranks) stops training."""
+        return self.limit is not None and bad_streak >= self.limit
 
 
 @dataclass
@@ -129,11 +133,15 @@ class EarlyStop:
 
 class Trainer:
     """Runs training from `iteration` (and `consumed_samples`, where `train_batches`
-    starts) to --train-iters; `cross_node` holds the bytes sent across nodes for the summary."""
+    starts) to --train-iters; `cross_node` holds the bytes sent across nodes for the summary.
+    `comm` is the engine's (a group's with --outer-sync-interval), `job_comm` the whole job's
+    (default `comm`): stops and evaluations are agreed over the job."""
 
     def __init__(self, args, engine, comm: Communicator, device: torch.device, schedule, logger, checkpointer,
-                 train_batches, valid_ds, test_ds, flops_per_iteration: float, progress: Progress):
+                 train_batches, valid_ds, test_ds, flops_per_iteration: float, progress: Progress,
+                 job_comm: Communicator | None = None):
         self.args, self.engine, self.comm, self.device = args, engine, comm, device
+        self.job = job_comm or comm
         self.schedule, self.logger = schedule, logger
         self.checkpointer = checkpointer  # None without --save
         self.train_batches, self.valid_ds, self.test_ds = train_batches, valid_ds, test_ds
@@ -144,6 +152,7 @@ class Trainer:
         self.nonfinite = NonFinitePolicy(args.max_nan_iters, engine.dtype)
         self.window: LogWindow | None = None   # the iterations since the last log line, while running
         self.cross_node = CrossNodeTraffic()
+        self.saved_at: int | None = None   # the iteration of the last save (a stop saves unless it is this one)
 
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> EarlyStop | None:
@@ -159,12 +168,16 @@ class Trainer:
         while self.iteration < self.args.train_iters:
             step = self.train_step(log_memory=self.iteration == first_iteration + 1)
             self.window.add(step)
-            diverged = self.nonfinite.record(step)
-            signalled = stop.agreed(self.comm, self.device)
+            # Agreed over the job: a group that stopped alone would leave the others in a collective.
+            signalled, bad_streak = stop.agreed(self.job, self.device, self.nonfinite.record(step))
+            diverged = self.nonfinite.must_stop(bad_streak)
+            self.nonfinite.bad_streak = max(self.nonfinite.bad_streak, bad_streak)
             if self.iteration % self.args.log_interval == 0 or self.iteration == self.args.train_iters:
                 self.log_window(step)
             if diverged or signalled:
                 break
+            if self.iteration == self.args.train_iters:
+                final_sync(self.engine)   # the outer mode: the global parameters take the last steps
             self.evaluate_and_save_on_interval()
             exiting = bool(exit_interval) and self.iteration % exit_interval == 0 \
                 and self.iteration < self.args.train_iters
@@ -226,7 +239,8 @@ class Trainer:
     def evaluate_and_save_on_interval(self):
         args, iteration = self.args, self.iteration
         if self.valid_ds is not None and args.eval_interval and iteration % args.eval_interval == 0:
-            self.logger.validation_line(iteration, "validation", self.validate())
+            loss, drift = self.validate()
+            self.logger.validation_line(iteration, "validation", loss, drift=drift)
         if self.save_due():
             self.save()
         if self.window.iterations == 0:
@@ -237,7 +251,7 @@ class Trainer:
         """Save the last good state (waiting for the files) on a signal, --exit-interval or a
         diverging loss (unless --save-interval just saved this iteration)."""
         path = None
-        if self.checkpointer is not None and self.save_due():   # --save-interval saved this iteration
+        if self.checkpointer is not None and self.saved_at == self.iteration:   # --save-interval saved it
             self.checkpointer.finish()
             path = iteration_dir(self.args.save, self.iteration)
         elif self.checkpointer is not None:
@@ -249,10 +263,12 @@ class Trainer:
         """After the last iteration: the final validation (unless just run), the test set, the last save."""
         args, iteration = self.args, self.iteration
         if self.valid_ds is not None and iteration % args.eval_interval != 0:
-            self.logger.validation_line(iteration, "validation", self.validate(), end_of_training=True)
+            loss, drift = self.validate()
+            self.logger.validation_line(iteration, "validation", loss, end_of_training=True, drift=drift)
         if self.test_ds is not None:
             test_batches = iter(self._loader(self.test_ds, 0))
-            self.logger.validation_line(iteration, "test", self.evaluate(test_batches))
+            loss, drift = self.evaluate(test_batches)
+            self.logger.validation_line(iteration, "test", loss, drift=drift)
         if self.checkpointer is not None:
             if not self.save_due():  # unless --save-interval just saved it
                 self.save()
@@ -260,18 +276,18 @@ class Trainer:
 
     # -- evaluation and checkpoints --------------------------------------------------------------
     def _loader(self, dataset, consumed: int):
-        topology = self.comm.topology
+        topology = self.job.topology   # the job's ranks: the samples a run without groups reads
         return build_data_loader(dataset, consumed, self.args.micro_batch_size, topology.rank, topology.world_size)
 
-    def validate(self) -> float:
+    def validate(self) -> tuple[float, float | None]:
         """The validation loss over the next --eval-iters global batches (Megatron's
         iterator: each evaluation continues where the last stopped; it starts over
         at the end of the set)."""
         if self._valid_batches is None:
             self._valid_batches = self._cycle(self.valid_ds, self.consumed_valid_samples % len(self.valid_ds))
-        loss = self.evaluate(self._valid_batches)
+        out = self.evaluate(self._valid_batches)
         self.consumed_valid_samples += self.args.eval_iters * self.args.global_batch_size
-        return loss
+        return out
 
     def _cycle(self, dataset, consumed: int):
         """`dataset`'s batches from `consumed` samples on, starting over at its end."""
@@ -279,13 +295,15 @@ class Trainer:
             yield from self._loader(dataset, consumed)
             consumed = 0
 
-    def evaluate(self, batches) -> float:
+    def evaluate(self, batches) -> tuple[float, float | None]:
         """Mean loss over --eval-iters global batches drawn from `batches` (the
-        engine computes with the exact weights: those a checkpoint saves)."""
+        engine computes with the exact weights: those a checkpoint saves; with the outer
+        synchronization the global parameters, which an export takes), and the groups' drift
+        from them (None without the outer synchronization)."""
         args = self.args
         self.engine.eval()
         total, count = 0.0, 0
-        with torch.no_grad(), self.engine.clock.paused():
+        with torch.no_grad(), self.engine.clock.paused(), global_weights(self.engine) as drift:
             for _ in range(args.eval_iters * args.gradient_accumulation_steps):
                 batch = next(batches, None)
                 if batch is None:
@@ -294,7 +312,7 @@ class Trainer:
                 total += self.engine(batch[:, :-1], batch[:, 1:]).item()
                 count += 1
         self.engine.train()
-        return mean_over_ranks(self.comm, total / max(count, 1), self.device)
+        return mean_over_ranks(self.job, total / max(count, 1), self.device), drift
 
     def save_due(self) -> bool:
         """Whether --save-interval saves this iteration."""
@@ -302,5 +320,6 @@ class Trainer:
         return self.checkpointer is not None and bool(interval) and self.iteration % interval == 0
 
     def save(self, wait: bool = False) -> str:
+        self.saved_at = self.iteration
         return self.checkpointer.save(Progress(self.iteration, self.consumed_samples, self.consumed_valid_samples),
                                       wait=wait)

@@ -14,13 +14,19 @@ an all-reduce of the locals. INT4 (`quantization="int4"`): each rank sends its o
 its error e_i, block-quantized by zeropp/kernels/quant.py, all-gathered, dequantized and
 averaged; e_i <- (D_i + e_i) - Q(D_i + e_i), committed only when the outer step is applied.
 
-Streaming (arXiv 2501.18512): the model is cut into F fragments, contiguous runs of layers
-(parameters outside the layers go with the nearest: embeddings first, the final norm last);
-fragment f is exchanged after the inner steps s with s % H == f H // F, issued async and
+Streaming (arXiv 2501.18512): each rank's shard is cut into F fragments of equal bytes (the
+paper cuts by layers, strided; a cut by bytes keeps the largest exchange, which the link
+decides, at 1/F of the shard even when the embedding outweighs the layers); fragment f is exchanged after the inner steps s with s % H == f H // F, issued async and
 merged `delay` inner steps later (their tau; torchft's fragment_sync_delay): meanwhile those
-steps trained the fragment from its unsynchronized values, and the paper's merge keeps half
-of it: local <- MIX local + (1 - MIX) global (their mixing factor alpha; MIX = 0.5). With
-delay 0 the exchange is waited for at once and the local fragment becomes the global one.
+steps trained the fragment from its unsynchronized values, and the paper's merge keeps part
+of it: local <- alpha local + (1 - alpha) global (their mixing factor, torchft's
+fragment_update_alpha; `--outer-merge-alpha`, 0.5 by default). With delay 0 the exchange is
+waited for at once and the local fragment becomes the global one.
+
+A non-finite outer gradient skips that exchange's outer step in every group (their global
+copies stay equal); the group whose own copy is not finite takes the global values, so the
+fragment's next exchange is every group's again. The end of training exchanges every fragment
+once more (`final_sync`): the global parameters, which an export takes, hold the last steps.
 
 An exchange in flight at a checkpoint is completed and its outer step taken (the global
 values, the momentum and the error are saved as they will be), while the masters, which the
@@ -29,6 +35,7 @@ after a resume as in a run that never stopped.
 """
 from __future__ import annotations
 
+import contextlib
 import re
 from dataclasses import dataclass
 
@@ -38,10 +45,10 @@ from parallel.comm import Work
 from zeropp.collectives.partition import FlatState, Partition
 from zeropp.collectives.protocols import MemoryLine, PlannedCollective
 from zeropp.config import ConfigError
+from zeropp.diloco_fragments import FragmentLayout, fragment_bounds
 from zeropp.kernels.format import DEFAULT_BLOCK_SIZE, Quantized, wire_nbytes
 from zeropp.kernels.quant import dequantize, dequantize_reduce, quantize
 
-MIX = 0.5
 KEY = "outer_sync"
 GLOBAL = KEY + ".global."   # + a parameter's name: its global values in checkpoints
 PHASE = "outer_sync"
@@ -57,6 +64,7 @@ class OuterSettings:
     fragments: int = 1
     quantization: str = "none"    # or "int4"
     delay: int = 1                # inner steps between issuing an exchange and merging it (< H)
+    merge_alpha: float = 0.5      # the share of the local values a delayed merge keeps
     block_size: int = DEFAULT_BLOCK_SIZE[4]
 
 
@@ -67,21 +75,6 @@ def exchange_per_step(owned: int, s: OuterSettings) -> PlannedCollective:
         return PlannedCollective(PHASE, "all_reduce", "outer", owned * 4 // s.interval)
     return PlannedCollective(PHASE, "all_gather", "outer", wire_nbytes(owned, 4, s.block_size) // s.interval,
                              owned // s.interval, 4)
-
-
-def layer_fragments(names: list[str], fragments: int) -> list[int]:
-    """The fragment of each parameter (by name, in order): layer i of n goes to i F // n; a
-    parameter outside the layers goes with the layer before it (before the first: fragment 0)."""
-    layers = [int(m.group(1)) if (m := _LAYER.search(n)) else None for n in names]
-    n = len({i for i in layers if i is not None})
-    if fragments > max(n, 1):
-        raise ConfigError(f"--outer-fragments {fragments} exceeds the model's {n} layers; "
-                          f"pass at most {max(n, 1)}")
-    out, current = [], 0
-    for i in layers:
-        current = current if i is None else i * fragments // n
-        out.append(current)
-    return out
 
 
 @dataclass
@@ -95,6 +88,7 @@ class Exchange:
     stepped: bool = False         # the outer step is taken: the global values are the new ones
     drift: float = float("nan")   # the group's RMS of l_i - mean(l), once stepped
     note: str | None = None       # why the outer step was skipped, if it was
+    reseed: bool = False          # skipped because my group's copy is not finite: it takes the global one
     wire: torch.Tensor | None = None    # int4: what I send, held until it is sent
 
     def nbytes(self) -> int:
@@ -117,22 +111,18 @@ class OuterSync:
     def __init__(self, engine, cross: Partition, settings: OuterSettings):
         self.engine, self.cross, self.s = engine, cross, settings
         self.comm = engine.comm
-        owned = [s for s in engine.shards if s.valid]
-        frag = layer_fragments([s.name for s in engine.shards], settings.fragments)
-        which = {id(s): f for s, f in zip(engine.shards, frag)}
-        self.fragments = [[s for s in owned if which[id(s)] == f] for f in range(settings.fragments)]
-        self.glob = [self._local(f).clone() for f in range(settings.fragments)]
-        zeros = lambda: [torch.zeros_like(g) for g in self.glob]   # noqa: E731
-        self.mom = zeros() if settings.momentum else None
-        self.err = zeros() if settings.quantization == "int4" else None
+        self.layout = FragmentLayout(engine.shards, settings.fragments, engine.device)
+        self.owned, self.local, self._set_masters = self.layout.owned, self.layout.local, self.layout.set
+        self.flat = {"global": torch.cat([self.local(f) for f in range(settings.fragments)])}
+        if settings.momentum:
+            self.flat["momentum"] = torch.zeros_like(self.flat["global"])
+        if settings.quantization == "int4":
+            self.flat["error"] = torch.zeros_like(self.flat["global"])
+        self.glob, self.mom, self.err = (self.layout.views(self.flat.get(k)) for k in ("global", "momentum", "error"))
         self.steps = self.outer_steps = 0
         self.pending: list[Exchange] = []
         self.drift = float("nan")   # of the last merged exchange
         self.in_flight_peak = 0     # bytes (Exchange.nbytes) of the exchanges in flight at once
-
-    def _local(self, f: int) -> torch.Tensor:
-        ms = [s.master.detach().reshape(-1) for s in self.fragments[f]]
-        return torch.cat(ms) if ms else torch.zeros(0, device=self.engine.device)
 
     def due(self, step: int) -> list[int]:
         """The fragments exchanged after inner step `step` (1, 2, ...)."""
@@ -155,7 +145,7 @@ class OuterSync:
         return "; ".join(n for n in notes if n) or None
 
     def _issue(self, f: int) -> Exchange:
-        local, g = self._local(f), self.glob[f]
+        local, g = self.local(f), self.glob[f]
         mine, alone = g - local, self.cross.size == 1   # one group: nobody to exchange with
         x = Exchange(f, self.steps + self.s.delay, mine=mine)
         if self.err is None:   # the locals, summed over the groups
@@ -188,9 +178,10 @@ class OuterSync:
             outer = dequantize_reduce(parts, torch.float32, 1.0 / n)
             mean = g - outer
         x.work = x.buf = x.wire = None
-        finite, x.drift = self._group_check(outer, outer - x.mine)
-        if not finite:   # a group diverged: every rank keeps every state as it was
-            x.note = f"outer step of fragment {f} skipped: its outer gradient is not finite"
+        finite, x.reseed, x.drift = self._group_check(outer, x.mine)
+        if not finite:   # a group diverged: every rank keeps the outer state as it was
+            x.note = f"outer step of fragment {f} skipped: its outer gradient is not finite" + (
+                f"; group {self.cross.rank}'s copy is not: it takes the global values" if x.reseed else "")
             return
         new = mean.add(outer, alpha=1.0 - self.s.lr)
         if self.mom is not None:
@@ -206,51 +197,57 @@ class OuterSync:
     def _merge(self, x: Exchange) -> str | None:
         """The new global values of `x`'s fragment into the masters (collective over my group)."""
         self._outer_step(x)
-        if x.note:
+        if x.note:   # skipped: the group whose copy went bad starts again from the global values
+            if x.reseed:
+                self._set_masters(x.fragment, 0.0, self.glob[x.fragment])
+                self.engine.masters_changed()
             return x.note
-        off, keep = 0, MIX if self.s.delay else 0.0   # delay 0: nothing trained it meanwhile
-        with torch.no_grad():
-            for s in self.fragments[x.fragment]:
-                part = self.glob[x.fragment][off:off + s.valid].view_as(s.master)
-                s.master.mul_(keep).add_(part, alpha=1.0 - keep) if keep else s.master.copy_(part)
-                off += s.valid
+        keep = self.s.merge_alpha if self.s.delay else 0.0   # delay 0: nothing trained it meanwhile
+        self._set_masters(x.fragment, keep, self.glob[x.fragment])
         self.engine.masters_changed()
         self.drift = x.drift
         return None
 
-    def _group_check(self, outer: torch.Tensor, diff: torch.Tensor) -> tuple[bool, float]:
+    def final_sync(self) -> str | None:
+        """The end of training: the exchanges in flight merged now, then every fragment exchanged
+        and stepped at once and the masters set to the new global values, so the global
+        parameters (what a checkpoint exports) hold every group's last steps."""
+        notes = [self._merge(x) for x in self.pending]
+        self.pending = []
+        for f in range(self.s.fragments):
+            x = self._issue(f)
+            self._outer_step(x)
+            notes.append(x.note)
+            if not x.note or x.reseed:
+                self._set_masters(f, 0.0, self.glob[f])
+        self.engine.masters_changed()
+        return "; ".join(n for n in notes if n) or None
+
+    def _group_check(self, outer: torch.Tensor, mine: torch.Tensor) -> tuple[bool, bool, float]:
         """Whether `outer` is finite on every shard of my group (so all its ranks agree, and the
-        other groups too: they hold the same outer gradient), and the RMS of `diff` over them."""
-        bad = (~torch.isfinite(outer)).any().float()
-        sums = torch.stack([diff.square().sum().nan_to_num(), diff.new_tensor(float(diff.numel())), bad])
+        other groups too: they hold the same outer gradient), whether my group's own outer
+        gradient `mine` is not (its copy went bad), and the RMS of `outer - mine` over them."""
+        diff = outer - mine
+        sums = torch.stack([diff.square().sum().nan_to_num(), diff.new_tensor(float(diff.numel())),
+                            (~torch.isfinite(outer)).any().float(), (~torch.isfinite(mine)).any().float()])
         self.comm.all_reduce(sums, phase=DRIFT)
-        return sums[2].item() == 0, (sums[0] / sums[1].clamp(min=1)).sqrt().item()
+        return sums[2].item() == 0, sums[3].item() > 0, (sums[0] / sums[1].clamp(min=1)).sqrt().item()
 
     def checkpoint_state(self, world: int) -> dict[str, FlatState]:
         """My slices of the outer state, in the masters' layout (a key per parameter), with the
         outer steps of the exchanges in flight taken (collective over my group)."""
         for x in self.pending:
             self._outer_step(x)
-        out = {}
-        empty = torch.zeros(0, device=self.engine.device)
-        for name, state in (("global", self.glob), ("momentum", self.mom), ("error", self.err)):
-            if state is None:
-                continue
-            views = {}
-            for f, flat in enumerate(state):
-                off = 0
-                for s in self.fragments[f]:
-                    views[s.index], off = flat[off:off + s.valid], off + s.valid
-            for s in self.engine.shards:   # the groups share the global values and the momentum
-                out[f"{KEY}.{name}.{s.name}"] = FlatState(views.get(s.index, empty), s.numel, sharded=True,
-                                                          per_group=name == "error")
-        return out
+        return {f"{KEY}.{name}.{s.name}": FlatState(part, s.numel, sharded=True, per_group=name == "error")
+                for name, flat in self.flat.items()   # the groups share the global values and the momentum
+                for s, part in self.layout.per_parameter(flat)}
 
     def scalar_state(self) -> dict:
         """With the merges to come: taken after checkpoint_state(), which steps them."""
         return {"steps": self.steps, "outer_steps": self.outer_steps, "groups": self.cross.size,
                 "settings": self._layout(),
-                "merges": [[x.fragment, x.merge_at, x.drift, x.note] for x in self.pending if x.stepped or x.note]}
+                "merges": [[x.fragment, x.merge_at, x.drift, x.note, x.reseed]
+                           for x in self.pending if x.stepped or x.note]}
 
     def _layout(self) -> list:
         """What the saved outer state's shape and schedule depend on."""
@@ -263,11 +260,11 @@ class OuterSync:
         self.drain()
         if self.carried(saved):
             self.steps, self.outer_steps = saved["steps"], saved["outer_steps"]
-            self.pending = [Exchange(f, at, stepped=note is None, drift=drift, note=note)
-                            for f, at, drift, note in saved.get("merges", [])]
+            self.pending = [Exchange(f, at, stepped=note is None, drift=drift, note=note, reseed=bool(rest and rest[0]))
+                            for f, at, drift, note, *rest in saved.get("merges", [])]
             return None
         for f in range(self.s.fragments):   # the global parameters: the mean of the groups' loaded masters,
-            self.glob[f].copy_(self._local(f))   # the same in every group (the outer step assumes it)
+            self.glob[f].copy_(self.local(f))   # the same in every group (the outer step assumes it)
             if self.cross.size > 1:
                 self.comm.all_reduce(self.glob[f], group=self.cross.group, phase=PHASE)
                 self.glob[f].div_(self.cross.size)
@@ -277,7 +274,7 @@ class OuterSync:
         return "outer state (global parameters, outer momentum, INT4 error) reset: saved by another layout"
 
     def memory(self) -> MemoryLine:
-        tensors = self.glob + (self.mom or []) + (self.err or [])
+        tensors = list(self.flat.values())
         psi = sum(s.numel for s in self.engine.shards)
         return MemoryLine(KEY, "optimizer", tensors, sum(t.numel() * 4 for t in tensors) / max(psi, 1))
 
@@ -304,6 +301,31 @@ class OuterSync:
                 f"groups (every {self.s.interval} inner steps, {self.s.fragments} fragment(s), "
                 f"{self.s.quantization} outer gradients)"
                 + (f"; {unmerged} exchange(s) not merged at the end (a resume merges them)" if unmerged else ""))
+
+
+@contextlib.contextmanager
+def with_global_weights(sync: OuterSync):
+    """The engine computes with the global parameters (those a checkpoint exports) inside, with
+    its own masters again after, bit for bit (collective over the job; an evaluation, in
+    training/outer.py). Yields the RMS distance of the groups' masters from the global ones."""
+    for x in sync.pending:   # as a save does: the exchanges in flight stepped, merged at their step
+        sync._outer_step(x)
+    own = [sync.local(f) for f in range(sync.s.fragments)]
+    sums = torch.zeros(2, dtype=torch.float64, device=sync.engine.device)
+    for o, g in zip(own, sync.glob):
+        sums += torch.stack([(o - g).double().square().sum(), sums.new_tensor(float(o.numel()))])
+    sync.comm.all_reduce(sums, phase=DRIFT)
+    if sync.cross.size > 1:
+        sync.comm.all_reduce(sums, group=sync.cross.group, phase=DRIFT)
+    for f in range(sync.s.fragments):
+        sync._set_masters(f, 0.0, sync.glob[f])
+    sync.engine.masters_changed()
+    try:
+        yield (sums[0] / sums[1].clamp(min=1)).sqrt().item()
+    finally:
+        for f in range(sync.s.fragments):
+            sync._set_masters(f, 0.0, own[f])
+        sync.engine.masters_changed()
 
 
 def attach(engine, cross: Partition, settings: OuterSettings) -> OuterSync:

@@ -208,14 +208,21 @@ class Engine:
 
     def scalar_state(self) -> dict:
         """Small state every rank holds the same copy of (goes to the checkpoint's metadata)."""
+        steps = {float(st["step"]) for st in self.optimizer.state.values() if "step" in st}
         return {"loss_scaler": self.loss_scaler.state_dict(), "global_step": self.global_step,
-                "skipped_steps": self.skipped_steps}
+                "skipped_steps": self.skipped_steps,
+                # also optim.step's tensor, but that is one for the job: groups of nodes count their own
+                "optimizer_step": steps.pop() if len(steps) == 1 else None}
 
     def load_scalar_state(self, sd: dict) -> list[str]:
         """Restore scalar_state(); returns lines to report (state that could not be carried)."""
         self.loss_scaler.load_state_dict(sd["loss_scaler"])
         self.global_step = sd["global_step"]
         self.skipped_steps = sd.get("skipped_steps", 0)   # absent from checkpoints before it was kept
+        if sd.get("optimizer_step") is not None:
+            for st in self.optimizer.state.values():
+                if "step" in st:
+                    st["step"] = torch.tensor(sd["optimizer_step"], dtype=torch.float32)
         mine = self.scalar_state()
         return [f"{what} in the checkpoint is dropped: this job runs without it"
                 for key, what in CARRIED.items() if key in sd and key not in mine and sd[key].get("holds", True)]
