@@ -144,8 +144,9 @@ def main():
         inter = sum(r["systems"][name]["inter_node_mb_per_step"] for r in results) / len(results)
         print(f"{name:24} {s['ms_per_step']:9.1f} {inter:15.3f} {s['losses'][0]:11.4f} "
               f"{s['losses'][-1]:10.4f} {peak:12.0f}")
-    same = {name: all(r["systems"].get(name, {}).get("losses") == r["systems"].get("FSDP2", {}).get("losses")
-                      for r in results) for name in ("FSDP2 + hpZ",)}
+    same = {name: all("losses" in r["systems"].get(name, {})
+                      and r["systems"][name]["losses"] == r["systems"].get("FSDP2", {}).get("losses") for r in results)
+            for name in ("FSDP2 + hpZ",)}
     print("hpZ alone gives FSDP2's losses bit for bit on every rank: " + ", ".join(f"{k} {v}" for k, v in same.items()))
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:

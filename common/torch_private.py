@@ -70,6 +70,42 @@ def has_post_accumulate_grad_hooks(tensor: torch.Tensor) -> bool:
 
 
 # -- FSDP2 (torch.distributed.fsdp.fully_shard) --------------------------------------------------
+_FSDP_NEEDS = {   # where each FSDP2 attribute above lives on a live model: (owner, attribute)
+    "module": ("_get_fsdp_state", "_set_unshard_async_op"),
+    "state": ("_fsdp_param_groups", "_states_to_forward_prefetch"),
+    "group": ("fsdp_params", "post_forward_mesh_info", "mesh_info", "_all_reduce_hook", "gradient_divide_factor",
+              "reduce_scatter_unused_params"),
+    "param": ("sharded_param", "offload_to_cpu", "_orig_size", "post_forward_mesh_info",
+              "_init_sharded_post_forward_param_metadata"),
+}
+_OWNER = {"module": "FSDPModule", "state": "FSDPState", "group": "FSDPParamGroup", "param": "FSDPParam"}
+
+
+def missing_fsdp_internals(model) -> list[str]:
+    """The FSDP2 attributes listed above that this torch lacks, looked up on `model` (wrapped by
+    fully_shard, before anything is changed): the plug-in refuses in one line rather than failing
+    halfway through an install on another torch."""
+    from torch.distributed.fsdp import FSDPModule
+    lacking: list[str] = []
+    owners = {"module": model, "state": None, "group": None, "param": None}
+    for module in model.modules():   # the first unit that manages parameters gives a group and a param
+        if isinstance(module, FSDPModule) and hasattr(module, "_get_fsdp_state"):
+            state = module._get_fsdp_state()
+            owners["state"] = owners["state"] or state
+            groups = getattr(state, "_fsdp_param_groups", None) or []
+            if groups and list(getattr(groups[0], "fsdp_params", None) or []):
+                owners.update(state=state, group=groups[0], param=list(groups[0].fsdp_params)[0])
+                break
+    for owner, names in _FSDP_NEEDS.items():
+        obj = owners[owner]
+        lacking += [f"{_OWNER[owner]}.{n}" for n in names if obj is not None and not hasattr(obj, n)]
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_init import _get_post_forward_mesh_info  # noqa: F401
+    except ImportError:
+        lacking.append(ATTRIBUTES[-1])
+    return lacking
+
+
 def fsdp_state(module):
     """The FSDP state `fully_shard` attached (modules grouped by one `fully_shard([a, b])` share it)."""
     return module._get_fsdp_state()

@@ -121,3 +121,29 @@ def test_every_listed_attribute_is_named_in_the_module():
     body = text.split('"""', 2)[2]
     for attribute in tp.ATTRIBUTES:
         assert attribute.rsplit(".", 1)[-1] in body, attribute
+
+
+def _refused_without(rank, world, owner: str, name: str):
+    from torch.distributed.fsdp import fully_shard
+
+    from zeropp.fsdp import PluginError, apply_zeropp
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    fully_shard(model[0])
+    fully_shard(model)
+    state = model._get_fsdp_state()   # the root's unit holds model[1]: the one the check looks at
+    objects = {"state": state, "group": state._fsdp_param_groups[0]}
+    delattr(objects[owner], name)   # what another torch lacks on every unit
+    try:
+        apply_zeropp(model, 1)
+    except PluginError as e:
+        return str(e)
+    return None
+
+
+def test_another_torch_without_a_listed_attribute_is_refused_in_one_line():
+    for owner, name, label in (("state", "_states_to_forward_prefetch", "FSDPState._states_to_forward_prefetch"),
+                               ("group", "reduce_scatter_unused_params",
+                                "FSDPParamGroup.reduce_scatter_unused_params")):
+        message = run_distributed(_refused_without, 1, args=(owner, name))[0]
+        assert message is not None and label in message and "\n" not in message, message
+        assert f"checked against torch {tp.CHECKED_TORCH}" in message, message
