@@ -33,7 +33,9 @@ what each column means there):
 - streaming DiLoCo (zeropp/diloco.py), 2 groups on 2 nodes x 2 (ZeRO-3 inside) and on 4 nodes
   x 1 (qwZ + qgZ inside), a row per outer setting (exact or INT4, merged at once or a step
   late): overflow and nan (one group skips, the other goes on), resume, reshard (into one
-  group and back), toggle (other outer settings);
+  group and back), toggle (other outer settings), an fp16 resume with groups whose loss scales
+  differ, a non-finite fragment in one group; and through train.py (bench/diloco_job.py): a
+  SIGTERM to one group, a loss diverging in one group first, an export of a run shorter than H;
 - FSDP2 + the ZeRO++ plug-in (zeropp/fsdp_engine.py), a row per switch combination FSDP2
   accepts on 2 nodes x 2: overflow, nan, resume, engine (its checkpoint into the engine's
   ZeRO-3 and back).
@@ -44,9 +46,12 @@ import json
 import os
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
+from bench.diloco_job import FAULTS as JOB_FAULTS
+from bench.diloco_job import demo_flags, run_cells
 from bench.fault_cells import (FAULTS, SHORT, SWITCH_VALUES, accepted, check_auto, check_load_elsewhere,
                                check_resume, check_skip, name, run_cell)
 from bench.fault_modes import (DILOCO_FAULTS, DILOCO_LAYOUTS, FSDP2_FAULTS, outer_settings, quick_settings, run_diloco,
@@ -179,6 +184,11 @@ def modes(quick_share: bool) -> dict:
         seconds = sum(c["seconds"] for row in table.values() for c in row.values())
         print_table(f"streaming DiLoCo, 4 ranks as {layout} in 2 groups of {nodes} node(s), {name(inner)} inside: "
                     f"{len(table)} outer settings ({seconds:.0f} s)", table, DILOCO_FAULTS)
+    with tempfile.TemporaryDirectory() as tmp:   # train.py under torchrun, as a user runs it
+        start = time.perf_counter()
+        out["diloco"]["train.py 2x2"] = table = {"H 4, exact": run_cells(demo_flags, Path(tmp))}
+    print_table(f"streaming DiLoCo through train.py, 4 ranks as 2 groups of a 2-rank node: a fault in one group "
+                f"({time.perf_counter() - start:.0f} s)", table, JOB_FAULTS)
     combos = combinations(4, 2, "fsdp2")
     combos = quick(combos) if quick_share else combos
     start = time.perf_counter()

@@ -303,7 +303,7 @@ def test_export_consolidated_without_process_group(saved_4_ranks_stage3):
 def test_export_hf_gives_the_same_logits(saved_4_ranks_stage3, tmp_path, max_shard):
     transformers = pytest.importorskip("transformers")
     path, (weights, _) = saved_4_ranks_stage3
-    files = export_hf(path, str(tmp_path / "hf"), max_shard_bytes=max_shard)
+    files, _ = export_hf(path, str(tmp_path / "hf"), max_shard_bytes=max_shard)
     assert (len(files) > 1) == (max_shard < 1 << 30)
     hf = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf")).eval()
     ours = GPT(GPTConfig(**CFG)).eval()

@@ -86,6 +86,7 @@ def scenarios(rank, world, tmp):
     out["delayed_resume"] = delayed_resume(rank, world, tmp)
     out["nonfinite_runs"] = nonfinite_runs(rank, world)
     out["fp16_resume"] = fp16_resume(rank, world, tmp)
+    out["final_runs"] = final_runs(rank, world, tmp)
     return out
 
 
@@ -271,6 +272,49 @@ def test_a_non_finite_fragment_skips_one_outer_step_and_the_bad_group_takes_the_
         assert said == (rank < 2) and (reseeded or rank >= 2)
         assert steps == 1 and not later   # the next exchange is every group's again
         assert torch.equal(glob, results[rank ^ 2][-1])   # the same global values in both groups
+
+
+# -- the end of training -----------------------------------------------------------------------------
+
+def final_runs(rank, world, tmp):
+    """Three steps with H = 100 (no exchange yet), saved; then the final synchronization."""
+    from training.checkpoint import save_checkpoint
+    engine, sync, _ = diloco(topology_from_env(2), 1, OuterSettings(100, fragments=2, quantization="int4"))
+    train(engine, batches(3, world), rank)
+    meta = {"model_config": {}, "param_shapes": {n: list(p.shape) for n, p in engine.module.named_parameters()}}
+    save_checkpoint(f"{tmp}/before_final", 3, engine, 0, meta)
+    before = [sync.local(f) for f in range(2)]
+    sync.final_sync()
+    return (before, [sync.local(f) for f in range(2)], [g.clone() for g in sync.glob],
+            [bool(e.eq(0).all()) for e in sync.err], engine.module_state_dict())
+
+
+def test_the_final_synchronization_is_the_exact_mean_and_the_export_of_a_running_job_gives_it(runs):
+    from tools.export_checkpoint import consolidated_state_dict
+    results = runs["final_runs"]
+    for rank, (before, after, glob, error_zero, trained) in enumerate(results):
+        peer = results[rank ^ 2][0]   # the same shard in the other group
+        for f in range(2):
+            mean = (before[f] + peer[f]) / 2
+            assert not torch.equal(before[f], peer[f])        # the groups trained apart
+            assert torch.equal(after[f], mean) and torch.equal(glob[f], mean), (rank, f)
+        assert error_zero == [True, True]                     # nothing of the drift is left unsent
+        assert all(torch.equal(v, results[rank ^ 2][-1][k]) for k, v in trained.items())   # one model
+    exported, meta = consolidated_state_dict(runs["tmp"] + "/before_final", average_groups=True)
+    assert meta["groups"] == 2
+    assert all(torch.equal(exported[k], v) for k, v in results[0][-1].items())
+    initial, _ = consolidated_state_dict(runs["tmp"] + "/before_final")   # the global parameters: no exchange yet
+    assert any(not torch.equal(initial[k], v) for k, v in exported.items())
+
+
+def test_average_groups_of_a_one_group_checkpoint_is_one_line(runs, capsys):
+    from tools.export_checkpoint import main
+    with pytest.raises(SystemExit) as stop:
+        main(["--load", runs["tmp"] + "/plain", "--format", "torch", "--output", runs["tmp"] + "/x.pt",
+              "--average-groups"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1, err
+    assert "--average-groups: " in err and "was saved by one group (no --outer-sync-interval); drop it" in err
 
 
 # -- streaming ---------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+from bench.diloco_job import child_pids
 from tests.test_train import corpus, flags  # noqa: F401  (corpus is a fixture)
 from tools.export_checkpoint import consolidated_state_dict
 from training.checkpoint_files import complete_iterations, latest_iteration
@@ -107,20 +108,6 @@ def test_sigint_single_process_exits_0(corpus, tmp_path):  # noqa: F811
     assert latest_iteration(str(tmp_path / "ckpt")) >= 1
 
 
-def _children(pid: int) -> list[int]:
-    kids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            if ppid == pid:
-                kids.append(int(entry))
-    return kids
-
-
 @pytest.mark.slow
 def test_rank_crash_restarts_and_resumes(corpus, tmp_path):  # noqa: F811
     """kill -9 of one rank after the first checkpoint: torchrun --max-restarts 1 restarts the job, which
@@ -139,7 +126,7 @@ def test_rank_crash_restarts_and_resumes(corpus, tmp_path):  # noqa: F811
                                          TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"))
     try:
         assert wait_for(lambda: (latest_iteration(str(save)) or 0) >= interval), log.read_text()
-        workers = [p for p in _children(proc.pid) if "train.py" in open(f"/proc/{p}/cmdline").read()]
+        workers = [p for p in child_pids(proc.pid) if "train.py" in open(f"/proc/{p}/cmdline").read()]
         assert workers, "no worker processes found"
         killed_at = latest_iteration(str(save))
         os.kill(workers[-1], signal.SIGKILL)

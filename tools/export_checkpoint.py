@@ -44,21 +44,33 @@ def open_checkpoint(load: str) -> tuple[str, dict]:
     return path, read_meta(path)
 
 
-def model_tensors(path: str, meta: dict, dtype: torch.dtype = torch.float32):
-    """(name, tensor) for every model weight, one at a time, in the model's shapes."""
+def model_tensors(path: str, meta: dict, dtype: torch.dtype = torch.float32, average_groups: bool = False):
+    """(name, tensor) for every model weight, one at a time, in the model's shapes. Saved by
+    several groups (zeropp/diloco.py): the global parameters they share (what training
+    validated), or with `average_groups` the mean of the groups' own parameters, which hold their
+    steps since each fragment's last exchange (what the final synchronization makes of them)."""
+    groups = meta.get("groups", 1)
+    if average_groups and groups == 1:   # before anything is read or written
+        raise ConfigError(f"--average-groups: {path} was saved by one group (no --outer-sync-interval); drop it")
+    return _read(path, meta, dtype, GLOBAL if groups > 1 and not average_groups else "model.",
+                 groups if average_groups else 1)
+
+
+def _read(path: str, meta: dict, dtype: torch.dtype, prefix: str, copies: int):
+    """`copies`: the groups' own values saved end to end (zeropp/collectives/partition.py as_dcp), averaged."""
     reader = dcp.FileSystemReader(path)
-    prefix = GLOBAL if meta.get("groups", 1) > 1 else "model."   # several groups: the parameters they share
     for name, shape in meta["param_shapes"].items():
-        flat = torch.empty(torch.Size(shape).numel(), dtype=torch.float32)
+        flat = torch.empty(copies * torch.Size(shape).numel(), dtype=torch.float32)
         with single_process_quiet():
             dcp.load({prefix + name: flat}, storage_reader=reader, no_dist=True)
-        yield name, flat.view(shape).to(dtype)
+        yield name, flat.view(copies, -1).mean(0).view(shape).to(dtype)
 
 
-def consolidated_state_dict(load: str, dtype: torch.dtype = torch.float32) -> tuple[dict, dict]:
+def consolidated_state_dict(load: str, dtype: torch.dtype = torch.float32,
+                            average_groups: bool = False) -> tuple[dict, dict]:
     """The whole model state dict (on CPU) and the checkpoint's meta."""
     path, meta = open_checkpoint(load)
-    return dict(model_tensors(path, meta, dtype)), meta
+    return dict(model_tensors(path, meta, dtype, average_groups)), meta
 
 
 def checkpoint_tokenizer(meta: dict, checkpoint: str):
@@ -110,9 +122,11 @@ def hf_name(name: str) -> tuple[str, bool]:
     return f"transformer.h.{layer}.{table[module]}.{kind}", kind == "weight" and module not in ("ln1", "ln2")
 
 
-def export_hf(load: str, output: str, dtype: torch.dtype = torch.float32, max_shard_bytes: int = 5 * 2**30):
+def export_hf(load: str, output: str, dtype: torch.dtype = torch.float32, max_shard_bytes: int = 5 * 2**30,
+              average_groups: bool = False):
     from safetensors.torch import save_file
     path, meta = open_checkpoint(load)
+    tensors = model_tensors(path, meta, dtype, average_groups)
     os.makedirs(output, exist_ok=True)
     itemsize = torch.tensor([], dtype=dtype).element_size()
     # Shards planned from the shapes, so file names are known before any tensor is read.
@@ -128,7 +142,7 @@ def export_hf(load: str, output: str, dtype: torch.dtype = torch.float32, max_sh
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     shard_of = {name: i for i, names in enumerate(shards) for name in names}
     weight_map, current, index = {}, {}, 0
-    for name, tensor in model_tensors(path, meta, dtype):
+    for name, tensor in tensors:
         if shard_of[name] != index:
             save_file(current, os.path.join(output, files[index]), metadata={"format": "pt"})
             current, index = {}, shard_of[name]
@@ -144,7 +158,7 @@ def export_hf(load: str, output: str, dtype: torch.dtype = torch.float32, max_sh
     config = hf_config(meta["model_config"], eod)
     config.torch_dtype = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype]
     config.save_pretrained(output)
-    return files
+    return files, meta
 
 
 def _export_tokenizer(meta: dict, output: str, checkpoint: str) -> int | None:
@@ -171,6 +185,10 @@ def main(argv=None):
     p.add_argument("--output", required=True, help="a file (torch) or a directory (hf)")
     p.add_argument("--dtype", choices=list(DTYPES), default="fp32")
     p.add_argument("--max-shard-size", default="5", help="GiB per safetensors file (hf)")
+    p.add_argument("--average-groups", action="store_true",
+                   help="a checkpoint of several groups (--outer-sync-interval) saved before the end of training: "
+                        "export the mean of the groups' own parameters (what the final synchronization gives) "
+                        "instead of the global parameters of their last exchanges (what training validated)")
     try:
         args = p.parse_args(argv)
         shard_gib = parse_number(args.max_shard_size, "--max-shard-size")
@@ -178,15 +196,21 @@ def main(argv=None):
             raise ConfigError(f"--max-shard-size must be > 0 (GiB per safetensors file), got {args.max_shard_size}")
         check_output(args.output, args.format)
         if args.format == "torch":
-            sd, meta = consolidated_state_dict(args.load, DTYPES[args.dtype])
+            sd, meta = consolidated_state_dict(args.load, DTYPES[args.dtype], args.average_groups)
             try:
                 torch.save(sd, args.output)
             except RuntimeError as e:   # torch.save's own write errors (a full disk) are not OSErrors
                 raise OSError(str(e).splitlines()[0]) from None
             print(f"> wrote {len(sd)} tensors of iteration {meta['iteration']} to {args.output}")
         else:
-            files = export_hf(args.load, args.output, DTYPES[args.dtype], max(1, int(shard_gib * 2**30)))
+            files, meta = export_hf(args.load, args.output, DTYPES[args.dtype], max(1, int(shard_gib * 2**30)),
+                              args.average_groups)
             print(f"> wrote a GPT2LMHeadModel to {args.output} ({len(files)} safetensors file(s))")
+        if meta.get("groups", 1) > 1:
+            print(f"> saved by {meta['groups']} groups: " + (
+                "the mean of the groups' own parameters" if args.average_groups else
+                "their global parameters (at the end of training, after the final synchronization, every group's; "
+                "before it, those of each fragment's last exchange: --average-groups takes the groups' mean)"))
     except (CheckpointError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -110,14 +110,16 @@ def outer_sync(engine):
 
 
 def final_sync(engine) -> bool:
-    """The end of training: every fragment synchronized, so the global parameters a checkpoint
-    exports hold the last inner steps of every group (collective over the job). False when off."""
+    """The end of training: every fragment averaged over the groups, so the global parameters a
+    checkpoint exports hold the last inner steps of every group (collective over the job). False
+    when off."""
     sync = outer_sync(engine)
     if sync is None:
         return False
     note = sync.final_sync()
     print_rank0(f"> outer synchronization: final exchange of all {sync.s.fragments} fragment(s) after iteration "
-                f"{sync.steps}; every group now holds the global parameters" + (f" ({note})" if note else ""))
+                f"{sync.steps}: every group now holds the global parameters, the groups' exact mean"
+                + (f" ({note})" if note else ""))
     return True
 
 

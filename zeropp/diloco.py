@@ -25,8 +25,9 @@ waited for at once and the local fragment becomes the global one.
 
 A non-finite outer gradient skips that exchange's outer step in every group (their global
 copies stay equal); the group whose own copy is not finite takes the global values, so the
-fragment's next exchange is every group's again. The end of training exchanges every fragment
-once more (`final_sync`): the global parameters, which an export takes, hold the last steps.
+fragment's next exchange is every group's again. The end of training averages every fragment
+over the groups once more, exactly (`final_sync`): the global parameters, which an export
+takes, are the groups' trained model.
 
 An exchange in flight at a checkpoint is completed and its outer step taken (the global
 values, the momentum and the error are saved as they will be), while the masters, which the
@@ -209,17 +210,29 @@ class OuterSync:
         return None
 
     def final_sync(self) -> str | None:
-        """The end of training: the exchanges in flight merged now, then every fragment exchanged
-        and stepped at once and the masters set to the new global values, so the global
-        parameters (what a checkpoint exports) hold every group's last steps."""
+        """The end of training: the exchanges in flight merged now, then every fragment averaged
+        over the groups exactly (fp32, once: no quantization, no outer step) and the masters and
+        the global values set to the mean, so the global parameters (what a checkpoint exports)
+        are every group's trained model. What `tools/export_checkpoint.py --average-groups`
+        computes from a checkpoint saved before the end."""
         notes = [self._merge(x) for x in self.pending]
         self.pending = []
         for f in range(self.s.fragments):
-            x = self._issue(f)
-            self._outer_step(x)
-            notes.append(x.note)
-            if not x.note or x.reseed:
-                self._set_masters(f, 0.0, self.glob[f])
+            local, g = self.local(f), self.glob[f]
+            mean = local.clone()
+            if self.cross.size > 1:
+                self.comm.all_reduce(mean, group=self.cross.group, phase=PHASE)
+                mean.div_(self.cross.size)
+            finite, reseed, _ = self._group_check(g - mean, g - local)
+            if finite:
+                g.copy_(mean)
+                if self.err is not None:   # nothing of the groups' drift is left unsent
+                    self.err[f].zero_()
+            else:
+                notes.append(f"final synchronization of fragment {f} skipped: a group's values are not finite"
+                             + (f"; group {self.cross.rank} takes the global values" if reseed else ""))
+            if finite or reseed:
+                self._set_masters(f, 0.0, g)
         self.engine.masters_changed()
         return "; ".join(n for n in notes if n) or None
 
