@@ -32,7 +32,7 @@ def format_outer_plan(args) -> str:
     base = plan_config(job, zero if label(zero) == "ZeRO-3" else companion(zero, rpn), trace, cluster)
 
     settings = OuterSettings(args.outer_sync_interval, args.outer_lr, args.outer_momentum, args.outer_fragments,
-                             args.outer_quantization, args.outer_sync_delay)
+                             args.outer_quantization, args.outer_sync_delay, topk_fraction=args.outer_topk_fraction)
     shards = shard_layout(trace, group_job.world, 0, mine.zero.stage, mine.zero.stage3_param_persistence_threshold,
                           mine.zero.zero_hpz_partition_size)
     c = exchange_per_step(sum(s.valid for s in shards), settings)

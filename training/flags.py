@@ -61,6 +61,7 @@ _positive = ranged(real, "> 0", lambda v: v > 0)
 _non_negative = ranged(real, ">= 0", lambda v: v >= 0)
 _below_one = ranged(real, "in [0, 1)", lambda v: 0 <= v < 1)       # dropout, betas, momentum
 _fraction = ranged(real, "in [0, 1]", lambda v: 0 <= v <= 1)
+_topk_fraction = ranged(real, "in (0, 0.1]", lambda v: 0 < v <= 0.1)
 _power_of_two = ranged(real, "a power of two (e.g. 65536)", lambda v: v > 0 and math.log2(v).is_integer())
 def _zeropp_mode(text) -> str:
     if text != "auto":
@@ -276,8 +277,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--outer-momentum", type=_below_one, default=0.9, help="Nesterov")
     g.add_argument("--outer-fragments", type=_int, default=1,
                    help="exchange each rank's shard in this many equal parts, at staggered steps")
-    g.add_argument("--outer-quantization", choices=["none", "int4"], default="none",
-                   help="int4: outer gradients in INT4 blocks with error feedback")
+    g.add_argument("--outer-quantization", choices=["none", "int4", "topk2"], default="none",
+                   help="int4: outer gradients in INT4 blocks with error feedback; topk2: the largest of each "
+                        "chunk of 2048 in 2 bits with their indices, the rest carried by error feedback")
+    g.add_argument("--outer-topk-fraction", type=_topk_fraction, default=0.02, metavar="F",
+                   help="topk2: the share of each chunk sent (SparseLoCo sends 1-3%%)")
     g.add_argument("--outer-sync-delay", type=_count, default=1, metavar="TAU",
                    help="inner steps an exchange overlaps before it is merged (below H; 0: wait for it at once)")
     g.add_argument("--outer-merge-alpha", type=_below_one, default=0.5, metavar="ALPHA",

@@ -14,7 +14,7 @@ from zeropp.collectives.partition import Partition
 from zeropp.diloco import KEY, PHASE, OuterSettings, attach, with_global_weights
 
 OUTER_FLAGS = ("outer_lr", "outer_momentum", "outer_fragments", "outer_quantization", "outer_sync_delay",
-               "outer_merge_alpha", "group_size")
+               "outer_merge_alpha", "group_size", "outer_topk_fraction")
 
 
 def check_outer_args(args, flag):
@@ -26,6 +26,9 @@ def check_outer_args(args, flag):
                               f"--outer-sync-interval H (e.g. 64) or drop it")
         return
     H = flag(args, "outer_sync_interval", args.outer_sync_interval)
+    if args.outer_quantization != "topk2" and "outer_topk_fraction" in args.explicit:
+        raise ConfigError(f"{flag(args, 'outer_topk_fraction', args.outer_topk_fraction)} has no effect without "
+                          f"--outer-quantization topk2; add it or drop the fraction")
     if getattr(args, "sharding", "zero") != "zero":   # the outer loop steps this application's fp32 masters
         raise ConfigError(f"{H} runs this application's engine in each group; drop --sharding {args.sharding}")
     stage = args.ds_config.zero_optimization.stage
@@ -77,11 +80,14 @@ def attach_outer(args, engine):
     group = engine.comm.topology
     cross = Partition(group=group.across_group, size=group.groups, rank=group.offset // group.world_size)
     settings = OuterSettings(args.outer_sync_interval, args.outer_lr, args.outer_momentum, args.outer_fragments,
-                             args.outer_quantization, args.outer_sync_delay, args.outer_merge_alpha)
+                             args.outer_quantization, args.outer_sync_delay, args.outer_merge_alpha,
+                             topk_fraction=args.outer_topk_fraction)
     print_rank0(f"> outer synchronization: {group.groups} groups of {group.num_nodes} node(s) x "
                 f"{group.ranks_per_node} ranks, each its own engine; every {settings.interval} inner steps in "
                 f"{settings.fragments} fragment(s), outer lr {settings.lr}, Nesterov momentum {settings.momentum}, "
-                f"{settings.quantization} outer gradients, merged {settings.delay} inner step(s) after issue"
+                f"{settings.quantization} outer gradients"
+                + (f" (top {settings.topk_fraction:g} of each chunk)" if settings.quantization == "topk2" else "")
+                + f", merged {settings.delay} inner step(s) after issue"
                 + (f" keeping {settings.merge_alpha:g} of the local values" if settings.delay else ""))
     if args.train_iters is not None and settings.interval >= args.train_iters:   # (the benches build no schedule)
         print_rank0(f"> note: --outer-sync-interval {settings.interval} >= --train-iters {args.train_iters}: the "

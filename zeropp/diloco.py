@@ -13,6 +13,9 @@ exactly the mean of the locals (one group: exactly its own, bit for bit). Exact 
 an all-reduce of the locals. INT4 (`quantization="int4"`): each rank sends its own D_i plus
 its error e_i, block-quantized by zeropp/kernels/quant.py, all-gathered, dequantized and
 averaged; e_i <- (D_i + e_i) - Q(D_i + e_i), committed only when the outer step is applied.
+Top-k (`quantization="topk2"`): the same, with Q the sparse 2-bit code of zeropp/kernels/sparse.py
+(per chunk of 2048 elements the `topk_fraction` largest in magnitude, 2 bits each, compact
+indices): what a group drops stays in its error until it is sent.
 
 Streaming (arXiv 2501.18512): each rank's shard is cut into F fragments of equal bytes (the
 paper cuts by layers, strided; a cut by bytes keeps the largest exchange, which the link
@@ -48,6 +51,7 @@ from zeropp.collectives.protocols import MemoryLine, PlannedCollective
 from zeropp.config import ConfigError
 from zeropp.diloco_fragments import FragmentLayout, fragment_bounds
 from zeropp.kernels.format import DEFAULT_BLOCK_SIZE, Quantized, wire_nbytes
+from zeropp.kernels import sparse
 from zeropp.kernels.quant import dequantize, dequantize_reduce, quantize
 
 KEY = "outer_sync"
@@ -63,10 +67,18 @@ class OuterSettings:
     lr: float = 0.7
     momentum: float = 0.9         # Nesterov
     fragments: int = 1
-    quantization: str = "none"    # or "int4"
+    quantization: str = "none"    # or "int4", "topk2"
     delay: int = 1                # inner steps between issuing an exchange and merging it (< H)
     merge_alpha: float = 0.5      # the share of the local values a delayed merge keeps
     block_size: int = DEFAULT_BLOCK_SIZE[4]
+    topk_fraction: float = 0.02   # topk2: the share of each chunk sent
+
+
+def outer_wire_nbytes(numel: int, s: OuterSettings) -> int:
+    """Bytes a rank sends for `numel` elements of outer gradient, quantized (int4, topk2)."""
+    if s.quantization == "topk2":
+        return sparse.wire_nbytes(numel, s.topk_fraction)
+    return wire_nbytes(numel, 4, s.block_size)
 
 
 def exchange_per_step(owned: int, s: OuterSettings) -> PlannedCollective:
@@ -74,7 +86,7 @@ def exchange_per_step(owned: int, s: OuterSettings) -> PlannedCollective:
     `owned` master elements: every fragment once in H steps, so the whole shard / H (rounded down)."""
     if s.quantization == "none":
         return PlannedCollective(PHASE, "all_reduce", "outer", owned * 4 // s.interval)
-    return PlannedCollective(PHASE, "all_gather", "outer", wire_nbytes(owned, 4, s.block_size) // s.interval,
+    return PlannedCollective(PHASE, "all_gather", "outer", outer_wire_nbytes(owned, s) // s.interval,
                              owned // s.interval, 4)
 
 
@@ -83,7 +95,7 @@ class Exchange:
     fragment: int
     merge_at: int                 # the inner step after which it is merged into the masters
     work: object = None           # parallel.comm.Work; None once the outer step is taken
-    buf: torch.Tensor | None = None     # exact: the summed locals; int4: the gathered wire rows
+    buf: torch.Tensor | None = None     # exact: the summed locals; int4, topk2: the gathered wire rows
     mine: torch.Tensor | None = None    # my outer gradient g - l_i (the drift from the mean)
     error: torch.Tensor | None = None   # int4: the error this exchange leaves
     stepped: bool = False         # the outer step is taken: the global values are the new ones
@@ -100,7 +112,7 @@ def in_flight_bound(numels: list[int], s: OuterSettings, groups: int) -> int:
     """The most bytes of exchanges in flight at once (`Exchange.nbytes`), for fragments of `numels`
     master elements: those issued in the last max(delay, 1) inner steps, at the worst step."""
     def held(n):   # my outer gradient and (exact) my locals to sum or (int4) the error and the wires
-        return 8 * n + (0 if s.quantization == "none" else (groups + 1) * wire_nbytes(n, 4, s.block_size))
+        return 8 * n + (0 if s.quantization == "none" else (groups + 1) * outer_wire_nbytes(n, s))
     window, H, F = max(s.delay, 1), s.interval, s.fragments
     return max(sum(held(n) for f, n in enumerate(numels) if (step - f * H // F) % H < window) for step in range(H))
 
@@ -117,7 +129,7 @@ class OuterSync:
         self.flat = {"global": torch.cat([self.local(f) for f in range(settings.fragments)])}
         if settings.momentum:
             self.flat["momentum"] = torch.zeros_like(self.flat["global"])
-        if settings.quantization == "int4":
+        if settings.quantization != "none":
             self.flat["error"] = torch.zeros_like(self.flat["global"])
         self.glob, self.mom, self.err = (self.layout.views(self.flat.get(k)) for k in ("global", "momentum", "error"))
         self.steps = self.outer_steps = 0
@@ -155,14 +167,18 @@ class OuterSync:
             x.buf = local
             return x
         send = mine + self.err[f]
-        q = quantize(send, 4, self.s.block_size)
-        wire = q.to_bytes()
+        if self.s.quantization == "topk2":
+            q = sparse.encode(send, self.s.topk_fraction)
+            wire, sent = q.to_bytes(), sparse.decode(q)
+        else:
+            q = quantize(send, 4, self.s.block_size)
+            wire, sent = q.to_bytes(), None
         x.buf, x.wire = torch.empty(self.cross.size, wire.numel(), dtype=torch.uint8, device=wire.device), wire
         if alone:
             x.buf.copy_(wire.view(1, -1))
         x.work = Work() if alone else self.comm.all_gather(x.buf.view(-1), wire, group=self.cross.group,
                                                            async_op=True, phase=PHASE)
-        x.error = send.sub_(dequantize(q))
+        x.error = send.sub_(dequantize(q) if sent is None else sent)
         return x
 
     def _outer_step(self, x: Exchange):
@@ -174,6 +190,10 @@ class OuterSync:
         if x.error is None:
             mean = x.buf.div_(n) if n > 1 else x.buf
             outer = g - mean
+        elif self.s.quantization == "topk2":
+            parts = sparse.SparseTopK.from_bytes(x.buf, g.numel(), self.s.topk_fraction)
+            outer = sparse.decode_reduce(parts, 1.0 / n)
+            mean = g - outer
         else:
             parts = Quantized.from_bytes(x.buf, g.numel(), 4, self.s.block_size)
             outer = dequantize_reduce(parts, torch.float32, 1.0 / n)
@@ -264,7 +284,8 @@ class OuterSync:
 
     def _layout(self) -> list:
         """What the saved outer state's shape and schedule depend on."""
-        return [self.s.interval, self.s.fragments, self.s.quantization, self.mom is not None, self.s.delay]
+        topk = [self.s.topk_fraction] if self.s.quantization == "topk2" else []   # what the error holds
+        return [self.s.interval, self.s.fragments, self.s.quantization, self.mom is not None, self.s.delay] + topk
 
     def carried(self, saved: dict | None) -> bool:
         return saved is not None and saved.get("groups") == self.cross.size and saved.get("settings") == self._layout()
