@@ -1,9 +1,72 @@
-"""Compiled CPU kernels for zeropp.kernels.sparse (placeholder until csrc/sparse_cpu.c lands)."""
+"""Compiled CPU kernels for zeropp.kernels.sparse (top-k 2-bit; same results bit for bit as its
+torch reference), built and cached by zeropp.kernels.cache as cpu_quant.py builds quant_cpu.c:
+one pass per chunk in L1 (a quickselect of the k-th key, then one ascending scan) instead of
+the reference's sort of every chunk. No compiler, or a failed build: `available()` is False and
+zeropp.kernels.sparse uses the torch path."""
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+from pathlib import Path
+
+import torch
+
+from zeropp.kernels import cache
+from zeropp.kernels.cpu_quant import _FLAGS
+
+_SOURCE = Path(__file__).with_name("csrc") / "sparse_cpu.c"
+_LIB = None          # ctypes library, False once a build failed
+_WHY_NOT = ""
+
+
+def _load():
+    global _WHY_NOT
+    try:   # a ConfigError (a cache others can write) propagates, as in cpu_quant
+        lib = cache.load("sparse_cpu", _SOURCE, _FLAGS, os.environ.get("CC", "cc"), libs=["-lm"])
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        _WHY_NOT = f"the CPU top-k kernels could not be built ({e})"
+        return False
+    i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+    lib.zs_encode.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr]
+    lib.zs_decode_reduce.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i32, f32, ptr]
+    lib.zs_max_chunk.restype = i32
+    return lib
 
 
 def available() -> bool:
-    return False
+    global _LIB
+    if _LIB is None:
+        _LIB = _load()
+    return _LIB is not False
 
 
 def why_not() -> str:
-    return "the CPU top-k kernels are not built"
+    return _WHY_NOT
+
+
+def _check_chunk(chunk: int):
+    if chunk > _LIB.zs_max_chunk():
+        raise ValueError(f"CPU top-k kernels take chunks of at most {_LIB.zs_max_chunk()} elements, got {chunk}")
+
+
+def encode(x: torch.Tensor, k: int, chunk: int):
+    from zeropp.kernels.sparse import SparseTopK, num_chunks
+    _check_chunk(chunk)
+    nc = num_chunks(x.numel(), chunk)
+    scales = torch.empty(nc, dtype=torch.float32)
+    index = torch.empty(nc, k, dtype=torch.int32)
+    codes = torch.empty(nc, k, dtype=torch.uint8)
+    _LIB.zs_encode(x.data_ptr(), x.numel(), chunk, k, scales.data_ptr(), index.data_ptr(), codes.data_ptr())
+    return SparseTopK(scales, index, codes, x.numel(), chunk)
+
+
+def decode_reduce(parts, factor, out: torch.Tensor) -> torch.Tensor:
+    """`parts` stacked: scales [p, nc], index and codes [p, nc, k]."""
+    _check_chunk(parts.chunk)
+    scales, index, codes = parts.scales.contiguous(), parts.index.contiguous(), parts.codes.contiguous()
+    nc, k = scales.shape[-1], parts.k
+    _LIB.zs_decode_reduce(scales.data_ptr(), nc, index.data_ptr(), codes.data_ptr(), nc * k, scales.shape[0],
+                          parts.numel, parts.chunk, k, int(factor is not None),
+                          1.0 if factor is None else factor, out.data_ptr())
+    return out
