@@ -305,7 +305,7 @@ class OuterSync:
         for state in (self.mom, self.err):
             for t in state or []:
                 t.zero_()
-        return "outer state (global parameters, outer momentum, INT4 error) reset: saved by another layout"
+        return "outer state (global parameters, outer momentum, error feedback) reset: saved by another layout"
 
     def memory(self) -> MemoryLine:
         tensors = list(self.flat.values())

@@ -28,8 +28,9 @@ default fraction 0.02 (k = 41) that is 11 + 2 + 0.8 = 13.8 bits per kept value, 
 the fraction is resolved finely (1% is k = 20) and one outlier costs its chunk less.
 
 Error bound: for finite input, a kept element's decoded value is within ``scale`` (half the
-2-bit step ``2 scale``) of the original, ``|x - x'| <= M / 4``, exactly (the thresholds and
-levels are exact fp32 multiples of M by powers of two, for M above 4 x the smallest normal);
+2-bit step ``2 scale``) of the original, ``|x - x'| <= M / 4`` (exactly for the lower level and
+the threshold, fp32 multiples of M by powers of two for M above 4 x the smallest normal; the
+upper level ``3 scale`` is rounded once in fp32, which may add half an ulp of it);
 a dropped element decodes to 0, its whole value being the error that error feedback carries
 to the next exchange. An inf or NaN in a chunk makes its scale inf or NaN, so its kept values
 decode to non-finite values (the outer step sees it and skips).

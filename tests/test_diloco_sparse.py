@@ -1,0 +1,272 @@
+"""Sparse 2-bit top-k outer gradients for streaming DiLoCo (`--outer-quantization topk2`):
+
+- the kernels (zeropp/kernels/sparse.py's torch reference, C, Triton interpreted on CPU) agree bit
+  for bit, ties and non-finite values included; the wire is its stated size and round-trips;
+- the format's bound: exactly the k largest of each chunk kept, each within its chunk's scale
+  (half the 2-bit step), the rest decoded to 0;
+- on 4 gloo ranks as 2 groups x 2: the outer step is the mean of the decoded payloads the groups
+  sent, bit for bit; the error is what the code left, committed only when the step is applied,
+  and what was sent plus the error left is what there was to send; the bytes across groups are
+  the wire's; a resume is exact and another fraction resets the outer state;
+- bad input: one line, exit 2.
+"""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():   # before triton is imported (tests/test_quant.py)
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from planner.comm import rank_bytes  # noqa: E402
+from tests.distributed import run_distributed  # noqa: E402
+from tests.test_diloco import META, batches, diloco, train  # noqa: E402
+from parallel.topology import topology_from_env  # noqa: E402
+from zeropp.diloco import PHASE, OuterSettings, exchange_per_step, in_flight_bound  # noqa: E402
+from zeropp.kernels import cpu_sparse, quant, sparse  # noqa: E402
+from zeropp.kernels.sparse import SparseTopK, topk_count  # noqa: E402
+
+BACKENDS = ["cpu"] + (["triton"] if quant.triton_available() else [])
+
+
+def sample(n, seed=0):
+    """Gaussian with ties (equal magnitudes of both signs), a run of zeros and one large outlier."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g)
+    if n > 64:
+        x[3] = x[5] = 2.5
+        x[9] = -2.5
+        x[20:60] = 0.0
+        x[n // 2] = 40.0
+    return x
+
+
+def same(a: SparseTopK, b: SparseTopK):
+    assert torch.equal(a.index, b.index) and torch.equal(a.codes, b.codes)
+    assert torch.equal(a.scales.view(torch.int32), b.scales.view(torch.int32))
+
+
+CASES = [(1, 0.02), (70, 0.1), (2048, 0.02), (3001, 0.03), (5000, 0.001), (4097, 0.1)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("n, fraction", CASES)
+def test_kernels_agree_bit_for_bit(backend, n, fraction):
+    if backend == "cpu" and not cpu_sparse.available():
+        pytest.skip(cpu_sparse.why_not())
+    x = sample(n, n)
+    ref = sparse.encode(x, fraction, backend="torch")
+    same(sparse.encode(x, fraction, backend=backend), ref)
+    parts = SparseTopK.from_bytes(torch.stack([ref.to_bytes(), sparse.encode(3 * sample(n, 1), fraction).to_bytes(),
+                                               sparse.encode(-x, fraction).to_bytes()]), n, fraction)
+    for factor in (None, 1 / 3):
+        a = sparse.decode_reduce(parts, factor, backend="torch")
+        assert torch.equal(a.view(torch.int32), sparse.decode_reduce(parts, factor, backend=backend).view(torch.int32))
+
+
+@pytest.mark.parametrize("backend", ["torch"] + BACKENDS)
+def test_non_finite_chunks_decode_non_finite(backend):
+    if backend == "cpu" and not cpu_sparse.available():
+        pytest.skip(cpu_sparse.why_not())
+    x = sample(3 * 2048, 2)
+    x[100], x[2048 + 7] = float("nan"), float("-inf")
+    sp = sparse.encode(x, 0.02, backend=backend)
+    same(sp, sparse.encode(x, 0.02, backend="torch"))
+    assert sp.scales[0].isnan() and sp.scales[1].isinf() and sp.scales[2].isfinite()
+    assert 100 in sp.index[0].tolist() and 7 in sp.index[1].tolist()   # a NaN counts as an infinity
+    d = sparse.decode(sp, backend=backend)
+    assert not d[:2 * 2048].isfinite().all() and d[2 * 2048:].isfinite().all()
+
+
+@pytest.mark.parametrize("n, fraction", CASES)
+def test_the_k_largest_within_half_a_step_the_rest_zero(n, fraction):
+    x = sample(n, 7)
+    sp = sparse.encode(x, fraction)
+    d = sparse.decode(sp)
+    C, k = sparse.DEFAULT_CHUNK, topk_count(fraction)
+    assert sp.k == k and sp.to_bytes().numel() == sparse.wire_nbytes(n, fraction)
+    back = SparseTopK.from_bytes(sp.to_bytes(), n, fraction)
+    same(back, sp)
+    for c in range(sparse.num_chunks(n, C)):
+        xc, dc = x[c * C:(c + 1) * C], d[c * C:(c + 1) * C]
+        idx = sp.index[c].long()
+        assert (idx[1:] > idx[:-1]).all()                       # ascending, distinct
+        real = idx[idx < xc.numel()]
+        kept = torch.zeros(xc.numel(), dtype=torch.bool)
+        kept[real] = True
+        assert kept.sum() == min(k, xc.numel())
+        if (~kept).any():   # no dropped element is larger than a kept one; a tie goes to the lower index
+            assert xc[kept].abs().min() >= xc[~kept].abs().max()
+            t = xc[kept].abs().min()
+            tied = (xc.abs() == t).nonzero().view(-1)
+            assert kept[tied].tolist() == sorted(kept[tied].tolist(), reverse=True)
+        scale = xc.abs().max() / 4
+        assert sp.scales[c] == scale
+        upper = 3 * scale   # fp32: the upper level, rounded once
+        slack = (upper.double() - 3 * scale.double()).abs()
+        assert ((xc.double() - dc.double())[kept].abs() <= scale.double() + slack).all()   # half the step 2 scale
+        assert (dc[~kept] == 0).all()
+        assert ((dc[kept].abs() == scale) | (dc[kept].abs() == upper)).all()   # the two magnitudes
+
+
+def test_wire_bytes_per_kept_value():
+    # 2048 and 2%: 41 kept, 11-bit indices (57 bytes), 2-bit codes (11 bytes), a 4-byte scale
+    assert sparse.wire_nbytes(2048, 0.02) == 4 + 57 + 11 and sparse.wire_nbytes(2049, 0.02) == 2 * 72
+    assert sparse.wire_nbytes(10 ** 6, 0.02) < 10 ** 6 * 4 / 100   # under 1% of fp32
+
+
+# -- the outer step on 4 ranks as 2 groups x 2 -----------------------------------------------------
+
+FRACTION = 0.05
+
+
+def recorded(sync):
+    """What each exchange encoded (my outer gradient + my error) and the global values then."""
+    sent = []
+    issue = sync._issue
+
+    def hook(f):
+        sent.append((f, sync.glob[f].clone(), (sync.glob[f] - sync.local(f)).clone(), sync.err[f].clone()))
+        return issue(f)
+    sync._issue = hook
+    return sent
+
+
+def step_runs(rank, world, tmp):
+    from training.checkpoint import load_checkpoint, save_checkpoint
+    job = topology_from_env(2)
+    out = {}
+    # lr 1, no momentum, merged at once: the new global values are the mean of the decoded payloads
+    engine, sync, _ = diloco(job, 1, OuterSettings(2, lr=1.0, momentum=0.0, quantization="topk2", delay=0,
+                                                   topk_fraction=FRACTION))
+    sent, after = recorded(sync), []
+    train(engine, batches(4, world), rank, after_step=lambda: after.append((sync.glob[0].clone(), sync.err[0].clone())))
+    out["step"] = (sent, after, sync.cross.rank, sync.outer_steps)
+    # merged one step after issue: the error is committed then, not at the issue
+    engine, sync, _ = diloco(job, 1, OuterSettings(2, quantization="topk2", topk_fraction=FRACTION))
+    seen = []
+    train(engine, batches(3, world), rank,
+          after_step=lambda: seen.append((len(sync.pending), sync.err[0].abs().max().item(),
+                                          sync.pending[0].error.abs().max().item() if sync.pending else None)))
+    peaks = engine.peak_buffers()
+    owned = [g.numel() for g in sync.glob]
+    out["delayed"] = (seen, peaks["outer_exchange_peak"], peaks["outer_exchange_bound"], owned)
+    # the bytes across groups: 2 fragments, each exchanged twice in 8 steps
+    settings = OuterSettings(4, fragments=2, quantization="topk2", topk_fraction=FRACTION)
+    engine, sync, _ = diloco(job, 1, settings)
+    train(engine, batches(8, world), rank)
+    sync.drain()
+    out["bytes"] = (engine.comm.stats.by_phase[PHASE], [g.numel() for g in sync.glob], settings)
+    # resume: saved with an exchange in flight, the error per group
+    data = batches(6, world)
+    engine, sync, _ = diloco(job, 1, settings)
+    full_sync = sync
+    train(engine, data[:3], rank)
+    meta = {"model_config": {}, "param_shapes": {n: list(p.shape) for n, p in engine.module.named_parameters()}}
+    save_checkpoint(f"{tmp}/topk", 3, engine, 0, meta)
+    full = train(engine, data[3:], rank)
+    engine, again, _ = diloco(job, 1, settings)
+    load_checkpoint(f"{tmp}/topk", engine)
+    resumed = train(engine, data[3:], rank)
+    engine, other, _ = diloco(job, 1, OuterSettings(4, fragments=2, quantization="topk2", topk_fraction=0.03))
+    load_checkpoint(f"{tmp}/topk", engine)
+    out["resume"] = (full, resumed, full_sync.flat["error"].clone(), again.flat["error"].clone(),
+                     full_sync.outer_steps, again.outer_steps, other.steps, other.flat["error"].abs().max().item())
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("diloco_sparse"))
+    per_rank = run_distributed(step_runs, world_size=4, args=(tmp,), timeout=1800)
+    return {name: [r[name] for r in per_rank] for name in per_rank[0]}
+
+
+def test_the_outer_step_is_the_mean_of_the_decoded_payloads(runs):
+    results = runs["step"]
+    for rank, (sent, after, me, outer_steps) in enumerate(results):
+        peer = results[rank ^ 2][0]   # the same shard in the other group
+        assert outer_steps == 2 and len(sent) == 2
+        total_sent = torch.zeros_like(sent[0][2])
+        for i, step in enumerate((1, 3)):   # exchanges after inner steps 2 and 4
+            _, g, mine, err = sent[i]
+            assert torch.equal(err, torch.zeros_like(err) if i == 0 else after[1][1])   # the error fed back
+            payloads = [s[i][2] + s[i][3] for s in ((sent, peer) if me == 0 else (peer, sent))]
+            wires = torch.stack([sparse.encode(p, FRACTION, backend="torch").to_bytes() for p in payloads])
+            outer = sparse.decode_reduce(SparseTopK.from_bytes(wires, g.numel(), FRACTION), 0.5, backend="torch")
+            glob, left = after[step]
+            assert torch.equal(glob, g - outer)   # lr 1, no momentum: the mean of what the groups sent
+            mine_sent = sparse.decode(sparse.encode(mine + err, FRACTION))
+            assert torch.equal(left, (mine + err) - mine_sent)   # e <- (D + e) - decode(encode(D + e))
+            assert left.abs().max() > 0
+            total_sent += mine_sent
+        # what was sent plus the error left is the sum of the outer gradients (fp32 round-off)
+        want = sent[0][2] + sent[1][2]
+        assert torch.allclose(total_sent + after[3][1], want, rtol=0, atol=1e-6 * (1 + want.abs().max().item()))
+
+
+def test_the_error_is_committed_when_the_step_is_applied(runs):
+    for seen, peak, bound, owned in runs["delayed"]:
+        (p1, e1, _), (p2, e2, pending), (p3, e3, _) = seen
+        assert (p1, p2, p3) == (0, 1, 0)
+        assert e1 == e2 == 0 and pending > 0   # issued after step 2: its error held by the exchange
+        assert e3 == pending                   # merged after step 3: now the group's
+        assert 0 < peak <= bound == in_flight_bound(owned, OuterSettings(2, quantization="topk2",
+                                                                          topk_fraction=FRACTION), 2)
+
+
+def test_the_bytes_across_groups_are_the_wires(runs):
+    for rank, (sent, owned, settings) in enumerate(runs["bytes"]):
+        pair = (rank % 2, rank % 2 + 2)
+        wires = [sparse.wire_nbytes(n, FRACTION) for n in owned]
+        assert sent[0] == 0 and sent[1] == 2 * sum(sum(rank_bytes("all_gather", pair, rank, w, 2)) for w in wires)
+        plan = exchange_per_step(sum(owned), settings)   # the dry run's bytes per inner step (planner/outer.py)
+        assert plan.nbytes == sparse.wire_nbytes(sum(owned), FRACTION) // 4
+        # per fragment up to a chunk more than the whole shard's wire, and the rounding to whole steps
+        assert abs(8 * sum(rank_bytes(plan.op, pair, rank, plan.nbytes, 2)) - sent[1]) <= 2 * 2 * sparse.wire_nbytes(1, FRACTION) + 8
+
+
+def test_resume_is_exact_and_another_fraction_resets_the_outer_state(runs):
+    for full, resumed, err, err_again, steps, steps_again, other_steps, other_err in runs["resume"]:
+        for k, v in full.items():
+            assert torch.equal(resumed[k], v), k
+        assert torch.equal(err, err_again) and err.abs().max() > 0
+        assert steps == steps_again
+        assert other_steps == 0 and other_err == 0   # reset: saved by another layout
+
+
+# -- bad input ----------------------------------------------------------------------------------------
+
+from tests.test_cli_errors import corpus, fails, good   # noqa: E402,F401 (corpus: the fixture)
+
+OUTER = ("--zero-stage", "3", "--outer-sync-interval", "4")
+
+
+@pytest.mark.parametrize("extra, says", [
+    (OUTER + ("--outer-topk-fraction", "0.02"), "--outer-topk-fraction 0.02 has no effect without --outer-quantization topk2"),
+    (OUTER + ("--outer-quantization", "int4", "--outer-topk-fraction", "0.03"), "--outer-topk-fraction 0.03 has no"),
+    (OUTER + ("--outer-quantization", "topk2", "--outer-topk-fraction", "0.2"),
+     "--outer-topk-fraction: must be in (0, 0.1], got 0.2"),
+    (OUTER + ("--outer-quantization", "topk2", "--outer-topk-fraction", "0"),
+     "--outer-topk-fraction: must be in (0, 0.1], got 0"),
+    (("--zero-stage", "3", "--outer-topk-fraction", "0.02"), "--outer-topk-fraction has no effect without --outer-sync"),
+])
+def test_bad_topk_input(corpus, capsys, monkeypatch, extra, says):  # noqa: F811
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    fails(good(corpus, *extra), capsys, says)
+
+
+def test_dry_run_plans_the_topk_bytes(capsys):
+    import train
+    argv = ["--dry-run", "--cluster", "configs/clusters/v100_4x16_100gbps.yaml", "--num-layers", "4",
+            "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "256", "--micro-batch-size", "2",
+            "--lr", "1e-4", "--zero-stage", "3", "--outer-sync-interval", "16", "--outer-fragments", "2",
+            "--group-size", "2", "--outer-quantization"]
+    ratios = {}
+    for q in ("int4", "topk2"):
+        train.main(argv + [q])
+        out = capsys.readouterr().out
+        assert f"{q} outer gradients" in out
+        ratios[q] = float(out.split("(ratio ")[1].split(")")[0])
+    assert 0 < ratios["topk2"] < ratios["int4"] / 5   # 41 values of 13.8 bits per 2048 against 4.25 bits each
