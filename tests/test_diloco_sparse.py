@@ -146,8 +146,8 @@ def step_runs(rank, world, tmp):
     engine, sync, _ = diloco(job, 1, OuterSettings(2, quantization="topk2", topk_fraction=FRACTION))
     seen = []
     train(engine, batches(3, world), rank,
-          after_step=lambda: seen.append((len(sync.pending), sync.err[0].abs().max().item(),
-                                          sync.pending[0].error.abs().max().item() if sync.pending else None)))
+          after_step=lambda: seen.append((len(sync.pending), sync.err[0].clone(), sync.glob[0].clone(),
+                                          [(x.error.clone(), x.mine.clone()) for x in sync.pending])))
     peaks = engine.peak_buffers()
     owned = [g.numel() for g in sync.glob]
     out["delayed"] = (seen, peaks["outer_exchange_peak"], peaks["outer_exchange_bound"], owned)
@@ -207,10 +207,14 @@ def test_the_outer_step_is_the_mean_of_the_decoded_payloads(runs):
 
 def test_the_error_is_committed_when_the_step_is_applied(runs):
     for seen, peak, bound, owned in runs["delayed"]:
-        (p1, e1, _), (p2, e2, pending), (p3, e3, _) = seen
+        (p1, e1, _, _), (p2, e2, g2, [(error, mine)]), (p3, e3, g3, _) = seen
         assert (p1, p2, p3) == (0, 1, 0)
-        assert e1 == e2 == 0 and pending > 0   # issued after step 2: its error held by the exchange
-        assert e3 == pending                   # merged after step 3: now the group's
+        assert e1.abs().max() == e2.abs().max() == 0 and error.abs().max() > 0   # issued: held by the exchange
+        assert not torch.equal(g3, g2)
+        # merged after step 3, now the group's: less what the merge keeps of my local's distance from
+        # the new global values (0.5 of g3 - l, l = g2 - mine), which my next outer gradient sends again
+        assert torch.equal(e3, error.sub(g3.sub(g2).add_(mine), alpha=0.5))
+        assert not torch.equal(e3, error)
         assert 0 < peak <= bound == in_flight_bound(owned, OuterSettings(2, quantization="topk2",
                                                                           topk_fraction=FRACTION), 2)
 

@@ -15,7 +15,10 @@ its error e_i, block-quantized by zeropp/kernels/quant.py, all-gathered, dequant
 averaged; e_i <- (D_i + e_i) - Q(D_i + e_i), committed only when the outer step is applied.
 Top-k (`quantization="topk2"`): the same, with Q the sparse 2-bit code of zeropp/kernels/sparse.py
 (per chunk of 2048 elements the `topk_fraction` largest in magnitude, 2 bits each, compact
-indices): what a group drops stays in its error until it is sent.
+indices): what a group drops stays in its error until it is sent. A delayed merge keeps alpha of
+the local's distance from the new global values l - g', which the next outer gradient sends
+again, so top-k commits e_i - alpha (g' - l_i) (l_i the local at the issue): the unsent part is
+counted once (INT4, whose error is a rounding, keeps the plain rule).
 
 Streaming (arXiv 2501.18512): each rank's shard is cut into F fragments of equal bytes (the
 paper cuts by layers, strided; a cut by bytes keeps the largest exchange, which the link
@@ -209,6 +212,12 @@ class OuterSync:
             self.mom[f].mul_(self.s.momentum).add_(outer)
             new.add_(self.mom[f], alpha=-self.s.lr * self.s.momentum)
         if x.error is not None:
+            keep = self.s.merge_alpha if self.s.delay else 0.0
+            if keep and self.s.quantization == "topk2":
+                # The merge keeps `keep` of my local's distance from the new global values, which my
+                # next outer gradient sends again: the error must not (most of a sparse exchange is
+                # unsent, so counting it twice would double the step of every coordinate sent late).
+                x.error.sub_(new.sub(g).add_(x.mine), alpha=keep)
             self.err[f].copy_(x.error)
         g.copy_(new)
         x.mine = x.error = None
