@@ -56,9 +56,9 @@ def format_outer_plan(args) -> str:
              f"-- Outer synchronization: {groups} groups of {size} node(s) (the plan above is one group's; "
              f"{label(mine.zero)} inside), every {settings.interval} inner steps, {settings.fragments} fragment(s), "
              f"{settings.quantization} outer gradients, merged {settings.delay} inner step(s) after issue",
-             f"   across groups per inner step per GPU: {inter / 1e6:.3f} MB ({c.op} over {groups} ranks / H); "
+             f"   across groups per inner step per GPU: {inter / 1e6:.6f} MB ({c.op} over {groups} ranks / H); "
              f"ZeRO-3 over all {cluster.world_size} GPUs: {zero3_inter / 1e6:.1f} MB inter-node "
-             f"(ratio {inter / zero3_inter if zero3_inter else float('nan'):.4f})",
+             f"(ratio {inter / zero3_inter if zero3_inter else float('nan'):.4g})",
              f"   each fragment's exchange at {cluster.inter_node_gbps:g} Gbit/s per node"
              + (f" (burst {cluster.inter_node_burst_kib:g} KiB)" if cluster.inter_node_burst_kib else "")
              + f": {each} s; "
