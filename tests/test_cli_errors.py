@@ -115,6 +115,8 @@ class TestFlags:
         (["--zero-stage", "3", "--zero-quantized-gradients-bits", "2"],
          ["--zero-quantized-gradients-bits", "--zero-quantized-gradients"]),
         (["--zero-quantized-gradients-bits", "3"], ["--zero-quantized-gradients-bits"]),
+        (["--zero-stage", "3", "--zero-quantized-gradients", "--zero-quantized-gradients-bits", "2"],
+         ["--zero-quantized-gradients-bits", "without error feedback", "--zero-loco"]),
     ])
     def test_refused(self, corpus, capsys, extra, names):
         fails(good(corpus, *extra), capsys, *names)

@@ -336,6 +336,7 @@ def test_gradient_bits_key():
     ({"zero_quantized_gradients_bits": 2}, "set zero_quantized_gradients true"),
     ({"zero_quantized_gradients": "auto", "zero_quantized_gradients_bits": 2}, "set zero_quantized_gradients true"),
     ({**LOCO, "zero_quantized_gradients_bits": 2, "zero_quantized_gradients_block_size": 8}, ">= 16"),
+    ({**QGZ, "zero_quantized_gradients_bits": 2}, "without error feedback"),
 ])
 def test_gradient_bits_refused_in_one_line(zero, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")) as e:
@@ -352,6 +353,8 @@ def test_gradient_bits_flag(monkeypatch):
     assert zero.zero_quantized_gradients_bits == 2
     with pytest.raises(ConfigError, match="zero_quantized_gradients_bits"):
         parse_args(ARGS + ["--zero-stage", "3", "--zero-quantized-gradients-bits", "2"])
+    with pytest.raises(ConfigError, match="add zeropp_loco_param \\(--zero-loco\\)"):
+        parse_args(ARGS + ["--zero-stage", "3", "--zero-quantized-gradients", "--zero-quantized-gradients-bits", "2"])
 
 
 def int2_reductions(rank, world_size, local, steps):

@@ -167,6 +167,10 @@ class ZeroConfig:
             raise ConfigError(f"{key} (--zero-quantized-gradients-bits) {bits} sets the bits of qgZ's gradients "
                               f"across nodes: set zero_quantized_gradients true (--zero-quantized-gradients), "
                               f"got {self.zero_quantized_gradients!r}")
+        if self.zeropp_loco_param is None:   # measured: bench/results/convergence_int2_without_loco_1234.json
+            raise ConfigError(f"{key} (--zero-quantized-gradients-bits) 2 without error feedback does not train "
+                              f"as ZeRO-3 does (ternary gradients lose what they do not send): add "
+                              f"zeropp_loco_param (--zero-loco)")
         if self.zero_quantized_gradients_block_size < 16:   # a block's INT2 data: whole 4-byte words
             raise ConfigError(f"{key} (--zero-quantized-gradients-bits) 2 needs "
                               f"zero_quantized_gradients_block_size >= 16 (the scales stay 4-byte aligned on "
