@@ -180,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--zero-hpz-size", type=_int, default=None, help="zero_hpz_partition_size")
     g.add_argument("--zero-quantized-weights", action="store_true", default=None)
     g.add_argument("--zero-quantized-gradients", action="store_true", default=None)
+    g.add_argument("--zero-quantized-gradients-bits", type=whole, choices=[4, 2], default=None,
+                   help="bits of qgZ's gradients across nodes (zero_quantized_gradients_bits; default 4; "
+                        "needs --zero-quantized-gradients)")
     g.add_argument("--zero-loco", action="store_true", default=None,
                    help="qgZ with error feedback (zeropp_loco_param with err_beta 0.8, reset_T 1024)")
     g.add_argument("--zero-quantized-weight-deltas", action="store_true", default=None,

@@ -59,6 +59,7 @@ def plugin_switches(zero: ZeroConfig) -> dict:
                 hadamard=bool(zero.zero_hadamard_gradients),
                 weight_block_size=zero.zero_quantized_weights_block_size,
                 gradient_block_size=zero.zero_quantized_gradients_block_size,
+                gradient_bits=zero.zero_quantized_gradients_bits,
                 **({"loco_beta": loco.err_beta, "loco_reset_every": loco.reset_T} if loco else {}))
 
 
@@ -195,8 +196,14 @@ class FSDP2Engine(Engine):
         return notes
 
     def uncarried_state(self, saved_scalar_state: dict) -> list[str]:
-        return [k for key, part in self.zeropp.carried.items() if not part.carried(saved_scalar_state.get(key))
-                for k in part.checkpoint_state(self.world)]
+        out = []
+        for key, part in self.zeropp.carried.items():
+            saved = saved_scalar_state.get(key)
+            if not part.carried(saved):
+                out += list(part.checkpoint_state(self.world))
+            elif hasattr(part, "stage_load"):   # state saved in an older format: read as saved, converted
+                part.stage_load(saved)
+        return out
 
     # -- reports -------------------------------------------------------------------------------
     def summary(self) -> list[str]:

@@ -81,6 +81,9 @@ class ZeroConfig:
     # This product's keys (DeepSpeed fixes these): elements per fp32 scale (zeropp/kernels/quant.py).
     zero_quantized_weights_block_size: int = 256      # qwZ, INT8
     zero_quantized_gradients_block_size: int = 128    # qgZ, INT4
+    # Bits of qgZ's hop between nodes (--zero-quantized-gradients-bits): 4, or 2 (INT2 blocks,
+    # zeropp/techniques/qgz.py); the hop inside a node stays INT4.
+    zero_quantized_gradients_bits: int = 4
     allgather_partitions: bool = True        # true only
     round_robin_gradients: bool = False      # false only
     sub_group_size: int = 1_000_000_000      # the default only
@@ -135,6 +138,7 @@ class ZeroConfig:
             if on and self.zero_quantized_gradients is not True:
                 raise ConfigError(f"{where}.{key} ({flag}) {what}: set zero_quantized_gradients true "
                                   f"(--zero-quantized-gradients), got {self.zero_quantized_gradients!r}")
+        self._validate_gradient_bits(where)
         if self.zero_quantized_weight_deltas is True:
             zpp.append("zero_quantized_weight_deltas")
             if self.zero_hpz_partition_size != AUTO and self.zero_hpz_partition_size <= 1:
@@ -151,6 +155,26 @@ class ZeroConfig:
         if zpp and self.stage != 3:
             raise ConfigError(f"{where}: {', '.join(zpp)} (ZeRO++) need stage 3, "
                               f"but stage is {self.stage}")
+
+    def _validate_gradient_bits(self, where: str):
+        bits, key = self.zero_quantized_gradients_bits, f"{where}.zero_quantized_gradients_bits"
+        if bits not in (4, 2) or isinstance(bits, bool):
+            raise ConfigError(f"{key} (--zero-quantized-gradients-bits) must be 4 (the default) or 2 (INT2 "
+                              f"across nodes), got {bits!r}")
+        if bits == 4:
+            return
+        if self.zero_quantized_gradients is not True:
+            raise ConfigError(f"{key} (--zero-quantized-gradients-bits) {bits} sets the bits of qgZ's gradients "
+                              f"across nodes: set zero_quantized_gradients true (--zero-quantized-gradients), "
+                              f"got {self.zero_quantized_gradients!r}")
+        if self.zeropp_loco_param is None:   # measured: bench/results/convergence_int2_without_loco_1234.json
+            raise ConfigError(f"{key} (--zero-quantized-gradients-bits) 2 without error feedback does not train "
+                              f"as ZeRO-3 does (ternary gradients lose what they do not send): add "
+                              f"zeropp_loco_param (--zero-loco)")
+        if self.zero_quantized_gradients_block_size < 16:   # a block's INT2 data: whole 4-byte words
+            raise ConfigError(f"{key} (--zero-quantized-gradients-bits) 2 needs "
+                              f"zero_quantized_gradients_block_size >= 16 (the scales stay 4-byte aligned on "
+                              f"the wire), got {self.zero_quantized_gradients_block_size}")
 
     def validate_topology(self, ranks_per_node: int, world_size: int):
         """Checks that need the job's shape (called when the engine starts)."""

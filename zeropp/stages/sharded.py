@@ -179,10 +179,15 @@ class ShardedEngine(Engine):
         return notes
 
     def uncarried_state(self, saved_scalar_state: dict) -> list[str]:
+        """Also lets a carried part that fits but was saved in an older format (LoCo's fp32 errors)
+        swap in staging tensors of the saved format among those of the last checkpoint_state()."""
         out = []
         for key, part in self.parts.carried.items():
-            if not part.carried(saved_scalar_state.get(key)):
+            saved = saved_scalar_state.get(key)
+            if not part.carried(saved):
                 out += list(part.checkpoint_state(self.world))
+            elif hasattr(part, "stage_load"):   # state saved in an older format: read as saved, converted
+                part.stage_load(saved)
         return out
 
     def checkpoint_loaded(self, state: dict):
