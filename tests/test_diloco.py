@@ -545,9 +545,10 @@ def test_train_py_runs_the_mode_and_logs_it(corpus, tmp_path):  # noqa: F811
     steps = [int(line.split("outer steps: ")[1].split(" ")[0]) for line in lines]
     assert steps == [1, 3, 5]   # fragment 1 at steps 2, 6, 10, fragment 0 at 4, 8, 12: each applied a step later
     assert all(float(line.split("cross-group MB: ")[1].split(" ")[0]) > 0 for line in lines)
-    # and at the end the one in flight merged and both fragments exchanged once more: 8
-    assert "final exchange of all 2 fragment(s) after iteration 12" in log
-    assert "8 outer steps (fragment exchanges) over 2 groups" in log and "not merged at the end" not in log
+    # and at the end the one in flight merged (6 outer steps), then both fragments averaged exactly (no outer step)
+    assert "final exchange of all 2 fragment(s) after iteration 12: every group now holds the global parameters, " \
+           "the groups' exact mean" in log
+    assert "6 outer steps (fragment exchanges) over 2 groups" in log and "not merged at the end" not in log
     assert all("| lm loss of: group 0 of 2 |" in line for line in lines)
     assert "MB, the groups' engines and the outer exchange between them" in log and "would send" not in log
     assert "> outer synchronization: 2 groups of 1 node(s) x 2 ranks, each its own engine; every 4 inner steps in 2 " \
