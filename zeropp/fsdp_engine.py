@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from common.errors import ConfigError
 from zeropp.collectives.partition import FlatState
+from zeropp.collectives.protocols import uncarried_state
 from zeropp.config import ZeroConfig
 from zeropp.fsdp import apply_zeropp
 from zeropp.stages.engine import Engine, compute_dtype, split_decay
@@ -196,14 +197,7 @@ class FSDP2Engine(Engine):
         return notes
 
     def uncarried_state(self, saved_scalar_state: dict) -> list[str]:
-        out = []
-        for key, part in self.zeropp.carried.items():
-            saved = saved_scalar_state.get(key)
-            if not part.carried(saved):
-                out += list(part.checkpoint_state(self.world))
-            elif hasattr(part, "stage_load"):   # state saved in an older format: read as saved, converted
-                part.stage_load(saved)
-        return out
+        return uncarried_state(self.zeropp.carried, saved_scalar_state, self.world)
 
     # -- reports -------------------------------------------------------------------------------
     def summary(self) -> list[str]:

@@ -21,6 +21,7 @@ import torch
 
 from zeropp.collectives.exact import GradientReducer, ShardGather, gather_bucketed
 from zeropp.collectives.partition import FlatState, Partition, ShardedParam
+from zeropp.collectives.protocols import uncarried_state
 from zeropp.stages.engine import Engine
 from zeropp.stages.masters import Masters
 
@@ -179,16 +180,7 @@ class ShardedEngine(Engine):
         return notes
 
     def uncarried_state(self, saved_scalar_state: dict) -> list[str]:
-        """Also lets a carried part that fits but was saved in an older format (LoCo's fp32 errors)
-        swap in staging tensors of the saved format among those of the last checkpoint_state()."""
-        out = []
-        for key, part in self.parts.carried.items():
-            saved = saved_scalar_state.get(key)
-            if not part.carried(saved):
-                out += list(part.checkpoint_state(self.world))
-            elif hasattr(part, "stage_load"):   # state saved in an older format: read as saved, converted
-                part.stage_load(saved)
-        return out
+        return uncarried_state(self.parts.carried, saved_scalar_state, self.world)
 
     def checkpoint_loaded(self, state: dict):
         self.masters_changed()
