@@ -45,7 +45,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import RESULTS, ROOT
+from bench import RESULTS, ROOT, checkout_name
 from bench.convergence_plot import notes, plot, table
 from bench.megatron_log import parse_log
 
@@ -247,16 +247,6 @@ def report(runs: dict, setup: dict, out_dir: Path) -> dict:
     return verdict
 
 
-def _commit(root: Path) -> str | None:
-    """The commit a checkout is at (a git checkout), or what an exported tree says it was (COMMIT)."""
-    try:
-        return subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip() or None
-    except (OSError, subprocess.CalledProcessError):
-        note = root / "COMMIT"
-        return note.read_text().strip() if note.is_file() else None
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--iters", type=int, default=None, help="training iterations per run (default 600; 30 with --quick)")
@@ -385,8 +375,7 @@ def main(argv=None):
              "eval_interval": a.eval_interval, "eval_iters": a.eval_iters, "log_interval": a.log_interval,
              "seed": a.seed, "persistence_threshold": a.persistence_threshold, "config": "configs/demo.yaml (lr 1e-3 cosine to 1e-4, AdamW, wd 0.1, clip 1.0, fp32)",
              "zero3_flags": a.baseline_flags, "zeropp_flags": a.zeropp_flags,
-             "baseline_root": str(base_root) + (f" ({_commit(base_root)})" if _commit(base_root) else ""),
-             "candidate_root": str(ROOT) + (f" ({_commit(ROOT)})" if _commit(ROOT) else ""),
+             "baseline_root": checkout_name(base_root), "candidate_root": checkout_name(ROOT),
              "inter_node_mb_note": "mean over ranks of the bytes sent across emulated nodes per iteration, "
                                    "averaged over the log windows after the first",
              "host": platform.node(), "cpus": os.cpu_count(), "torch": torch.__version__,

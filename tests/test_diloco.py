@@ -30,7 +30,7 @@ from tests.numerics import EPS32, assert_state_within_roundoff, fp64_reference
 from tests.test_train_faults import torchrun
 from zeropp.collectives.partition import Partition
 from planner.comm import rank_bytes
-from zeropp.diloco import PHASE, OuterSettings, attach, exchange_per_step
+from zeropp.diloco import PHASE, OuterSettings, attach, exchange_per_step, final_sync
 from zeropp.kernels.format import QMAX
 
 CFG = dict(vocab_size=96, num_layers=2, hidden_size=32, num_attention_heads=4,
@@ -284,7 +284,7 @@ def final_runs(rank, world, tmp):
     meta = {"model_config": {}, "param_shapes": {n: list(p.shape) for n, p in engine.module.named_parameters()}}
     save_checkpoint(f"{tmp}/before_final", 3, engine, 0, meta)
     before = [sync.local(f) for f in range(2)]
-    sync.final_sync()
+    final_sync(sync)
     return (before, [sync.local(f) for f in range(2)], [g.clone() for g in sync.glob],
             [bool(e.eq(0).all()) for e in sync.err], engine.module_state_dict())
 

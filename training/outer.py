@@ -12,6 +12,7 @@ from parallel.launch import print_rank0
 from parallel.topology import Topology
 from zeropp.collectives.partition import Partition
 from zeropp.diloco import KEY, PHASE, OuterSettings, attach, with_global_weights
+from zeropp.diloco import final_sync as synchronize_groups
 
 OUTER_FLAGS = ("outer_lr", "outer_momentum", "outer_fragments", "outer_quantization", "outer_sync_delay",
                "outer_merge_alpha", "group_size")
@@ -116,7 +117,7 @@ def final_sync(engine) -> bool:
     sync = outer_sync(engine)
     if sync is None:
         return False
-    note = sync.final_sync()
+    note = synchronize_groups(sync)
     print_rank0(f"> outer synchronization: final exchange of all {sync.s.fragments} fragment(s) after iteration "
                 f"{sync.steps}: every group now holds the global parameters, the groups' exact mean"
                 + (f" ({note})" if note else ""))

@@ -209,33 +209,6 @@ class OuterSync:
         self.drift = x.drift
         return None
 
-    def final_sync(self) -> str | None:
-        """The end of training: the exchanges in flight merged now, then every fragment averaged
-        over the groups exactly (fp32, once: no quantization, no outer step) and the masters and
-        the global values set to the mean, so the global parameters (what a checkpoint exports)
-        are every group's trained model. What `tools/export_checkpoint.py --average-groups`
-        computes from a checkpoint saved before the end."""
-        notes = [self._merge(x) for x in self.pending]
-        self.pending = []
-        for f in range(self.s.fragments):
-            local, g = self.local(f), self.glob[f]
-            mean = local.clone()
-            if self.cross.size > 1:
-                self.comm.all_reduce(mean, group=self.cross.group, phase=PHASE)
-                mean.div_(self.cross.size)
-            finite, reseed, _ = self._group_check(g - mean, g - local)
-            if finite:
-                g.copy_(mean)
-                if self.err is not None:   # nothing of the groups' drift is left unsent
-                    self.err[f].zero_()
-            else:
-                notes.append(f"final synchronization of fragment {f} skipped: a group's values are not finite"
-                             + (f"; group {self.cross.rank} takes the global values" if reseed else ""))
-            if finite or reseed:
-                self._set_masters(f, 0.0, g)
-        self.engine.masters_changed()
-        return "; ".join(n for n in notes if n) or None
-
     def _group_check(self, outer: torch.Tensor, mine: torch.Tensor) -> tuple[bool, bool, float]:
         """Whether `outer` is finite on every shard of my group (so all its ranks agree, and the
         other groups too: they hold the same outer gradient), whether my group's own outer
@@ -339,6 +312,34 @@ def with_global_weights(sync: OuterSync):
         for f in range(sync.s.fragments):
             sync._set_masters(f, 0.0, own[f])
         sync.engine.masters_changed()
+
+
+def final_sync(sync: OuterSync) -> str | None:
+    """The end of training: the exchanges in flight merged now, then every fragment averaged
+    over the groups exactly (fp32, once: no quantization, no outer step) and the masters and
+    the global values set to the mean, so the global parameters (what a checkpoint exports)
+    are every group's trained model. What `tools/export_checkpoint.py --average-groups`
+    computes from a checkpoint saved before the end."""
+    notes = [sync._merge(x) for x in sync.pending]
+    sync.pending = []
+    for f in range(sync.s.fragments):
+        local, g = sync.local(f), sync.glob[f]
+        mean = local.clone()
+        if sync.cross.size > 1:
+            sync.comm.all_reduce(mean, group=sync.cross.group, phase=PHASE)
+            mean.div_(sync.cross.size)
+        finite, reseed, _ = sync._group_check(g - mean, g - local)
+        if finite:
+            g.copy_(mean)
+            if sync.err is not None:   # nothing of the groups' drift is left unsent
+                sync.err[f].zero_()
+        else:
+            notes.append(f"final synchronization of fragment {f} skipped: a group's values are not finite"
+                         + (f"; group {sync.cross.rank} takes the global values" if reseed else ""))
+        if finite or reseed:
+            sync._set_masters(f, 0.0, g)
+    sync.engine.masters_changed()
+    return "; ".join(n for n in notes if n) or None
 
 
 def attach(engine, cross: Partition, settings: OuterSettings) -> OuterSync:

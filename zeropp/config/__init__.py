@@ -25,6 +25,7 @@ from typing import Any, Callable
 from common import ConfigError, parse_int, parse_number, refuse_value
 from zeropp.config.keys import BUCKET_DEFAULTS, UNSUPPORTED
 from zeropp.config.optim import OptimizerConfig, OptimizerSettings, SchedulerConfig
+from zeropp.config.precision import BF16Config, DataTypesConfig, FP16Config, normalize_dtype
 
 __all__ = ["AUTO", "AUTO_KEYS", "ConfigError", "DeepSpeedConfig", "LocoConfig", "ZeroConfig", "OptimizerSettings", "load_json"]
 
@@ -215,27 +216,6 @@ _ZERO_FIXED = {
 
 
 @dataclass
-class FP16Config:
-    enabled: bool = False
-    loss_scale: float = 0.0          # 0 = dynamic loss scaling
-    initial_scale_power: int = 16    # dynamic scaling starts at 2**initial_scale_power
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
-    min_loss_scale: float = 1.0
-    auto_cast: bool = False          # false only: the model itself runs in fp16
-
-
-@dataclass
-class BF16Config:
-    enabled: bool = False
-
-
-@dataclass
-class DataTypesConfig:
-    grad_accum_dtype: str | None = "fp32"   # fp32 only
-
-
-@dataclass
 class DeepSpeedConfig:
     train_batch_size: int | None = None
     train_micro_batch_size_per_gpu: int | None = None
@@ -348,12 +328,6 @@ def load_json(path: str) -> dict:
         raise ConfigError(f"--deepspeed_config: no such file {path}") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"--deepspeed_config {path} is not valid JSON: {e}") from None
-
-
-def normalize_dtype(name: str) -> str | None:
-    """DeepSpeed's dtype spellings -> "fp32" / "fp16" / "bf16"; None if unknown."""
-    return {"fp32": "fp32", "float32": "fp32", "fp16": "fp16", "float16": "fp16", "half": "fp16",
-            "bf16": "bf16", "bfloat16": "bf16"}.get(str(name).lower())
 
 
 def _section_of(key: str) -> str | None:
