@@ -162,3 +162,18 @@ def torchrun_main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(torchrun_main(sys.argv[1:]))
+
+
+def die_with_launcher():
+    """Let the kernel end this rank when the process that started it (torchrun's agent) dies:
+    a killed launcher must not leave ranks of its group running (Linux prctl PR_SET_PDEATHSIG;
+    elsewhere nothing)."""
+    import ctypes
+    import signal
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:   # the launcher died before the call
+        os._exit(1)

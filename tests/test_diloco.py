@@ -30,7 +30,8 @@ from tests.numerics import EPS32, assert_state_within_roundoff, fp64_reference
 from tests.test_train_faults import torchrun
 from zeropp.collectives.partition import Partition
 from planner.comm import rank_bytes
-from zeropp.diloco import PHASE, OuterSettings, attach, exchange_per_step, final_sync
+from zeropp.diloco import PHASE, OuterSettings, attach, exchange_per_step
+from zeropp.diloco_edges import final_sync
 from zeropp.kernels.format import QMAX
 
 CFG = dict(vocab_size=96, num_layers=2, hidden_size=32, num_attention_heads=4,

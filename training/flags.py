@@ -287,6 +287,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a delayed merge keeps this share of the steps taken meanwhile: local <- ALPHA local + "
                         "(1 - ALPHA) global (torchft's fragment_update_alpha)")
     g.add_argument("--group-size", type=_int, default=1, help="nodes per group")
+    g.add_argument("--lighthouse", default=None, metavar="URL",
+                   help="each group is its own torchrun job, meeting the others through torchft's Lighthouse at "
+                        "URL (e.g. http://host:29510): a group that fails never stops the others and heals from "
+                        "them when it returns (scripts/launch_groups.sh)")
+    g.add_argument("--group-id", type=_count, default=None, help="with --lighthouse: this job is group ID (0, 1, ...)")
+    g.add_argument("--num-groups", type=_int, default=None,
+                   help="with --lighthouse: the groups of the run (each reads 1/N of every global batch)")
+    g.add_argument("--outer-timeout", type=_positive, default=60.0, metavar="S",
+                   help="with --lighthouse: seconds an exchange or a quorum waits for a group before going on "
+                        "without it")
 
     g = p.add_argument_group("planning")
     g.add_argument("--dry-run", action="store_true",

@@ -36,13 +36,13 @@ after a resume as in a run that never stopped.
 """
 from __future__ import annotations
 
-import contextlib
 import re
 from dataclasses import dataclass
 
 import torch
 
 from parallel.comm import Work
+from parallel.membership import JOINING, FixedGroups
 from zeropp.collectives.partition import FlatState, Partition
 from zeropp.collectives.protocols import MemoryLine, PlannedCollective
 from zeropp.config import ConfigError
@@ -91,6 +91,8 @@ class Exchange:
     note: str | None = None       # why the outer step was skipped, if it was
     reseed: bool = False          # skipped because my group's copy is not finite: it takes the global one
     wire: torch.Tensor | None = None    # int4: what I send, held until it is sent
+    size: int = 1                 # the groups in it
+    weighted: bool = False        # the sum is the token-weighted mean (a fault-tolerant membership)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.buf, self.mine, self.error, self.wire) if t is not None)
@@ -109,7 +111,8 @@ class OuterSync:
     """The outer loop of one rank, a carried part of its engine (zeropp/collectives/protocols.py
     CarriedState): `end_step` counts the inner steps, issues the exchanges and merges them."""
 
-    def __init__(self, engine, cross: Partition, settings: OuterSettings):
+    def __init__(self, engine, cross, settings: OuterSettings):
+        # cross: who takes part in an exchange (parallel/membership.py)
         self.engine, self.cross, self.s = engine, cross, settings
         self.comm = engine.comm
         self.layout = FragmentLayout(engine.shards, settings.fragments, engine.device)
@@ -121,7 +124,9 @@ class OuterSync:
             self.flat["error"] = torch.zeros_like(self.flat["global"])
         self.glob, self.mom, self.err = (self.layout.views(self.flat.get(k)) for k in ("global", "momentum", "error"))
         self.steps = self.outer_steps = 0
+        self.since = [0] * settings.fragments   # inner steps trained since each fragment's last exchange
         self.pending: list[Exchange] = []
+        self.joined = not cross.fault_tolerant   # in an exchange since this process started
         self.drift = float("nan")   # of the last merged exchange
         self.in_flight_peak = 0     # bytes (Exchange.nbytes) of the exchanges in flight at once
 
@@ -134,10 +139,13 @@ class OuterSync:
     def end_step(self, applied: bool) -> str | None:
         """After every inner step (applied or skipped: the schedule counts steps)."""
         self.steps += 1
+        self.since = [n + 1 for n in self.since]
         notes = [self._merge(x) for x in self.pending if x.merge_at == self.steps]
         self.pending = [x for x in self.pending if x.merge_at > self.steps]
         for f in self.due(self.steps):
             x = self._issue(f)
+            if x is None:   # nobody to exchange with at this step (a fault-tolerant group cut off)
+                continue
             self.in_flight_peak = max(self.in_flight_peak, x.nbytes() + sum(p.nbytes() for p in self.pending))
             if self.s.delay:
                 self.pending.append(x)
@@ -145,23 +153,29 @@ class OuterSync:
                 notes.append(self._merge(x))
         return "; ".join(n for n in notes if n) or None
 
-    def _issue(self, f: int) -> Exchange:
+    def _issue(self, f: int) -> Exchange | None:
+        return self.start(self.cross.open(self.steps, f, self.since[f]))
+
+    def start(self, opened) -> Exchange | None:
+        """Issue the exchange the members agreed on (parallel/membership.py Opened); None if none."""
+        self.steps = opened.steps   # a group that joined the others' exchange takes their inner step
+        if opened.fragment == JOINING:
+            if opened.quorum:
+                self.cross.commit()
+            return None
+        f = opened.fragment
         local, g = self.local(f), self.glob[f]
-        mine, alone = g - local, self.cross.size == 1   # one group: nobody to exchange with
-        x = Exchange(f, self.steps + self.s.delay, mine=mine)
+        mine = g - local
+        x = Exchange(f, self.steps + self.s.delay, mine=mine, size=opened.size, weighted=opened.scale is not None)
         if self.err is None:   # the locals, summed over the groups
-            x.work = Work() if alone else self.comm.all_reduce(local, group=self.cross.group, async_op=True,
-                                                               phase=PHASE)
-            x.buf = local
+            x.buf = local if opened.scale is None else local.mul_(opened.scale)
+            x.work = self.cross.all_reduce(x.buf, PHASE)
             return x
         send = mine + self.err[f]
         q = quantize(send, 4, self.s.block_size)
         wire = q.to_bytes()
-        x.buf, x.wire = torch.empty(self.cross.size, wire.numel(), dtype=torch.uint8, device=wire.device), wire
-        if alone:
-            x.buf.copy_(wire.view(1, -1))
-        x.work = Work() if alone else self.comm.all_gather(x.buf.view(-1), wire, group=self.cross.group,
-                                                           async_op=True, phase=PHASE)
+        x.buf, x.wire = torch.empty(opened.size, wire.numel(), dtype=torch.uint8, device=wire.device), wire
+        x.work = self.cross.all_gather(x.buf, wire, PHASE)
         x.error = send.sub_(dequantize(q))
         return x
 
@@ -170,9 +184,14 @@ class OuterSync:
         if x.stepped or x.note:
             return
         x.work.wait()
-        f, g, n = x.fragment, self.glob[x.fragment], self.cross.size
+        f, g, n = x.fragment, self.glob[x.fragment], x.size
+        if not self.cross.commit():   # a member failed during the exchange: every group skips it
+            x.work = x.buf = x.wire = None
+            x.note = f"exchange of fragment {f} not committed (a group failed during it): skipped"
+            return
+        self.since[f], self.joined = 0, True
         if x.error is None:
-            mean = x.buf.div_(n) if n > 1 else x.buf
+            mean = x.buf.div_(n) if n > 1 and not x.weighted else x.buf
             outer = g - mean
         else:
             parts = Quantized.from_bytes(x.buf, g.numel(), 4, self.s.block_size)
@@ -230,7 +249,8 @@ class OuterSync:
 
     def scalar_state(self) -> dict:
         """With the merges to come: taken after checkpoint_state(), which steps them."""
-        return {"steps": self.steps, "outer_steps": self.outer_steps, "groups": self.cross.size,
+        return {"steps": self.steps, "outer_steps": self.outer_steps, "groups": self.cross.layout_key(),
+                "since": self.since, "membership": self.cross.state_dict(),
                 "settings": self._layout(),
                 "merges": [[x.fragment, x.merge_at, x.drift, x.note, x.reseed]
                            for x in self.pending if x.stepped or x.note]}
@@ -240,19 +260,22 @@ class OuterSync:
         return [self.s.interval, self.s.fragments, self.s.quantization, self.mom is not None, self.s.delay]
 
     def carried(self, saved: dict | None) -> bool:
-        return saved is not None and saved.get("groups") == self.cross.size and saved.get("settings") == self._layout()
+        return (saved is not None and saved.get("groups") == self.cross.layout_key()
+                and saved.get("settings") == self._layout())
 
     def load_scalar_state(self, saved: dict | None) -> str | None:
         self.drain()
         if self.carried(saved):
             self.steps, self.outer_steps = saved["steps"], saved["outer_steps"]
+            self.since = saved.get("since", self.since)
+            self.cross.load_state_dict(saved.get("membership"))
             self.pending = [Exchange(f, at, stepped=note is None, drift=drift, note=note, reseed=bool(rest and rest[0]))
                             for f, at, drift, note, *rest in saved.get("merges", [])]
             return None
         for f in range(self.s.fragments):   # the global parameters: the mean of the groups' loaded masters,
             self.glob[f].copy_(self.local(f))   # the same in every group (the outer step assumes it)
-            if self.cross.size > 1:
-                self.comm.all_reduce(self.glob[f], group=self.cross.group, phase=PHASE)
+            if self.cross.size > 1 and not self.cross.fault_tolerant:   # (torchft: a heal replaces them)
+                self.cross.all_reduce(self.glob[f], PHASE, async_op=False)
                 self.glob[f].div_(self.cross.size)
         for state in (self.mom, self.err):
             for t in state or []:
@@ -289,64 +312,14 @@ class OuterSync:
                 + (f"; {unmerged} exchange(s) not merged at the end (a resume merges them)" if unmerged else ""))
 
 
-@contextlib.contextmanager
-def with_global_weights(sync: OuterSync):
-    """The engine computes with the global parameters (those a checkpoint exports) inside, with
-    its own masters again after, bit for bit (collective over the job; an evaluation, in
-    training/outer.py). Yields the RMS distance of the groups' masters from the global ones."""
-    for x in sync.pending:   # as a save does: the exchanges in flight stepped, merged at their step
-        sync._outer_step(x)
-    own = [sync.local(f) for f in range(sync.s.fragments)]
-    sums = torch.zeros(2, dtype=torch.float64, device=sync.engine.device)
-    for o, g in zip(own, sync.glob):
-        sums += torch.stack([(o - g).double().square().sum(), sums.new_tensor(float(o.numel()))])
-    sync.comm.all_reduce(sums, phase=DRIFT)
-    if sync.cross.size > 1:
-        sync.comm.all_reduce(sums, group=sync.cross.group, phase=DRIFT)
-    for f in range(sync.s.fragments):
-        sync._set_masters(f, 0.0, sync.glob[f])
-    sync.engine.masters_changed()
-    try:
-        yield (sums[0] / sums[1].clamp(min=1)).sqrt().item()
-    finally:
-        for f in range(sync.s.fragments):
-            sync._set_masters(f, 0.0, own[f])
-        sync.engine.masters_changed()
-
-
-def final_sync(sync: OuterSync) -> str | None:
-    """The end of training: the exchanges in flight merged now, then every fragment averaged
-    over the groups exactly (fp32, once: no quantization, no outer step) and the masters and
-    the global values set to the mean, so the global parameters (what a checkpoint exports)
-    are every group's trained model. What `tools/export_checkpoint.py --average-groups`
-    computes from a checkpoint saved before the end."""
-    notes = [sync._merge(x) for x in sync.pending]
-    sync.pending = []
-    for f in range(sync.s.fragments):
-        local, g = sync.local(f), sync.glob[f]
-        mean = local.clone()
-        if sync.cross.size > 1:
-            sync.comm.all_reduce(mean, group=sync.cross.group, phase=PHASE)
-            mean.div_(sync.cross.size)
-        finite, reseed, _ = sync._group_check(g - mean, g - local)
-        if finite:
-            g.copy_(mean)
-            if sync.err is not None:   # nothing of the groups' drift is left unsent
-                sync.err[f].zero_()
-        else:
-            notes.append(f"final synchronization of fragment {f} skipped: a group's values are not finite"
-                         + (f"; group {sync.cross.rank} takes the global values" if reseed else ""))
-        if finite or reseed:
-            sync._set_masters(f, 0.0, g)
-    sync.engine.masters_changed()
-    return "; ".join(n for n in notes if n) or None
-
-
-def attach(engine, cross: Partition, settings: OuterSettings) -> OuterSync:
-    """Make `engine` (a sharded engine over one group) synchronize across the groups."""
+def attach(engine, cross, settings: OuterSettings) -> OuterSync:
+    """Make `engine` (a sharded engine over one group) synchronize across the groups: `cross` is a
+    membership (parallel/membership.py) or the Partition of the same rank in every group of this job."""
     if not hasattr(engine, "masters_changed"):
         raise ConfigError("--outer-sync-interval needs ZeRO stage 1-3 over groups of more than one rank; "
                           "pass --zero-stage 3 and a --group-size of at least one node of 2+ ranks")
+    if isinstance(cross, Partition):
+        cross = FixedGroups(engine.comm, cross.group, cross.size, cross.rank)
     sync = OuterSync(engine, cross, settings)
     engine.parts.carried[KEY] = sync   # last: after the techniques' parts commit their step
     return sync

@@ -1,0 +1,194 @@
+"""Groups that survive each other as a user meets them: each group its own `torchrun train.py
+--lighthouse ...` job of 2 gloo ranks, meeting the others through torchft's Lighthouse (a
+process of its own). A cell returns "" when it holds, else what went wrong (tests/
+test_groups_job.py asserts each on a tiny corpus; bench/fault_matrix.py can print them).
+
+- kill-one-group: once the groups exchange together, one rank of group 1 is frozen (SIGSTOP: the
+  others meet it in an exchange that cannot finish) and its launcher SIGKILLed (its ranks die
+  with it). Group 0 never waits longer than one exchange's timeout, applies outer steps alone,
+  logs every iteration once and exits 0; group 1, restarted from its own checkpoint, heals from
+  group 0 and exchanges with it again; both end on the same global model.
+- different-models: a group with another model meets the others: every group stops with one
+  line naming the cause (exit 2).
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+import torch
+
+from bench import ROOT
+from bench.diloco_job import worker_ranks
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+LIGHTHOUSE = str(Path(sys.executable).parent / "torchft_lighthouse")
+LINE = re.compile(r"^ \[([0-9: -]+)\] iteration +(\d+)/", re.M)
+VALIDATION = re.compile(r"validation loss at iteration +(\d+) on validation set \| lm loss value: ([0-9.E+-]+)")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_lighthouse(log: Path, heartbeat_ms: int = 3000, join_ms: int = 2000,
+                     min_replicas: int = 1) -> tuple[subprocess.Popen, str]:
+    """torchft's Lighthouse on a free local port: (its process, its URL)."""
+    port = free_port()
+    proc = subprocess.Popen([LIGHTHOUSE, "--min_replicas", str(min_replicas), "--join_timeout_ms", str(join_ms),
+                             "--quorum_tick_ms", "50", "--heartbeat_timeout_ms", str(heartbeat_ms),
+                             "--bind", f"[::]:{port}"], stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def launch_group(group: int, groups: int, lighthouse: str, argv: list[str], log: Path) -> subprocess.Popen:
+    """Group `group` of `groups`: train.py on 2 local ranks under its own torchrun."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return subprocess.Popen([*TORCHRUN, "train.py", *argv, "--lighthouse", lighthouse, "--group-id", str(group),
+                             "--num-groups", str(groups), "--outer-timeout", str(TIMEOUT)], cwd=ROOT, env=env, stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT)
+
+
+def iterations(log: Path) -> list[tuple[float, int]]:
+    """(wall time, iteration) of every training line of a log (--log-interval 1)."""
+    out = []
+    for stamp, it in LINE.findall(log.read_text(errors="replace")):
+        out.append((datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S").timestamp(), int(it)))
+    return out
+
+
+def wait_for(log: Path, pattern: str, timeout: float, proc: subprocess.Popen | None = None) -> bool:
+    """Whether `pattern` shows in `log` within `timeout` s (False at once if `proc` ended)."""
+    end = time.time() + timeout
+    while time.time() < end:
+        if re.search(pattern, log.read_text(errors="replace")):
+            return True
+        if proc is not None and proc.poll() is not None:
+            return False
+        time.sleep(0.2)
+    return False
+
+
+def stop_all(*procs):
+    for p in procs:
+        if p.poll() is None:
+            for pid in worker_ranks(p).values():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            p.kill()
+        p.wait()
+
+
+def problem(log: Path, what: str) -> str:
+    tail = log.read_text(errors="replace").splitlines()[-12:] if log.exists() else []
+    return what + "\n" + "\n".join(tail)
+
+
+# -- the cells ---------------------------------------------------------------------------------------
+
+RUN = ["--global-batch-size", "8", "--zero-stage", "3", "--outer-sync-interval", "4", "--outer-fragments", "2", "--log-interval", "1",
+       "--eval-interval", "100000"]
+TIMEOUT = 10   # --outer-timeout of every group
+
+
+def kill_one_group(base, tmp: Path, iters: int = 300) -> str:
+    """`base(out_dir)`: train.py's flags for data and model, --save inside out_dir."""
+    lh, url = start_lighthouse(tmp / "lighthouse.log")
+    argv = [*RUN, "--train-iters", str(iters), "--save-interval", "10"]
+    logs = [tmp / "group0.log", tmp / "group1.log", tmp / "group1_again.log"]
+    g0 = launch_group(0, 2, url, [*base(tmp / "g0"), *argv], logs[0])
+    g1 = launch_group(1, 2, url, [*base(tmp / "g1"), *argv], logs[1])
+    try:
+        if not (wait_for(logs[1], r"quorum: 2 groups", 120, g1) and wait_for(logs[1], r"saved checkpoint", 60, g1)):
+            return problem(logs[1], "the two groups never exchanged together, or group 1 never saved")
+        rank1 = worker_ranks(g1).get(1)
+        if rank1:
+            os.kill(rank1, signal.SIGSTOP)   # group 0 meets it in an exchange it cannot finish
+        time.sleep(1.0)
+        g1.send_signal(signal.SIGKILL)   # the launcher: its ranks die with it (parallel/launch.py)
+        g1.wait()
+        killed_at = time.time()
+        if not wait_for(logs[0], r"quorum of 1 group\(s\), was 2", 60, g0):
+            return problem(logs[0], "group 0 never went on alone")
+        g1 = launch_group(1, 2, url, [*base(tmp / "g1"), *argv, "--load", str(tmp / "g1" / "ckpt")], logs[2])
+        rc0, rc1 = g0.wait(timeout=600), g1.wait(timeout=600)
+    finally:
+        stop_all(g0, g1, lh)
+    if rc0 or rc1:
+        return problem(logs[0] if rc0 else logs[2], f"exit status {rc0} (group 0), {rc1} (group 1 restarted)")
+    seen = iterations(logs[0])
+    if [it for _, it in seen] != list(range(1, iters + 1)):
+        return problem(logs[0], "group 0 did not log every iteration exactly once")
+    gap = max(b[0] - a[0] for a, b in zip(seen, seen[1:]))
+    if gap > TIMEOUT + 5:   # the exchange's timeout, the log's one-second stamps, a quorum's join timeout
+        return problem(logs[0], f"group 0 stood still for {gap:.0f} s (the exchange timeout is {TIMEOUT} s)")
+    again = logs[2].read_text(errors="replace")
+    for said in ("healed from a peer", "continuing at their inner step", "quorum: 2 groups"):
+        if said not in again:
+            return problem(logs[2], f"the restarted group 1 never said {said!r}")
+    if not any(t > killed_at for t, _ in seen):
+        return problem(logs[0], "group 0 logged nothing after the kill")
+    finals = [VALIDATION.findall(log.read_text(errors="replace"))[-1:] for log in (logs[0], logs[2])]
+    if not all(finals) or finals[0] != finals[1]:
+        return problem(logs[2], f"the groups end on different global models: {finals}")
+    return ""
+
+
+def different_models(base, tmp: Path) -> str:
+    lh, url = start_lighthouse(tmp / "lighthouse.log")
+    argv = [*RUN, "--train-iters", "200"]
+    logs = [tmp / "group0.log", tmp / "group1.log"]
+    g0 = launch_group(0, 2, url, [*base(tmp / "g0"), *argv], logs[0])
+    g1 = launch_group(1, 2, url, [*base(tmp / "g1"), *argv, "--hidden-size", "64"], logs[1])
+    try:
+        rcs = g0.wait(timeout=300), g1.wait(timeout=300)
+    finally:
+        stop_all(g0, g1, lh)
+    said = "run different models or group shapes"
+    for rc, log in zip(rcs, logs):   # torchrun reports a worker's exit status 2 as its own 1, with its line
+        lines = log.read_text(errors="replace").splitlines()
+        if rc == 0 or not any(line.startswith("error: ") and said in line for line in lines) \
+                or not any("exitcode  : 2" in line for line in lines):
+            return problem(log, f"exit status {rc}: expected the ranks' exit status 2 and one line saying {said!r}")
+    return ""
+
+
+def same_as_one_job(base, tmp: Path, iters: int = 24) -> str:
+    """Two groups as two jobs, every exchange with both (the Lighthouse waits for 2), against the
+    same two groups in one torchrun job (`--group-size 1`): the exported models are equal bit for
+    bit (equal token weights are halves: exact)."""
+    from bench.diloco_job import finish, launch
+    from tools.export_checkpoint import consolidated_state_dict
+    argv = [*RUN, "--train-iters", str(iters), "--hidden-dropout", "0", "--save-interval", str(iters)]
+    one = launch(4, [*base(tmp / "one"), *argv, "--ranks-per-node", "2", "--group-size", "1"])
+    out, hung = finish(one, 300)
+    if hung or one.returncode:
+        return f"the one-job run failed ({one.returncode}):\n" + "\n".join(out.splitlines()[-10:])
+    lh, url = start_lighthouse(tmp / "lighthouse.log", min_replicas=2)
+    logs = [tmp / "group0.log", tmp / "group1.log"]
+    procs = [launch_group(g, 2, url, [*base(tmp / f"g{g}"), *argv], logs[g]) for g in (0, 1)]
+    try:
+        rcs = [p.wait(timeout=300) for p in procs]
+    finally:
+        stop_all(*procs, lh)
+    if any(rcs):
+        return problem(logs[rcs.index(next(r for r in rcs if r))], f"exit status {rcs}")
+    want = consolidated_state_dict(str(tmp / "one" / "ckpt"))[0]
+    for g in (0, 1):
+        got = consolidated_state_dict(str(tmp / f"g{g}" / "ckpt"))[0]
+        differ = [k for k in want if not torch.equal(want[k], got[k])]
+        if differ:
+            worst = max((want[k] - got[k]).abs().max().item() for k in differ)
+            return f"group {g}'s export differs from the one job's in {len(differ)} tensors (worst {worst:.3e})"
+    return ""

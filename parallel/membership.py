@@ -1,0 +1,191 @@
+"""Who takes part in an exchange across groups of nodes (zeropp/diloco.py's outer step).
+
+Two memberships with one interface (`open`, `all_reduce`, `commit`, `size`):
+- `FixedGroups`: the groups of one torch job, the same rank of each in a process group that
+  never changes; a group's failure is the job's (it stops and resumes together).
+- `TorchftGroups`: each group is its own job; torchft's `Manager` and its Lighthouse own the
+  quorum (who is present at this exchange), a gloo process group reconfigured per quorum,
+  the agreement to commit, and the live recovery ("heal") of a group that is behind from a
+  healthy peer over its checkpoint transport (torchft, github.com/pytorch/torchft). One
+  Manager per rank: replica_id is the group, its rank and world size the in-group ones, so
+  rank r of every group meets the others' rank r, which holds the same shard.
+
+An exchange starts with `open(steps, fragment, tokens)`: the members agree which fragment is
+exchanged at which inner step (a group that joins late or healed adopts them) and each
+member's weight, its share of the tokens trained since its last exchange.
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from common import ConfigError
+from common.torchft_private import forget_failed_quorum
+from parallel.comm import Work
+
+JOINING = -1   # the fragment of a member that is not at an exchange of its own (a start, a rejoin)
+FRAGMENT_SPAN = 2 ** 16   # (step, fragment) as one number: step * SPAN + fragment + 1, exact in float64
+
+
+@dataclass
+class Opened:
+    """An exchange the members agreed on."""
+    steps: int              # the inner step it follows (a joining member adopts it)
+    fragment: int           # JOINING: nobody exchanges (every member is joining)
+    size: int               # members
+    rank: int               # my place among them
+    scale: float | None     # multiply my values by it before the sum (token weights); None: divide the sum by size
+    healed: bool = False    # my outer state was just replaced by a peer's
+    quorum: bool = False    # a torchft quorum was formed: `commit` must follow
+
+
+def different_shapes() -> ConfigError:
+    return ConfigError("the groups in the quorum run different models or group shapes (their engines' fingerprints "
+                       "differ); start every group with the same model flags and ranks per group")
+
+
+class FixedGroups:
+    """The same rank of every group of one job (parallel/topology.py `build_strided_group`)."""
+    fault_tolerant = False
+
+    def __init__(self, comm, group, size: int, rank: int):
+        self.comm, self.group, self.size, self.rank = comm, group, size, rank
+
+    def open(self, steps: int, fragment: int, tokens: int) -> Opened:
+        return Opened(steps, fragment, self.size, self.rank, None)
+
+    def all_reduce(self, tensor: torch.Tensor, phase: str, async_op: bool = True) -> Work:
+        if self.size == 1:
+            return Work()
+        return self.comm.all_reduce(tensor, group=self.group, async_op=async_op, phase=phase)
+
+    def all_gather(self, out: torch.Tensor, tensor: torch.Tensor, phase: str) -> Work:
+        """`out`: a row per group."""
+        if self.size == 1:
+            out.copy_(tensor.view(1, -1))
+            return Work()
+        return self.comm.all_gather(out.view(-1), tensor, group=self.group, async_op=True, phase=phase)
+
+    def commit(self) -> bool:
+        return True
+
+    def layout_key(self):
+        return self.size
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict | None):
+        pass
+
+
+class TorchftGroups:
+    """torchft's quorum, process group and recovery over groups that are separate jobs."""
+    fault_tolerant = True
+
+    def __init__(self, comm, group_id: int, lighthouse: str, timeout_s: float, quorum_timeout_s: float):
+        from torchft.manager import Manager
+        from torchft.process_group import ProcessGroupGloo
+
+        topology = comm.topology
+        self.comm, self.group_id = comm, group_id
+        self.fingerprint = 0
+        self.manager = Manager(
+            pg=ProcessGroupGloo(timeout=timedelta(seconds=timeout_s)), load_state_dict=None,
+            state_dict=None, min_replica_size=1, use_async_quorum=False, init_sync=False,
+            timeout=timedelta(seconds=timeout_s), quorum_timeout=timedelta(seconds=quorum_timeout_s),
+            rank=topology.rank, world_size=topology.world_size, lighthouse_addr=lighthouse,
+            replica_id=f"group{group_id}")
+        self.size, self.rank = 1, 0
+        self.quorum_id = None
+        self.events: list[str] = []   # quorum changes and heals since the last `status()`
+
+    def register(self, state_dict, load_state_dict, fingerprint: str):
+        """What a peer sends a group that heals, what loads it, and what the groups must share."""
+        self.manager.register_state_dict_fn("outer", load_state_dict, state_dict)
+        self.fingerprint = zlib.crc32(fingerprint.encode()) & 0xFFFFFF   # exact in float64
+
+    def open(self, steps: int, fragment: int, tokens: int) -> Opened:
+        """A quorum (blocking until the members present meet or the join timeout), a heal if my
+        group is behind, then the header: the exchange's inner step and fragment (the largest
+        step's; a joining member sends JOINING), the members' tokens, the groups' fingerprints."""
+        m = self.manager
+        try:
+            m.start_quorum()
+        except Exception as e:   # no quorum in time (cut off, Lighthouse away): train on alone
+            forget_failed_quorum(m)
+            self._event(f"no quorum ({type(e).__name__}): this group goes on alone")
+            self.size, self.rank = 1, 0
+            return Opened(steps, JOINING, 1, 0, None)
+        healed, self._just_healed = self._just_healed, False
+        size = m.num_participants()
+        if size != self.size:
+            self._event(f"quorum of {size} group(s), was {self.size}")
+        self.size, self.rank = size, m.participating_rank() or 0
+        # Who is where: the largest (step, fragment) is the exchange; members elsewhere (joining, or
+        # behind after a cut) adopt it with no weight. The fingerprints' max and min must agree.
+        top = torch.tensor([float(steps * FRAGMENT_SPAN + fragment + 1), float(self.fingerprint),
+                            -float(self.fingerprint)], dtype=torch.float64)
+        m.allreduce(top, reduce_op=dist.ReduceOp.MAX).wait()
+        if not m.errored() and top[1] != -top[2]:   # at once: every member has this result
+            raise different_shapes()
+        agreed_steps, agreed_fragment = divmod(int(top[0].item()), FRAGMENT_SPAN)
+        agreed_fragment -= 1
+        counts = agreed_steps == steps and fragment == agreed_fragment != JOINING
+        total = torch.tensor([float(tokens) if counts else 0.0, float(counts)], dtype=torch.float64)
+        m.allreduce(total, reduce_op=dist.ReduceOp.SUM).wait()
+        if m.errored():   # commit will say no in the whole group
+            return Opened(steps, JOINING, self.size, self.rank, None, healed, quorum=True)
+        tokens_in, members_in = total.tolist()
+        weight = 0.0 if not counts else tokens / tokens_in if tokens_in > 0 else 1.0 / members_in
+        return Opened(agreed_steps, agreed_fragment, self.size, self.rank, weight, healed, quorum=True)
+
+    _just_healed = False
+
+    def healed(self):
+        """Called from the load_state_dict of a heal (torchft applies it inside start_quorum)."""
+        self._just_healed = True
+        self._event(f"healed from a peer (outer state of its exchange {self.manager.current_step()})")
+
+    def all_reduce(self, tensor: torch.Tensor, phase: str, async_op: bool = True) -> Work:
+        """A sum over the quorum's members; on a member's failure the tensor is garbage and
+        `commit` says False in my whole group (torchft's Manager)."""
+        nbytes = tensor.numel() * tensor.element_size()
+        self.comm.stats.add("all_reduce", phase, 0, 2 * (self.size - 1) * nbytes // max(self.size, 1))
+        work = self.manager.allreduce(tensor, reduce_op=dist.ReduceOp.SUM)
+        if not async_op:
+            work.wait()
+            return Work()
+        return Work(work)
+
+    def all_gather(self, out, tensor, phase: str) -> Work:
+        raise ConfigError("INT4 outer gradients are not fault tolerant yet; pass --outer-quantization none")
+
+    def commit(self) -> bool:
+        """Whether every rank of my group saw the exchange succeed (agreed in the group; a group
+        that commits when another did not is behind it at the next quorum and heals)."""
+        return self.manager.should_commit()
+
+    def layout_key(self):
+        return "torchft"
+
+    def state_dict(self) -> dict:
+        return self.manager.state_dict()
+
+    def load_state_dict(self, state: dict | None):
+        if state:
+            self.manager.load_state_dict(state)
+
+    def status(self) -> dict:
+        events, self.events = self.events, []
+        return {"quorum_size": self.size, "events": events}
+
+    def _event(self, what: str):
+        self.events.append(what)
+
+    def shutdown(self):
+        self.manager.shutdown(wait=False)
