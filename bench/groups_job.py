@@ -41,9 +41,9 @@ def free_port() -> int:
 
 
 def start_lighthouse(log: Path, heartbeat_ms: int = 3000, join_ms: int = 2000,
-                     min_replicas: int = 1) -> tuple[subprocess.Popen, str]:
-    """torchft's Lighthouse on a free local port: (its process, its URL)."""
-    port = free_port()
+                     min_replicas: int = 1, port: int | None = None) -> tuple[subprocess.Popen, str]:
+    """torchft's Lighthouse on `port` (a free local one by default): (its process, its URL)."""
+    port = port or free_port()
     proc = subprocess.Popen([LIGHTHOUSE, "--min_replicas", str(min_replicas), "--join_timeout_ms", str(join_ms),
                              "--quorum_tick_ms", "50", "--heartbeat_timeout_ms", str(heartbeat_ms),
                              "--bind", f"[::]:{port}"], stdout=open(log, "w"), stderr=subprocess.STDOUT)
@@ -70,12 +70,24 @@ def wait_for(log: Path, pattern: str, timeout: float, proc: subprocess.Popen | N
     """Whether `pattern` shows in `log` within `timeout` s (False at once if `proc` ended)."""
     end = time.time() + timeout
     while time.time() < end:
-        if re.search(pattern, log.read_text(errors="replace")):
+        if log.exists() and re.search(pattern, log.read_text(errors="replace")):
             return True
         if proc is not None and proc.poll() is not None:
             return False
         time.sleep(0.2)
     return False
+
+
+def tensorboard(folder: Path, tag: str) -> list[float]:
+    """Every value of scalar `tag` written under `folder`."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    values = []
+    for run in sorted({p.parent for p in folder.rglob("events.out.tfevents.*")}):
+        events = EventAccumulator(str(run))
+        events.Reload()
+        if tag in events.Tags()["scalars"]:
+            values += [e.value for e in events.Scalars(tag)]
+    return values
 
 
 def stop_all(*procs):
@@ -102,14 +114,17 @@ RUN = ["--global-batch-size", "8", "--zero-stage", "3", "--outer-sync-interval",
 TIMEOUT = 10   # --outer-timeout of every group
 
 
-def kill_one_group(base, tmp: Path, iters: int = 300) -> str:
+def kill_one_group(base, tmp: Path, iters: int = 700) -> str:
     """`base(out_dir)`: train.py's flags for data and model, --save inside out_dir."""
     lh, url = start_lighthouse(tmp / "lighthouse.log")
     argv = [*RUN, "--train-iters", str(iters), "--save-interval", "10"]
     logs = [tmp / "group0.log", tmp / "group1.log", tmp / "group1_again.log"]
     g0 = launch_group(0, 2, url, [*base(tmp / "g0"), *argv], logs[0])
-    g1 = launch_group(1, 2, url, [*base(tmp / "g1"), *argv], logs[1])
-    try:
+    g1 = None
+    try:   # group 0 first: group 1 joins it (a group that joins late takes the others' inner step)
+        if not wait_for(logs[0], r"iteration +1/", 120, g0):
+            return problem(logs[0], "group 0 never trained")
+        g1 = launch_group(1, 2, url, [*base(tmp / "g1"), *argv], logs[1])
         if not (wait_for(logs[1], r"quorum: 2 groups", 120, g1) and wait_for(logs[1], r"saved checkpoint", 60, g1)):
             return problem(logs[1], "the two groups never exchanged together, or group 1 never saved")
         rank1 = worker_ranks(g1).get(1)
@@ -124,7 +139,7 @@ def kill_one_group(base, tmp: Path, iters: int = 300) -> str:
         g1 = launch_group(1, 2, url, [*base(tmp / "g1"), *argv, "--load", str(tmp / "g1" / "ckpt")], logs[2])
         rc0, rc1 = g0.wait(timeout=600), g1.wait(timeout=600)
     finally:
-        stop_all(g0, g1, lh)
+        stop_all(*[p for p in (g0, g1, lh) if p is not None])
     if rc0 or rc1:
         return problem(logs[0] if rc0 else logs[2], f"exit status {rc0} (group 0), {rc1} (group 1 restarted)")
     seen = iterations(logs[0])
@@ -139,9 +154,90 @@ def kill_one_group(base, tmp: Path, iters: int = 300) -> str:
             return problem(logs[2], f"the restarted group 1 never said {said!r}")
     if not any(t > killed_at for t, _ in seen):
         return problem(logs[0], "group 0 logged nothing after the kill")
+    quorum, heals = tensorboard(tmp / "g0" / "tb", "outer/quorum-size"), tensorboard(tmp / "g1" / "tb", "outer/heals")
+    if not {1.0, 2.0} <= set(quorum) or not heals or max(heals) < 1:
+        return problem(logs[2], f"TensorBoard: quorum sizes {sorted(set(quorum))} (group 0), heals {heals[-1:]} (group 1)")
     finals = [VALIDATION.findall(log.read_text(errors="replace"))[-1:] for log in (logs[0], logs[2])]
     if not all(finals) or finals[0] != finals[1]:
         return problem(logs[2], f"the groups end on different global models: {finals}")
+    return ""
+
+
+def lighthouse_restart(base, tmp: Path, iters: int = 300) -> str:
+    """The Lighthouse killed while two groups exchange, and started again on its port 5 s later:
+    both go on alone meanwhile (no step lost, no wait past one timeout) and exchange together
+    again after it returns."""
+    lh, url = start_lighthouse(tmp / "lighthouse.log")
+    argv = [*RUN, "--train-iters", str(iters)]
+    logs = [tmp / "group0.log", tmp / "group1.log"]
+    procs = [launch_group(g, 2, url, [*base(tmp / f"g{g}"), *argv], logs[g]) for g in (0, 1)]
+    try:
+        if not wait_for(logs[1], r"quorum: 2 groups", 120, procs[1]):
+            return problem(logs[1], "the two groups never exchanged together")
+        lh.kill()
+        lh.wait()
+        time.sleep(5)
+        back = time.time()
+        lh, _ = start_lighthouse(tmp / "lighthouse_again.log", port=int(url.rsplit(":", 1)[1]))
+        rcs = [p.wait(timeout=600) for p in procs]
+    finally:
+        stop_all(*procs, lh)
+    if any(rcs):
+        return problem(logs[0], f"exit status {rcs}")
+    for log in logs:
+        seen = iterations(log)
+        if [it for _, it in seen][-1] != iters or len({it for _, it in seen}) != len(seen):
+            return problem(log, "an iteration was lost or repeated")
+        gap = max(b[0] - a[0] for a, b in zip(seen, seen[1:]))
+        if gap > TIMEOUT + 5:
+            return problem(log, f"a group stood still for {gap:.0f} s (the exchange timeout is {TIMEOUT} s)")
+        text = log.read_text(errors="replace")
+        after = [t for t, _ in seen if t > back + TIMEOUT + 5]
+        if "goes on alone" not in text or not after or not re.search(r"quorum of 2 group\(s\), was 1", text.split(
+                "goes on alone", 1)[1]):
+            return problem(log, "the group did not go on alone and then exchange with the other again")
+    return ""
+
+
+def script(*args, env: dict) -> subprocess.Popen:
+    """scripts/launch_groups.sh `args` as a user runs it."""
+    return subprocess.Popen(["bash", str(ROOT / "scripts" / "launch_groups.sh"), *args], cwd=ROOT,
+                            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **env),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def late_start_and_clean_stop(base, tmp: Path, iters: int = 800) -> str:
+    """With scripts/launch_groups.sh: group 0 trains alone; group 1 starts late, heals and joins;
+    `stop 1` makes it save and leave (exit 0); group 0 goes on alone to the end, no step lost."""
+    env = {"GROUPS_DIR": str(tmp / "run"), "LIGHTHOUSE_PORT": str(free_port()), "JOIN_TIMEOUT_MS": "2000"}
+    flags = [*base(tmp / "out"), *RUN, "--train-iters", str(iters), "--outer-timeout", str(TIMEOUT)]
+    logs = [tmp / "run" / "group0.log", tmp / "run" / "group1.log"]
+    lh = script("lighthouse", env=env)
+    g0 = script("group", "0", "2", "2", *flags, env=env)
+    g1 = None
+    try:
+        if not wait_for(logs[0], r"iteration +30/", 120, g0):
+            return problem(logs[0], "group 0 did not train alone")
+        g1 = script("group", "1", "2", "2", *flags, env=env)
+        if not wait_for(logs[1], r"quorum: 2 groups", 120, g1):
+            return problem(logs[1], "the late group never exchanged with group 0")
+        subprocess.run(["bash", str(ROOT / "scripts" / "launch_groups.sh"), "stop", "1"], env=dict(os.environ, **env),
+                       check=True, capture_output=True)
+        rc1 = g1.wait(timeout=120)
+        rc0 = g0.wait(timeout=600)
+    finally:
+        stop_all(*[p for p in (g0, g1, lh) if p is not None])
+    if rc0 or rc1:
+        return problem(logs[1] if rc1 else logs[0], f"exit status {rc0} (group 0), {rc1} (group 1 stopped)")
+    late = logs[1].read_text(errors="replace")
+    if "healed from a peer" not in late or "saved checkpoint" not in late.split("quorum: 2 groups", 1)[1]:
+        return problem(logs[1], "the late group did not heal, or did not save when stopped")
+    seen = iterations(logs[0])
+    text = logs[0].read_text(errors="replace")
+    if [it for _, it in seen] != list(range(1, iters + 1)):
+        return problem(logs[0], "group 0 did not log every iteration exactly once")
+    if not re.search(r"quorum of 2 group\(s\), was 1[\s\S]*quorum of 1 group\(s\), was 2", text):
+        return problem(logs[0], "group 0 did not see the late group join and then leave")
     return ""
 
 
@@ -192,3 +288,20 @@ def same_as_one_job(base, tmp: Path, iters: int = 24) -> str:
             worst = max((want[k] - got[k]).abs().max().item() for k in differ)
             return f"group {g}'s export differs from the one job's in {len(differ)} tensors (worst {worst:.3e})"
     return ""
+
+
+CELLS = {"kill-one-group": kill_one_group, "lighthouse-restart": lighthouse_restart,
+         "late-start-clean-stop": late_start_and_clean_stop, "same-as-one-job": same_as_one_job,
+         "different-models": different_models}
+FAULTS = tuple(CELLS)
+
+
+def run_group_cells(base, tmp: Path, faults=FAULTS) -> dict:
+    """{fault: {"ok", "why", "seconds"}} (bench/fault_matrix.py's table of groups as jobs)."""
+    row = {}
+    for fault in faults:
+        (tmp / fault).mkdir(parents=True)
+        start = time.perf_counter()
+        why = CELLS[fault](base, tmp / fault)
+        row[fault] = {"ok": not why, "why": why, "seconds": time.perf_counter() - start}
+    return row

@@ -103,6 +103,7 @@ class TorchftGroups:
         self.size, self.rank = 1, 0
         self.quorum_id = None
         self.events: list[str] = []   # quorum changes and heals since the last `status()`
+        self.heals = 0
 
     def register(self, state_dict, load_state_dict, fingerprint: str):
         """What a peer sends a group that heals, what loads it, and what the groups must share."""
@@ -113,12 +114,14 @@ class TorchftGroups:
         """A quorum (blocking until the members present meet or the join timeout), a heal if my
         group is behind, then the header: the exchange's inner step and fragment (the largest
         step's; a joining member sends JOINING), the members' tokens, the groups' fingerprints."""
-        m = self.manager
+        m, why = self.manager, None
         try:
             m.start_quorum()
         except Exception as e:   # no quorum in time (cut off, Lighthouse away): train on alone
             forget_failed_quorum(m)
-            self._event(f"no quorum ({type(e).__name__}): this group goes on alone")
+            why = type(e).__name__
+        if self._any_in_group(why is not None):   # every rank of my group takes the same path
+            self._event(f"no quorum ({why or 'on another rank of this group'}): this group goes on alone")
             self.size, self.rank = 1, 0
             return Opened(steps, JOINING, 1, 0, None)
         healed, self._just_healed = self._just_healed, False
@@ -131,24 +134,35 @@ class TorchftGroups:
         top = torch.tensor([float(steps * FRAGMENT_SPAN + fragment + 1), float(self.fingerprint),
                             -float(self.fingerprint)], dtype=torch.float64)
         m.allreduce(top, reduce_op=dist.ReduceOp.MAX).wait()
-        if not m.errored() and top[1] != -top[2]:   # at once: every member has this result
-            raise different_shapes()
         agreed_steps, agreed_fragment = divmod(int(top[0].item()), FRAGMENT_SPAN)
         agreed_fragment -= 1
         counts = agreed_steps == steps and fragment == agreed_fragment != JOINING
         total = torch.tensor([float(tokens) if counts else 0.0, float(counts)], dtype=torch.float64)
-        m.allreduce(total, reduce_op=dist.ReduceOp.SUM).wait()
-        if m.errored():   # commit will say no in the whole group
+        if not m.errored():
+            m.allreduce(total, reduce_op=dist.ReduceOp.SUM).wait()
+        # Each rank met its own peers: a failure or a mismatch seen by one rank is its whole group's.
+        failed, mismatch = self._any_in_group(m.errored() is not None, not m.errored() and top[1] != -top[2])
+        if mismatch:
+            raise different_shapes()
+        if failed:   # commit says no in the whole group (torchft: an error on any rank)
             return Opened(steps, JOINING, self.size, self.rank, None, healed, quorum=True)
         tokens_in, members_in = total.tolist()
         weight = 0.0 if not counts else tokens / tokens_in if tokens_in > 0 else 1.0 / members_in
         return Opened(agreed_steps, agreed_fragment, self.size, self.rank, weight, healed, quorum=True)
+
+    def _any_in_group(self, *flags: bool):
+        """Each flag, true on any rank of my group (an all-reduce inside the group)."""
+        t = torch.tensor([float(f) for f in flags])
+        self.comm.all_reduce(t, op=dist.ReduceOp.MAX, phase="outer_membership")
+        out = [bool(v) for v in t.tolist()]
+        return out[0] if len(out) == 1 else out
 
     _just_healed = False
 
     def healed(self):
         """Called from the load_state_dict of a heal (torchft applies it inside start_quorum)."""
         self._just_healed = True
+        self.heals += 1
         self._event(f"healed from a peer (outer state of its exchange {self.manager.current_step()})")
 
     def all_reduce(self, tensor: torch.Tensor, phase: str, async_op: bool = True) -> Work:
@@ -182,7 +196,7 @@ class TorchftGroups:
 
     def status(self) -> dict:
         events, self.events = self.events, []
-        return {"quorum_size": self.size, "events": events}
+        return {"quorum_size": self.size, "heals": self.heals, "events": events}
 
     def _event(self, what: str):
         self.events.append(what)

@@ -3,7 +3,8 @@ gloo ranks, meeting the others through torchft's Lighthouse, on a 2-layer GPT an
 (bench/groups_job.py runs the jobs and checks them)."""
 import pytest
 
-from bench.groups_job import different_models, kill_one_group, same_as_one_job
+from bench.groups_job import (different_models, kill_one_group, late_start_and_clean_stop, lighthouse_restart,
+                              same_as_one_job)
 from tests.test_cli_errors import fails, good
 from tests.test_cli_errors import corpus as cli_corpus   # noqa: F401 (a fixture)
 from tests.test_train import corpus, flags   # noqa: F401 (corpus: the fixture)
@@ -27,6 +28,14 @@ def test_two_groups_as_two_jobs_train_the_model_of_one_job_bit_for_bit(corpus, t
     """The outer step over torchft's quorum is the one of a job whose groups never fail: the same
     exchanges, token weights (equal: halves), data parts and final synchronization."""
     assert same_as_one_job(base(corpus), tmp_path) == ""
+
+
+def test_a_lighthouse_restart_leaves_the_groups_training_and_they_meet_again(corpus, tmp_path):  # noqa: F811
+    assert lighthouse_restart(base(corpus), tmp_path) == ""
+
+
+def test_with_the_launch_script_a_late_group_joins_and_a_stopped_one_leaves(corpus, tmp_path):  # noqa: F811
+    assert late_start_and_clean_stop(base(corpus), tmp_path) == ""
 
 
 def test_groups_with_different_models_stop_with_one_line(corpus, tmp_path):  # noqa: F811

@@ -93,7 +93,7 @@ class TrainingLogger:
             "memory/peak-MB": peak_memory_mb(),
             **({"outer/steps": s["outer_steps"], "outer/cross-group-MB-per-iteration": s["cross_group_mb"],
                 "outer/drift": s["outer_drift"]} if "outer_steps" in s else {}),
-            **({"outer/quorum-size": s["quorum"]} if "quorum" in s else {})})
+            **({"outer/quorum-size": s["quorum"], "outer/heals": s["heals"]} if "quorum" in s else {})})
 
     def wall_clock_line(self, it: int, ms: dict):
         """wall_clock_breakdown: DeepSpeed's per-phase line (this rank's times, ms per

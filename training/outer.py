@@ -146,7 +146,7 @@ def attach_outer(args, engine):
     sync = attach(engine, cross, settings)
     if fault_tolerant(args):   # what a group that is behind takes from a peer; the groups must agree on the shapes
         cross.register(lambda: outer_state(sync), lambda state: heal(sync, state),
-                       f"{group.world_size}/{sum(s.numel for s in engine.shards)}/"
+                       f"{args.num_groups}/{group.world_size}/{sum(s.numel for s in engine.shards)}/"
                        f"{sum(g.numel() for g in sync.glob)}/{sync._layout()}")
     return sync
 
@@ -182,7 +182,8 @@ def outer_fields(engine, stats, iterations: int) -> dict:
         for event in status["events"]:
             print_rank0(f"> outer membership: {event}")
         return {"outer_steps": sync.outer_steps, "cross_group_mb": inter / iterations / 2**20,
-                "outer_drift": sync.drift, "quorum": status["quorum_size"], "loss_of": f"group {sync.cross.group_id}"}
+                "outer_drift": sync.drift, "quorum": status["quorum_size"], "heals": status["heals"],
+                "loss_of": f"group {sync.cross.group_id}"}
     return {"outer_steps": sync.outer_steps, "cross_group_mb": inter / iterations / 2**20, "outer_drift": sync.drift,
             "loss_of": f"group 0 of {sync.cross.size}"}
 

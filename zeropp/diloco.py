@@ -143,7 +143,7 @@ class OuterSync:
         notes = [self._merge(x) for x in self.pending if x.merge_at == self.steps]
         self.pending = [x for x in self.pending if x.merge_at > self.steps]
         for f in self.due(self.steps):
-            x = self._issue(f)
+            x = self.start(self.cross.open(self.steps, f, self.since[f]))
             if x is None:   # nobody to exchange with at this step (a fault-tolerant group cut off)
                 continue
             self.in_flight_peak = max(self.in_flight_peak, x.nbytes() + sum(p.nbytes() for p in self.pending))
@@ -152,9 +152,6 @@ class OuterSync:
             else:
                 notes.append(self._merge(x))
         return "; ".join(n for n in notes if n) or None
-
-    def _issue(self, f: int) -> Exchange | None:
-        return self.start(self.cross.open(self.steps, f, self.since[f]))
 
     def start(self, opened) -> Exchange | None:
         """Issue the exchange the members agreed on (parallel/membership.py Opened); None if none."""
