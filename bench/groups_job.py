@@ -116,50 +116,109 @@ TIMEOUT = 10   # --outer-timeout of every group
 
 def kill_one_group(base, tmp: Path, iters: int = 700) -> str:
     """`base(out_dir)`: train.py's flags for data and model, --save inside out_dir."""
+    return kills(base, tmp, 2, (1,), iters)
+
+
+def kills(base, tmp: Path, groups: int, victims: tuple[int, ...], iters: int) -> str:
+    """Group 0 first, the others join it; then each victim in turn (a group may die twice) has one
+    rank frozen in an exchange, its launcher SIGKILLed, and is restarted from its own checkpoint
+    once group 0 has gone on without it. Group 0 must log every iteration once and never stand
+    still past one exchange timeout; each restart heals and exchanges with the others again; every
+    group ends on the same global model."""
     lh, url = start_lighthouse(tmp / "lighthouse.log")
-    argv = [*RUN, "--train-iters", str(iters), "--save-interval", "10"]
-    logs = [tmp / "group0.log", tmp / "group1.log", tmp / "group1_again.log"]
-    g0 = launch_group(0, 2, url, [*base(tmp / "g0"), *argv], logs[0])
-    g1 = None
-    try:   # group 0 first: group 1 joins it (a group that joins late takes the others' inner step)
-        if not wait_for(logs[0], r"iteration +1/", 120, g0):
+    argv = [*RUN, "--train-iters", str(iters), "--save-interval", "10", "--global-batch-size", str(4 * groups)]
+    flags = {g: [*base(tmp / f"g{g}"), *argv] for g in range(groups)}
+    logs = {g: tmp / f"group{g}.log" for g in range(groups)}
+    procs = {0: launch_group(0, groups, url, flags[0], logs[0])}
+    killed_at, restarts = [], []
+    try:   # group 0 first: the others join it (a group that joins late takes the others' inner step)
+        if not wait_for(logs[0], r"iteration +1/", 120, procs[0]):
             return problem(logs[0], "group 0 never trained")
-        g1 = launch_group(1, 2, url, [*base(tmp / "g1"), *argv], logs[1])
-        if not (wait_for(logs[1], r"quorum: 2 groups", 120, g1) and wait_for(logs[1], r"saved checkpoint", 60, g1)):
-            return problem(logs[1], "the two groups never exchanged together, or group 1 never saved")
-        rank1 = worker_ranks(g1).get(1)
-        if rank1:
-            os.kill(rank1, signal.SIGSTOP)   # group 0 meets it in an exchange it cannot finish
-        time.sleep(1.0)
-        g1.send_signal(signal.SIGKILL)   # the launcher: its ranks die with it (parallel/launch.py)
-        g1.wait()
-        killed_at = time.time()
-        if not wait_for(logs[0], r"quorum of 1 group\(s\), was 2", 60, g0):
-            return problem(logs[0], "group 0 never went on alone")
-        g1 = launch_group(1, 2, url, [*base(tmp / "g1"), *argv, "--load", str(tmp / "g1" / "ckpt")], logs[2])
-        rc0, rc1 = g0.wait(timeout=600), g1.wait(timeout=600)
+        for g in range(1, groups):
+            procs[g] = launch_group(g, groups, url, flags[g], logs[g])
+        for n, g in enumerate(victims):
+            full = rf"quorum: {groups} groups"
+            if not (wait_for(logs[g], full, 180, procs[g]) and wait_for(logs[g], r"saved checkpoint", 60, procs[g])):
+                return problem(logs[g], f"group {g} never exchanged with all the others, or never saved")
+            rank1 = worker_ranks(procs[g]).get(1)
+            if rank1:
+                os.kill(rank1, signal.SIGSTOP)   # the others meet it in an exchange it cannot finish
+            time.sleep(1.0)
+            procs[g].send_signal(signal.SIGKILL)   # the launcher: its ranks die with it (parallel/launch.py)
+            procs[g].wait()
+            killed_at.append(time.time())
+            if not wait_for(logs[0], rf"quorum of {groups - 1} group\(s\), was {groups}", 60, procs[0]):
+                return problem(logs[0], f"group 0 never went on without group {g}")
+            logs[g] = tmp / f"group{g}_again{n}.log"
+            restarts.append(logs[g])
+            procs[g] = launch_group(g, groups, url, [*flags[g], "--load", str(tmp / f"g{g}" / "ckpt")], logs[g])
+        rcs = {g: p.wait(timeout=900) for g, p in procs.items()}
     finally:
-        stop_all(*[p for p in (g0, g1, lh) if p is not None])
-    if rc0 or rc1:
-        return problem(logs[0] if rc0 else logs[2], f"exit status {rc0} (group 0), {rc1} (group 1 restarted)")
+        stop_all(*procs.values(), lh)
+    if any(rcs.values()):
+        return problem(logs[next(g for g, rc in rcs.items() if rc)], f"exit statuses {rcs}")
     seen = iterations(logs[0])
     if [it for _, it in seen] != list(range(1, iters + 1)):
         return problem(logs[0], "group 0 did not log every iteration exactly once")
     gap = max(b[0] - a[0] for a, b in zip(seen, seen[1:]))
     if gap > TIMEOUT + 5:   # the exchange's timeout, the log's one-second stamps, a quorum's join timeout
         return problem(logs[0], f"group 0 stood still for {gap:.0f} s (the exchange timeout is {TIMEOUT} s)")
-    again = logs[2].read_text(errors="replace")
-    for said in ("healed from a peer", "continuing at their inner step", "quorum: 2 groups"):
-        if said not in again:
-            return problem(logs[2], f"the restarted group 1 never said {said!r}")
-    if not any(t > killed_at for t, _ in seen):
-        return problem(logs[0], "group 0 logged nothing after the kill")
-    quorum, heals = tensorboard(tmp / "g0" / "tb", "outer/quorum-size"), tensorboard(tmp / "g1" / "tb", "outer/heals")
-    if not {1.0, 2.0} <= set(quorum) or not heals or max(heals) < 1:
-        return problem(logs[2], f"TensorBoard: quorum sizes {sorted(set(quorum))} (group 0), heals {heals[-1:]} (group 1)")
-    finals = [VALIDATION.findall(log.read_text(errors="replace"))[-1:] for log in (logs[0], logs[2])]
+    if not any(t > killed_at[-1] for t, _ in seen):
+        return problem(logs[0], "group 0 logged nothing after the last kill")
+    for log in restarts:
+        again = log.read_text(errors="replace")
+        for said in ("healed from a peer", "continuing at their inner step", f"quorum: {groups} groups"):
+            if said not in again:
+                return problem(log, f"a restarted group never said {said!r}")
+    quorum, heals = tensorboard(tmp / "g0" / "tb", "outer/quorum-size"), tensorboard(tmp / f"g{victims[-1]}" / "tb",
+                                                                                        "outer/heals")
+    if not {float(groups - 1), float(groups)} <= set(quorum) or not heals or max(heals) < 1:
+        return problem(restarts[-1], f"TensorBoard: quorum sizes {sorted(set(quorum))} (group 0), heals {heals[-1:]}")
+    finals = [VALIDATION.findall(logs[g].read_text(errors="replace"))[-1:] for g in range(groups)]
+    if not all(finals) or any(f != finals[0] for f in finals):
+        return problem(restarts[-1], f"the groups end on different global models: {finals}")
+    return ""
+
+
+def freeze_one_group(base, tmp: Path, iters: int = 1500, seconds: float = 15.0) -> str:
+    """Every rank of group 1 stopped (SIGSTOP) for `seconds`, then continued: a group cut off
+    that comes back alive. Group 0 goes on alone meanwhile; group 1 finds its exchange failed,
+    goes on alone, then heals from group 0 keeping its own trained masters (merged at its next
+    exchanges), and both end on the same global model."""
+    lh, url = start_lighthouse(tmp / "lighthouse.log")
+    argv = [*RUN, "--train-iters", str(iters)]
+    logs = [tmp / "group0.log", tmp / "group1.log"]
+    procs = [launch_group(0, 2, url, [*base(tmp / "g0"), *argv], logs[0])]
+    try:
+        if not wait_for(logs[0], r"iteration +1/", 120, procs[0]):
+            return problem(logs[0], "group 0 never trained")
+        procs.append(launch_group(1, 2, url, [*base(tmp / "g1"), *argv], logs[1]))
+        if not wait_for(logs[1], r"quorum: 2 groups", 180, procs[1]):
+            return problem(logs[1], "the two groups never exchanged together")
+        ranks = list(worker_ranks(procs[1]).values())
+        for pid in ranks:
+            os.kill(pid, signal.SIGSTOP)
+        time.sleep(seconds)
+        mark = len(logs[1].read_text(errors="replace"))
+        for pid in ranks:
+            os.kill(pid, signal.SIGCONT)
+        rcs = [p.wait(timeout=900) for p in procs]
+    finally:
+        stop_all(*procs, lh)
+    if any(rcs):
+        return problem(logs[rcs.index(next(r for r in rcs if r))], f"exit statuses {rcs}")
+    seen = iterations(logs[0])
+    if [it for _, it in seen] != list(range(1, iters + 1)):
+        return problem(logs[0], "group 0 did not log every iteration exactly once")
+    gap = max(b[0] - a[0] for a, b in zip(seen, seen[1:]))
+    if gap > TIMEOUT + 5:
+        return problem(logs[0], f"group 0 stood still for {gap:.0f} s (the exchange timeout is {TIMEOUT} s)")
+    after = logs[1].read_text(errors="replace")[mark:]
+    if "healed from a peer" not in after or "quorum: 2 groups" not in after.split("healed from a peer", 1)[1]:
+        return problem(logs[1], "group 1 did not heal from group 0 and exchange with it again after the freeze")
+    finals = [VALIDATION.findall(log.read_text(errors="replace"))[-1:] for log in logs]
     if not all(finals) or finals[0] != finals[1]:
-        return problem(logs[2], f"the groups end on different global models: {finals}")
+        return problem(logs[1], f"the groups end on different global models: {finals}")
     return ""
 
 
@@ -290,7 +349,7 @@ def same_as_one_job(base, tmp: Path, iters: int = 24) -> str:
     return ""
 
 
-CELLS = {"kill-one-group": kill_one_group, "lighthouse-restart": lighthouse_restart,
+CELLS = {"kill-one-group": kill_one_group, "freeze-one-group": freeze_one_group, "lighthouse-restart": lighthouse_restart,
          "late-start-clean-stop": late_start_and_clean_stop, "same-as-one-job": same_as_one_job,
          "different-models": different_models}
 FAULTS = tuple(CELLS)
@@ -305,3 +364,42 @@ def run_group_cells(base, tmp: Path, faults=FAULTS) -> dict:
         why = CELLS[fault](base, tmp / fault)
         row[fault] = {"ok": not why, "why": why, "seconds": time.perf_counter() - start}
     return row
+
+
+def three_groups_two_kills(base, tmp: Path) -> str:
+    """3 groups of 2 ranks; group 1 killed mid-exchange, restarted; then killed again at a later
+    step and restarted again."""
+    return kills(base, tmp, 3, (1, 1), 900)
+
+
+def main(argv=None):
+    import argparse
+    import json
+    import tempfile
+
+    from bench import RESULTS, cpu_model
+    from bench.diloco_job import demo_flags
+
+    p = argparse.ArgumentParser(description="groups that survive each other (train.py --lighthouse): the cells")
+    p.add_argument("--cells", default=",".join([*FAULTS, "three-groups-two-kills"]))
+    a = p.parse_args(argv)
+    cells = {**CELLS, "three-groups-two-kills": three_groups_two_kills}
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for cell in a.cells.split(","):
+            (Path(tmp) / cell).mkdir()
+            start = time.perf_counter()
+            why = cells[cell](demo_flags, Path(tmp) / cell)
+            rows[cell] = {"ok": not why, "why": why, "seconds": round(time.perf_counter() - start, 1)}
+            print(f"{cell:24s} {'ok' if not why else 'FAILED'} ({rows[cell]['seconds']:.0f} s)"
+                  + (f"\n{why}" if why else ""), flush=True)
+    path = RESULTS / "groups_job.json"   # cells run before by another command stay, each with its own
+    saved = json.loads(path.read_text()) if path.exists() else {"cells": {}}
+    old = {k: {"cpu": saved.get("cpu"), "command": saved.get("command"), **v} for k, v in saved["cells"].items()}
+    stamp = {"cpu": cpu_model(), "command": "python -m bench.groups_job --cells " + a.cells}
+    path.write_text(json.dumps({"cells": {**old, **{k: {**v, **stamp} for k, v in rows.items()}}}, indent=1) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
