@@ -366,6 +366,39 @@ def run_group_cells(base, tmp: Path, faults=FAULTS) -> dict:
     return row
 
 
+FIGURES: dict = {}   # a cell's measured figures, beside its verdict in the JSON
+
+
+def final_loss(log: Path) -> float | None:
+    found = VALIDATION.findall(log.read_text(errors="replace"))
+    return float(found[-1][1]) if found else None
+
+
+def kill_against_uninterrupted(base, tmp: Path, iters: int = 700, tolerance: float = 0.02) -> str:
+    """The final validation loss (the global model, the plain run's validation samples) of
+    kill-one-group against the same two groups uninterrupted (the Lighthouse waits for both):
+    within `tolerance`. The ratio is in the cell's "why" when it is not."""
+    lh, url = start_lighthouse(tmp / "lighthouse.log", min_replicas=2)
+    argv = [*RUN, "--train-iters", str(iters)]
+    logs = [tmp / "steady0.log", tmp / "steady1.log"]
+    procs = [launch_group(g, 2, url, [*base(tmp / f"steady{g}"), *argv], logs[g]) for g in (0, 1)]
+    try:
+        rcs = [p.wait(timeout=900) for p in procs]
+    finally:
+        stop_all(*procs, lh)
+    if any(rcs):
+        return problem(logs[0], f"the uninterrupted run failed: {rcs}")
+    (tmp / "killed").mkdir()
+    why = kill_one_group(base, tmp / "killed", iters)
+    if why:
+        return why
+    steady, killed = final_loss(logs[0]), final_loss(tmp / "killed" / "group0.log")
+    ratio = killed / steady
+    FIGURES["kill-against-uninterrupted"] = {"uninterrupted_loss": steady, "killed_loss": killed, "ratio": ratio}
+    return "" if abs(ratio - 1) <= tolerance else f"final validation loss {killed:.4f} with the kill / {steady:.4f} " \
+                                                   f"uninterrupted = {ratio:.4f}, beyond {tolerance:.0%}"
+
+
 def three_groups_two_kills(base, tmp: Path) -> str:
     """3 groups of 2 ranks; group 1 killed mid-exchange, restarted; then killed again at a later
     step and restarted again."""
@@ -383,14 +416,16 @@ def main(argv=None):
     p = argparse.ArgumentParser(description="groups that survive each other (train.py --lighthouse): the cells")
     p.add_argument("--cells", default=",".join([*FAULTS, "three-groups-two-kills"]))
     a = p.parse_args(argv)
-    cells = {**CELLS, "three-groups-two-kills": three_groups_two_kills}
+    cells = {**CELLS, "three-groups-two-kills": three_groups_two_kills,
+             "kill-against-uninterrupted": kill_against_uninterrupted}
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         for cell in a.cells.split(","):
             (Path(tmp) / cell).mkdir()
             start = time.perf_counter()
             why = cells[cell](demo_flags, Path(tmp) / cell)
-            rows[cell] = {"ok": not why, "why": why, "seconds": round(time.perf_counter() - start, 1)}
+            rows[cell] = {"ok": not why, "why": why, "seconds": round(time.perf_counter() - start, 1),
+                          **FIGURES.get(cell, {})}
             print(f"{cell:24s} {'ok' if not why else 'FAILED'} ({rows[cell]['seconds']:.0f} s)"
                   + (f"\n{why}" if why else ""), flush=True)
     path = RESULTS / "groups_job.json"   # cells run before by another command stay, each with its own
