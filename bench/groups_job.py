@@ -319,6 +319,19 @@ def different_models(base, tmp: Path) -> str:
     return ""
 
 
+def steady_groups(base, tmp: Path, argv: list[str], name: str) -> str:
+    """Two groups that meet at every exchange (the Lighthouse waits for both), to the end: ""
+    or what failed; logs `name`0.log and `name`1.log, outputs under tmp / `name`<g>."""
+    lh, url = start_lighthouse(tmp / f"lighthouse_{name}.log", min_replicas=2)
+    logs = [tmp / f"{name}{g}.log" for g in (0, 1)]
+    procs = [launch_group(g, 2, url, [*base(tmp / f"{name}{g}"), *argv], logs[g]) for g in (0, 1)]
+    try:
+        rcs = [p.wait(timeout=900) for p in procs]
+    finally:
+        stop_all(*procs, lh)
+    return problem(logs[rcs.index(next(r for r in rcs if r))], f"exit statuses {rcs}") if any(rcs) else ""
+
+
 def same_as_one_job(base, tmp: Path, iters: int = 24) -> str:
     """Two groups as two jobs, every exchange with both (the Lighthouse waits for 2), against the
     same two groups in one torchrun job (`--group-size 1`): the exported models are equal bit for
@@ -330,15 +343,9 @@ def same_as_one_job(base, tmp: Path, iters: int = 24) -> str:
     out, hung = finish(one, 300)
     if hung or one.returncode:
         return f"the one-job run failed ({one.returncode}):\n" + "\n".join(out.splitlines()[-10:])
-    lh, url = start_lighthouse(tmp / "lighthouse.log", min_replicas=2)
-    logs = [tmp / "group0.log", tmp / "group1.log"]
-    procs = [launch_group(g, 2, url, [*base(tmp / f"g{g}"), *argv], logs[g]) for g in (0, 1)]
-    try:
-        rcs = [p.wait(timeout=300) for p in procs]
-    finally:
-        stop_all(*procs, lh)
-    if any(rcs):
-        return problem(logs[rcs.index(next(r for r in rcs if r))], f"exit status {rcs}")
+    why = steady_groups(base, tmp, argv, "g")
+    if why:
+        return why
     want = consolidated_state_dict(str(tmp / "one" / "ckpt"))[0]
     for g in (0, 1):
         got = consolidated_state_dict(str(tmp / f"g{g}" / "ckpt"))[0]
@@ -378,21 +385,14 @@ def kill_against_uninterrupted(base, tmp: Path, iters: int = 700, tolerance: flo
     """The final validation loss (the global model, the plain run's validation samples) of
     kill-one-group against the same two groups uninterrupted (the Lighthouse waits for both):
     within `tolerance`. The ratio is in the cell's "why" when it is not."""
-    lh, url = start_lighthouse(tmp / "lighthouse.log", min_replicas=2)
-    argv = [*RUN, "--train-iters", str(iters)]
-    logs = [tmp / "steady0.log", tmp / "steady1.log"]
-    procs = [launch_group(g, 2, url, [*base(tmp / f"steady{g}"), *argv], logs[g]) for g in (0, 1)]
-    try:
-        rcs = [p.wait(timeout=900) for p in procs]
-    finally:
-        stop_all(*procs, lh)
-    if any(rcs):
-        return problem(logs[0], f"the uninterrupted run failed: {rcs}")
+    why = steady_groups(base, tmp, [*RUN, "--train-iters", str(iters)], "steady")
+    if why:
+        return "the uninterrupted run failed: " + why
     (tmp / "killed").mkdir()
     why = kill_one_group(base, tmp / "killed", iters)
     if why:
         return why
-    steady, killed = final_loss(logs[0]), final_loss(tmp / "killed" / "group0.log")
+    steady, killed = final_loss(tmp / "steady0.log"), final_loss(tmp / "killed" / "group0.log")
     ratio = killed / steady
     FIGURES["kill-against-uninterrupted"] = {"uninterrupted_loss": steady, "killed_loss": killed, "ratio": ratio}
     return "" if abs(ratio - 1) <= tolerance else f"final validation loss {killed:.4f} with the kill / {steady:.4f} " \
