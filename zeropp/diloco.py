@@ -41,7 +41,6 @@ from dataclasses import dataclass
 
 import torch
 
-from parallel.comm import Work
 from parallel.membership import JOINING, FixedGroups
 from zeropp.collectives.partition import FlatState, Partition
 from zeropp.collectives.protocols import MemoryLine, PlannedCollective
