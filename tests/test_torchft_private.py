@@ -11,10 +11,16 @@ import pytest
 from common import torchft_private as ftp
 from tests.test_structure import ROOT, source_files
 
-manager = pytest.importorskip("torchft.manager")
+
+
+def torchft_manager():
+    """torchft.manager, imported in the test that needs it, not at collection: torchft imports
+    Triton, which must not be imported before tests/test_quant.py sets TRITON_INTERPRET."""
+    return pytest.importorskip("torchft.manager")
 
 
 def test_checked_against_the_installed_torchft():
+    torchft_manager()
     assert version("torchft") == ftp.CHECKED_TORCHFT, (
         f"torchft {version('torchft')} is installed; common/torchft_private.py was checked against "
         f"{ftp.CHECKED_TORCHFT}: run this file, check each attribute, then update CHECKED_TORCHFT")
@@ -23,7 +29,7 @@ def test_checked_against_the_installed_torchft():
 def test_a_failed_quorum_is_kept_in_quorum_future_and_re_raised_by_the_next_start():
     """What forget_failed_quorum undoes: start_quorum waits on the last quorum's future first
     (re-raising its failure), then stores the new one in `_quorum_future`."""
-    source = inspect.getsource(manager.Manager.start_quorum)
+    source = inspect.getsource(torchft_manager().Manager.start_quorum)
     wait = source.index("self._quorum_future.result()")
     store = source.index("self._quorum_future = self._executor.submit(")
     assert wait < store

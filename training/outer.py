@@ -4,6 +4,7 @@ synchronizes across the groups (zeropp/diloco.py)."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 
 from common import ConfigError
@@ -90,10 +91,8 @@ def check_fault_tolerant_args(args, flag, H):
         raise ConfigError(f"{flag(args, 'outer_sync_delay', args.outer_sync_delay)} must be below {H} / "
                           f"--outer-fragments {args.outer_fragments} = {spacing} with --lighthouse; pass at most "
                           f"{spacing - 1}")
-    try:
-        import torchft  # noqa: F401
-    except ImportError:
-        raise ConfigError("--lighthouse needs torchft; pip install torchft") from None
+    if importlib.util.find_spec("torchft") is None:   # found, not imported (it imports Triton)
+        raise ConfigError("--lighthouse needs torchft; pip install torchft")
 
 
 def fault_tolerant(args) -> bool:
