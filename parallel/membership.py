@@ -101,7 +101,6 @@ class TorchftGroups:
             rank=topology.rank, world_size=topology.world_size, lighthouse_addr=lighthouse,
             replica_id=f"group{group_id}")
         self.size, self.rank = 1, 0
-        self.quorum_id = None
         self.events: list[str] = []   # quorum changes and heals since the last `status()`
         self.heals = 0
 
