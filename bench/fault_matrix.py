@@ -38,7 +38,8 @@ what each column means there):
   SIGTERM to one group, a loss diverging in one group first, an export of a run shorter than H;
   and with each group its own torchrun job (train.py --lighthouse, bench/groups_job.py): a group
   killed mid-exchange and restarted, a Lighthouse restart, a late start and a clean stop, the
-  one-job model bit for bit, groups of different models;
+  one-job model bit for bit, groups of different models, a 60 s link outage between one of three
+  groups on emulated sites and the others;
 - FSDP2 + the ZeRO++ plug-in (zeropp/fsdp_engine.py), a row per switch combination FSDP2
   accepts on 2 nodes x 2: overflow, nan, resume, engine (its checkpoint into the engine's
   ZeRO-3 and back).

@@ -11,10 +11,13 @@ test_groups_job.py asserts each on a tiny corpus; bench/fault_matrix.py can prin
 - freeze-one-group: every rank of group 1 stopped for 15 s, then continued (cut off and back):
   it heals keeping its own masters and exchanges with group 0 again.
 - lighthouse-restart, late-start-clean-stop (through scripts/launch_groups.sh), same-as-one-job
-  (the one-job mode's model bit for bit), different-models (every group stops with one line);
+  (the one-job mode's model bit for bit), different-models (every group stops with one line),
+  link-outage (three groups on emulated sites, one cut off for 60 s), heal-interrupted (a late
+  group's heal over a slow link cut off): bench/groups_sites.py, root only;
 - in the bench only (`python -m bench.groups_job`, bench/results/groups_job.json):
   three-groups-two-kills, kill-against-uninterrupted (the final validation loss after a kill
-  against the uninterrupted groups).
+  against the uninterrupted groups), punisher (random kills against a 10-minute job:
+  bench/groups_punisher.py).
 Launching and reading the jobs: bench/groups_launch.py.
 """
 from __future__ import annotations
@@ -30,8 +33,9 @@ import torch
 
 from bench import ROOT
 from bench.diloco_job import worker_ranks
-from bench.groups_launch import (TIMEOUT, VALIDATION, free_port, iterations, launch_group, problem, script,
-                                 start_lighthouse, stop_all, tensorboard, wait_for)
+from bench.groups_launch import (FIGURES, TIMEOUT, VALIDATION, free_port, iterations, launch_group, problem, script,
+                                 samples_in_order, start_lighthouse, stood_still, stop_all, tensorboard,
+                                 wait_for)
 
 # -- the cells ---------------------------------------------------------------------------------------
 
@@ -85,9 +89,8 @@ def kills(base, tmp: Path, groups: int, victims: tuple[int, ...], iters: int) ->
     seen = iterations(logs[0])
     if [it for _, it in seen] != list(range(1, iters + 1)):
         return problem(logs[0], "group 0 did not log every iteration exactly once")
-    gap = max(b[0] - a[0] for a, b in zip(seen, seen[1:]))
-    if gap > TIMEOUT + 5:   # the exchange's timeout, the log's one-second stamps, a quorum's join timeout
-        return problem(logs[0], f"group 0 stood still for {gap:.0f} s (the exchange timeout is {TIMEOUT} s)")
+    if still := stood_still(logs[0]):
+        return still
     if not any(t > killed_at[-1] for t, _ in seen):
         return problem(logs[0], "group 0 logged nothing after the last kill")
     for log in restarts:
@@ -135,9 +138,8 @@ def freeze_one_group(base, tmp: Path, iters: int = 1500, seconds: float = 15.0) 
     seen = iterations(logs[0])
     if [it for _, it in seen] != list(range(1, iters + 1)):
         return problem(logs[0], "group 0 did not log every iteration exactly once")
-    gap = max(b[0] - a[0] for a, b in zip(seen, seen[1:]))
-    if gap > TIMEOUT + 5:
-        return problem(logs[0], f"group 0 stood still for {gap:.0f} s (the exchange timeout is {TIMEOUT} s)")
+    if still := stood_still(logs[0]):
+        return still
     after = logs[1].read_text(errors="replace")[mark:]
     if "healed from a peer" not in after or "quorum: 2 groups" not in after.split("healed from a peer", 1)[1]:
         return problem(logs[1], "group 1 did not heal from group 0 and exchange with it again after the freeze")
@@ -147,10 +149,10 @@ def freeze_one_group(base, tmp: Path, iters: int = 1500, seconds: float = 15.0) 
     return ""
 
 
-def lighthouse_restart(base, tmp: Path, iters: int = 300) -> str:
+def lighthouse_restart(base, tmp: Path, iters: int = 1000) -> str:
     """The Lighthouse killed while two groups exchange, and started again on its port 5 s later:
-    both go on alone meanwhile (no step lost, no wait past one timeout) and exchange together
-    again after it returns."""
+    both go on alone meanwhile (no step lost, no exchange past its chain of timeouts) and
+    exchange together again after it returns."""
     lh, url = start_lighthouse(tmp / "lighthouse.log")
     argv = [*RUN, "--train-iters", str(iters)]
     logs = [tmp / "group0.log", tmp / "group1.log"]
@@ -170,11 +172,14 @@ def lighthouse_restart(base, tmp: Path, iters: int = 300) -> str:
         return problem(logs[0], f"exit status {rcs}")
     for log in logs:
         seen = iterations(log)
-        if [it for _, it in seen][-1] != iters or len({it for _, it in seen}) != len(seen):
-            return problem(log, "an iteration was lost or repeated")
-        gap = max(b[0] - a[0] for a, b in zip(seen, seen[1:]))
-        if gap > TIMEOUT + 5:
-            return problem(log, f"a group stood still for {gap:.0f} s (the exchange timeout is {TIMEOUT} s)")
+        if [it for _, it in seen][-1] != iters or len({it for _, it in seen}) != len(seen) or not samples_in_order(log):
+            return problem(log, "an iteration was repeated, or a sample skipped or repeated")
+        # torchft's Lighthouse numbers quorums from 1 again after a restart: a group whose last
+        # quorum had the same number but other members keeps its process group, and one exchange
+        # can then wait out each of its steps in turn (quorum, reconfiguration, heal, header,
+        # exchange, commit), every one bounded by the timeout
+        if still := stood_still(log, timeouts=6):
+            return still
         text = log.read_text(errors="replace")
         after = [t for t, _ in seen if t > back + TIMEOUT + 5]
         if "goes on alone" not in text or not after or not re.search(r"quorum of 2 group\(s\), was 1", text.split(
@@ -274,9 +279,22 @@ def same_as_one_job(base, tmp: Path, iters: int = 24) -> str:
     return ""
 
 
+def link_outage(base, tmp: Path) -> str:
+    """bench/groups_sites.py's cell: three groups on emulated sites, one cut off for 60 s."""
+    from bench.groups_sites import link_outage as cell
+    return cell(base, tmp)
+
+
+def heal_interrupted(base, tmp: Path) -> str:
+    """bench/groups_sites.py's cell: a late group's heal cut off by a link outage."""
+    from bench.groups_sites import heal_interrupted as cell
+    return cell(base, tmp)
+
+
 CELLS = {"kill-one-group": kill_one_group, "freeze-one-group": freeze_one_group, "lighthouse-restart": lighthouse_restart,
          "late-start-clean-stop": late_start_and_clean_stop, "same-as-one-job": same_as_one_job,
-         "different-models": different_models}
+         "different-models": different_models, "link-outage": link_outage,
+         "heal-interrupted": heal_interrupted}
 FAULTS = tuple(CELLS)
 
 
@@ -290,8 +308,6 @@ def run_group_cells(base, tmp: Path, faults=FAULTS) -> dict:
         row[fault] = {"ok": not why, "why": why, "seconds": time.perf_counter() - start}
     return row
 
-
-FIGURES: dict = {}   # a cell's measured figures, beside its verdict in the JSON
 
 
 def final_loss(log: Path) -> float | None:
@@ -325,6 +341,7 @@ def three_groups_two_kills(base, tmp: Path) -> str:
 
 def main(argv=None):
     import argparse
+    import contextlib
     import json
     import tempfile
 
@@ -333,13 +350,15 @@ def main(argv=None):
 
     p = argparse.ArgumentParser(description="groups that survive each other (train.py --lighthouse): the cells")
     p.add_argument("--cells", default=",".join([*FAULTS, "three-groups-two-kills"]))
+    p.add_argument("--workdir", help="keep the groups' logs and checkpoints here (default: a temporary folder)")
     a = p.parse_args(argv)
+    from bench.groups_punisher import punisher
     cells = {**CELLS, "three-groups-two-kills": three_groups_two_kills,
-             "kill-against-uninterrupted": kill_against_uninterrupted}
+             "kill-against-uninterrupted": kill_against_uninterrupted, "punisher": punisher}
     rows = {}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() if a.workdir is None else contextlib.nullcontext(a.workdir) as tmp:
         for cell in a.cells.split(","):
-            (Path(tmp) / cell).mkdir()
+            (Path(tmp) / cell).mkdir(parents=True)
             start = time.perf_counter()
             why = cells[cell](demo_flags, Path(tmp) / cell)
             rows[cell] = {"ok": not why, "why": why, "seconds": round(time.perf_counter() - start, 1),

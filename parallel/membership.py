@@ -16,6 +16,7 @@ member's weight, its share of the tokens trained since its last exchange.
 """
 from __future__ import annotations
 
+import time
 import zlib
 from dataclasses import dataclass
 from datetime import timedelta
@@ -41,6 +42,7 @@ class Opened:
     scale: float | None     # multiply my values by it before the sum (token weights); None: divide the sum by size
     healed: bool = False    # my outer state was just replaced by a peer's
     quorum: bool = False    # a torchft quorum was formed: `commit` must follow
+    failed: bool = False    # ...but a member, a heal or the header failed in it: nobody exchanges
 
 
 def different_shapes() -> ConfigError:
@@ -98,32 +100,53 @@ class TorchftGroups:
             pg=ProcessGroupGloo(timeout=timedelta(seconds=timeout_s)), load_state_dict=None,
             state_dict=None, min_replica_size=1, use_async_quorum=False, init_sync=False,
             timeout=timedelta(seconds=timeout_s), quorum_timeout=timedelta(seconds=quorum_timeout_s),
+            # reconnecting to a Lighthouse that went away waits no longer than an exchange (default: 60 s)
+            connect_timeout=timedelta(seconds=timeout_s),
             rank=topology.rank, world_size=topology.world_size, lighthouse_addr=lighthouse,
             replica_id=f"group{group_id}")
         self.size, self.rank = 1, 0
         self.events: list[str] = []   # quorum changes and heals since the last `status()`
         self.heals = 0
+        self.timeout_s, self.retry_at = timeout_s, 0.0   # after a failed quorum: alone until retry_at
 
     def register(self, state_dict, load_state_dict, fingerprint: str):
-        """What a peer sends a group that heals, what loads it, and what the groups must share."""
-        self.manager.register_state_dict_fn("outer", load_state_dict, state_dict)
+        """What a peer sends a group that heals, what loads it (collectives inside the group), and
+        what the groups must share."""
+        self._load = load_state_dict
+        self.manager.register_state_dict_fn("outer", self._receive, state_dict)
         self.fingerprint = zlib.crc32(fingerprint.encode()) & 0xFFFFFF   # exact in float64
+
+    _received = None
+
+    def _receive(self, state: dict):
+        """torchft calls it inside the quorum on each rank whose fetch from a peer succeeded. A
+        rank's fetch can fail when its group's others succeeded: what came is only kept here,
+        loaded by `open` once the whole group has it (never half a group's outer state)."""
+        self._received = state
 
     def open(self, steps: int, fragment: int, tokens: int) -> Opened:
         """A quorum (blocking until the members present meet or the join timeout), a heal if my
         group is behind, then the header: the exchange's inner step and fragment (the largest
         step's; a joining member sends JOINING), the members' tokens, the groups' fingerprints."""
         m, why = self.manager, None
+        # After a failed quorum a group asks again only once a timeout has passed, so that one cut
+        # off spends at most half its time waiting for a Lighthouse it cannot reach (monotonic
+        # clocks differ between ranks: the group agrees first, as on every path below).
+        if self._any_in_group(time.monotonic() < self.retry_at):
+            self.size, self.rank = 1, 0
+            return Opened(steps, JOINING, 1, 0, None)
         try:
             m.start_quorum()
         except Exception as e:   # no quorum in time (cut off, Lighthouse away): train on alone
             forget_failed_quorum(m)
             why = type(e).__name__
+        received, self._received = self._received, None
         if self._any_in_group(why is not None):   # every rank of my group takes the same path
-            self._event(f"no quorum ({why or 'on another rank of this group'}): this group goes on alone")
+            self.retry_at = time.monotonic() + self.timeout_s
+            self._event(f"no quorum ({why or 'on another rank of this group'}): this group goes on alone and asks "
+                        f"again in {self.timeout_s:g} s")
             self.size, self.rank = 1, 0
             return Opened(steps, JOINING, 1, 0, None)
-        healed, self._just_healed = self._just_healed, False
         size = m.num_participants()
         if size != self.size:
             self._event(f"quorum of {size} group(s), was {self.size}")
@@ -140,11 +163,20 @@ class TorchftGroups:
         if not m.errored():
             m.allreduce(total, reduce_op=dist.ReduceOp.SUM).wait()
         # Each rank met its own peers: a failure or a mismatch seen by one rank is its whole group's.
-        failed, mismatch = self._any_in_group(m.errored() is not None, not m.errored() and top[1] != -top[2])
+        failed, mismatch, some, not_all = self._any_in_group(
+            m.errored() is not None, not m.errored() and top[1] != -top[2], received is not None, received is None)
         if mismatch:
             raise different_shapes()
+        if some and not_all and not failed:   # a heal that reached part of my group: never half-loaded
+            m.report_error(RuntimeError("a heal reached only part of this group"))
+            failed = True
         if failed:   # commit says no in the whole group (torchft: an error on any rank)
-            return Opened(steps, JOINING, self.size, self.rank, None, healed, quorum=True)
+            return Opened(steps, JOINING, self.size, self.rank, None, quorum=True, failed=True)
+        healed = received is not None
+        if healed:   # every rank of my group, together
+            self._load(received)
+            self.heals += 1
+            self._event(f"healed from a peer (outer state of its exchange {m.current_step()})")
         tokens_in, members_in = total.tolist()
         weight = 0.0 if not counts else tokens / tokens_in if tokens_in > 0 else 1.0 / members_in
         return Opened(agreed_steps, agreed_fragment, self.size, self.rank, weight, healed, quorum=True)
@@ -155,14 +187,6 @@ class TorchftGroups:
         self.comm.all_reduce(t, op=dist.ReduceOp.MAX, phase="outer_membership")
         out = [bool(v) for v in t.tolist()]
         return out[0] if len(out) == 1 else out
-
-    _just_healed = False
-
-    def healed(self):
-        """Called from the load_state_dict of a heal (torchft applies it inside start_quorum)."""
-        self._just_healed = True
-        self.heals += 1
-        self._event(f"healed from a peer (outer state of its exchange {self.manager.current_step()})")
 
     def all_reduce(self, tensor: torch.Tensor, phase: str, async_op: bool = True) -> Work:
         """A sum over the quorum's members; on a member's failure the tensor is garbage and

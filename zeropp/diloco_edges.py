@@ -82,9 +82,10 @@ def outer_state(sync: OuterSync) -> dict:
 
 
 def heal(sync: OuterSync, state: dict):
-    """A peer's outer state into mine (torchft calls it inside the quorum). A group that has not
-    exchanged since it (re)started takes the global parameters as its masters too; one that
-    trained on alone keeps its own and merges them at its next exchanges."""
+    """A peer's outer state into mine (parallel/membership.py loads it once every rank of my
+    group has fetched its part; collective over my group). A group that has not exchanged since
+    it (re)started takes the global parameters as its masters too; one that trained on alone
+    keeps its own and merges them at its next exchanges."""
     if state.get("fingerprint") != sync.cross.fingerprint:   # nothing copied: the quorum's header says why
         return                                              # to every group (parallel/membership.py)
     for k, v in state.items():
@@ -98,7 +99,6 @@ def heal(sync: OuterSync, state: dict):
         for f in range(sync.s.fragments):
             sync._set_masters(f, 0.0, sync.glob[f])
         sync.engine.masters_changed()
-    sync.cross.healed()
 
 
 def join(sync: OuterSync) -> str:
@@ -113,5 +113,8 @@ def join(sync: OuterSync) -> str:
     if x is not None:
         sync._merge(x)
         sync.joined = True
+    if opened.failed:
+        return (f"met a quorum of {opened.size} group(s), but it failed (a member, or the heal from one, did not "
+                f"finish in time): this group trains alone until its next exchange")
     return (f"joined a quorum of {opened.size} group(s)" + (" and healed from a peer" if opened.healed else "")
             + (f"; continuing at their inner step {sync.steps} (was {before})" if sync.steps != before else ""))
