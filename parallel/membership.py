@@ -135,6 +135,7 @@ class TorchftGroups:
         if self._any_in_group(time.monotonic() < self.retry_at):
             self.size, self.rank = 1, 0
             return Opened(steps, JOINING, 1, 0, None)
+        before = m.state_dict()   # the committed step, which torchft moves to the peer's on a heal
         try:
             m.start_quorum()
         except Exception as e:   # no quorum in time (cut off, Lighthouse away): train on alone
@@ -167,16 +168,18 @@ class TorchftGroups:
             m.errored() is not None, not m.errored() and top[1] != -top[2], received is not None, received is None)
         if mismatch:
             raise different_shapes()
-        if some and not_all and not failed:   # a heal that reached part of my group: never half-loaded
-            m.report_error(RuntimeError("a heal reached only part of this group"))
-            failed = True
-        if failed:   # commit says no in the whole group (torchft: an error on any rank)
-            return Opened(steps, JOINING, self.size, self.rank, None, quorum=True, failed=True)
-        healed = received is not None
-        if healed:   # every rank of my group, together
+        healed = some and not not_all
+        if healed:   # every rank of my group fetched its part: loaded together (even if the exchange fails)
             self._load(received)
             self.heals += 1
             self._event(f"healed from a peer (outer state of its exchange {m.current_step()})")
+        elif some:   # it reached part of my group: undone where it came, so the group heals again next time
+            m.load_state_dict(before)
+            if not failed:
+                m.report_error(RuntimeError("a heal reached only part of this group"))
+            failed = True
+        if failed:   # commit says no in the whole group (torchft: an error on any rank)
+            return Opened(steps, JOINING, self.size, self.rank, None, healed, quorum=True, failed=True)
         tokens_in, members_in = total.tolist()
         weight = 0.0 if not counts else tokens / tokens_in if tokens_in > 0 else 1.0 / members_in
         return Opened(agreed_steps, agreed_fragment, self.size, self.rank, weight, healed, quorum=True)
