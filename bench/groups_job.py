@@ -33,14 +33,14 @@ import torch
 
 from bench import ROOT
 from bench.diloco_job import worker_ranks
-from bench.groups_launch import (FIGURES, TIMEOUT, VALIDATION, free_port, iterations, launch_group, problem, script,
+from bench.groups_launch import (FIGURES, RUN, TIMEOUT, VALIDATION, free_port, iterations, launch_group, problem, script,
                                  samples_in_order, start_lighthouse, stood_still, stop_all, tensorboard,
                                  wait_for)
+from bench.groups_punisher import punisher
+from bench.groups_sites import heal_interrupted, link_outage
 
 # -- the cells ---------------------------------------------------------------------------------------
 
-RUN = ["--global-batch-size", "8", "--zero-stage", "3", "--outer-sync-interval", "4", "--outer-fragments", "2", "--log-interval", "1",
-       "--eval-interval", "100000"]
 
 
 def kill_one_group(base, tmp: Path, iters: int = 700) -> str:
@@ -279,18 +279,6 @@ def same_as_one_job(base, tmp: Path, iters: int = 24) -> str:
     return ""
 
 
-def link_outage(base, tmp: Path) -> str:
-    """bench/groups_sites.py's cell: three groups on emulated sites, one cut off for 60 s."""
-    from bench.groups_sites import link_outage as cell
-    return cell(base, tmp)
-
-
-def heal_interrupted(base, tmp: Path) -> str:
-    """bench/groups_sites.py's cell: a late group's heal cut off by a link outage."""
-    from bench.groups_sites import heal_interrupted as cell
-    return cell(base, tmp)
-
-
 CELLS = {"kill-one-group": kill_one_group, "freeze-one-group": freeze_one_group, "lighthouse-restart": lighthouse_restart,
          "late-start-clean-stop": late_start_and_clean_stop, "same-as-one-job": same_as_one_job,
          "different-models": different_models, "link-outage": link_outage,
@@ -352,7 +340,6 @@ def main(argv=None):
     p.add_argument("--cells", default=",".join([*FAULTS, "three-groups-two-kills"]))
     p.add_argument("--workdir", help="keep the groups' logs and checkpoints here (default: a temporary folder)")
     a = p.parse_args(argv)
-    from bench.groups_punisher import punisher
     cells = {**CELLS, "three-groups-two-kills": three_groups_two_kills,
              "kill-against-uninterrupted": kill_against_uninterrupted, "punisher": punisher}
     rows = {}

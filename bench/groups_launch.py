@@ -16,6 +16,9 @@ from bench import ROOT
 from bench.diloco_job import worker_ranks
 
 TIMEOUT = 10   # --outer-timeout of every group: how long an exchange or a quorum waits
+# every cell's run: H = 4 in 2 fragments (an exchange every 2 inner steps), a line per iteration
+RUN = ["--global-batch-size", "8", "--zero-stage", "3", "--outer-sync-interval", "4", "--outer-fragments", "2", "--log-interval", "1",
+       "--eval-interval", "100000"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 LIGHTHOUSE = str(Path(sys.executable).parent / "torchft_lighthouse")
 FIGURES: dict = {}   # a cell's measured figures, beside its verdict in bench/results/groups_job.json

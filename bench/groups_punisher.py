@@ -17,12 +17,11 @@ import time
 from pathlib import Path
 
 from bench.diloco_job import worker_ranks
-from bench.groups_launch import (FIGURES, iterations, launch_group, problem, samples_in_order, start_lighthouse,
+from bench.groups_launch import (FIGURES, RUN, iterations, launch_group, problem, samples_in_order, start_lighthouse,
                                  stood_still, stop_all, wait_for)
 
 
 def punisher(base, tmp: Path, minutes: float = 10.0, mtbf_s: float = 90.0, groups: int = 3, seed: int = 0) -> str:
-    from bench.groups_job import RUN
     draw = random.Random(seed)
     lh, url = start_lighthouse(tmp / "lighthouse.log")
     argv = [*RUN, "--train-iters", "1000000", "--save-interval", "50", "--global-batch-size", str(4 * groups)]

@@ -14,7 +14,7 @@ import shutil
 import time
 from pathlib import Path
 
-from bench.groups_launch import (FIGURES, TIMEOUT, VALIDATION, iterations, launch_group, problem, samples_in_order,
+from bench.groups_launch import (FIGURES, RUN, TIMEOUT, VALIDATION, iterations, launch_group, problem, samples_in_order,
                                  start_lighthouse, stood_still, stop_all, wait_for)
 from bench.netns import sh
 
@@ -88,7 +88,6 @@ def link_outage(base, tmp: Path, iters: int = 2400, seconds: float = 60.0) -> st
     step. Every group reads its own samples in order (none skipped or read twice; a group that
     fell behind continues at the others' inner step: how many it took is in the JSON), exits 0
     and ends on the same global model."""
-    from bench.groups_job import RUN
     groups, cut_off = 3, 2
     sites_up(groups)
     lh, url = start_lighthouse(tmp / "lighthouse.log", port=LIGHTHOUSE_PORT, host=HUB_ADDR, wrap=in_hub)
@@ -146,7 +145,6 @@ def heal_interrupted(base, tmp: Path, iters: int = 3000, rate_mbit: float = 4, s
     (alone), heals once the link is back and exchanges with group 0; group 0 never stands still
     past two exchange timeouts and reads its samples in order; both end on the same global
     model."""
-    from bench.groups_job import RUN
     from bench.netns import tbf_burst
     sites_up(2)
     lh, url = start_lighthouse(tmp / "lighthouse.log", port=LIGHTHOUSE_PORT, host=HUB_ADDR, wrap=in_hub)
