@@ -342,6 +342,9 @@ def main(argv=None):
     a = p.parse_args(argv)
     cells = {**CELLS, "three-groups-two-kills": three_groups_two_kills,
              "kill-against-uninterrupted": kill_against_uninterrupted, "punisher": punisher}
+    unknown = [c for c in a.cells.split(",") if c not in cells]
+    if unknown:
+        p.error(f"--cells: no cell {', '.join(unknown)}; the cells: {', '.join(cells)}")
     rows = {}
     with tempfile.TemporaryDirectory() if a.workdir is None else contextlib.nullcontext(a.workdir) as tmp:
         for cell in a.cells.split(","):
