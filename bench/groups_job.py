@@ -42,7 +42,6 @@ from bench.groups_sites import heal_interrupted, link_outage
 # -- the cells ---------------------------------------------------------------------------------------
 
 
-
 def kill_one_group(base, tmp: Path, iters: int = 700) -> str:
     """`base(out_dir)`: train.py's flags for data and model, --save inside out_dir."""
     return kills(base, tmp, 2, (1,), iters)
@@ -295,7 +294,6 @@ def run_group_cells(base, tmp: Path, faults=FAULTS) -> dict:
         why = CELLS[fault](base, tmp / fault)
         row[fault] = {"ok": not why, "why": why, "seconds": time.perf_counter() - start}
     return row
-
 
 
 def final_loss(log: Path) -> float | None:

@@ -9,6 +9,7 @@ Addresses are in 198.51.100.0/24 (a documentation range), which exists only insi
 namespaces. Needs root and iproute2 (ip, bridge veth)."""
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import time
@@ -33,6 +34,19 @@ def address(g: int) -> str:
 
 def lighthouse_url() -> str:
     return f"http://{HUB_ADDR}:{LIGHTHOUSE_PORT}"
+
+
+def can_make_sites() -> bool:
+    """Root with iproute2 and unshare, and the right to make a network namespace."""
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("unshare") is None:
+        return False
+    probe = f"ftprobe{os.getpid()}"
+    made = sh("ip", "netns", "add", probe, check=False).returncode == 0
+    sh("ip", "netns", "del", probe, check=False)
+    return made
+
+
+NO_SITES = "needs root and network namespaces (ip netns, unshare): not run"
 
 
 def sites_up(groups: int):
@@ -88,6 +102,8 @@ def link_outage(base, tmp: Path, iters: int = 2400, seconds: float = 60.0) -> st
     step. Every group reads its own samples in order (none skipped or read twice; a group that
     fell behind continues at the others' inner step: how many it took is in the JSON), exits 0
     and ends on the same global model."""
+    if not can_make_sites():
+        return NO_SITES
     groups, cut_off = 3, 2
     sites_up(groups)
     lh, url = start_lighthouse(tmp / "lighthouse.log", port=LIGHTHOUSE_PORT, host=HUB_ADDR, wrap=in_hub)
@@ -145,6 +161,8 @@ def heal_interrupted(base, tmp: Path, iters: int = 3000, rate_mbit: float = 4, s
     (alone), heals once the link is back and exchanges with group 0; group 0 never stands still
     past two exchange timeouts and reads its samples in order; both end on the same global
     model."""
+    if not can_make_sites():
+        return NO_SITES
     from bench.netns import tbf_burst
     sites_up(2)
     lh, url = start_lighthouse(tmp / "lighthouse.log", port=LIGHTHOUSE_PORT, host=HUB_ADDR, wrap=in_hub)

@@ -2,15 +2,12 @@
 gloo ranks, meeting the others through torchft's Lighthouse, on a 2-layer GPT and a tiny corpus
 (bench/groups_job.py runs the jobs and checks them)."""
 import importlib.util
-import os
-import shutil
-import subprocess
 
 import pytest
 
 from bench.groups_job import (different_models, kill_one_group, late_start_and_clean_stop, lighthouse_restart,
                               same_as_one_job)
-from bench.groups_sites import heal_interrupted
+from bench.groups_sites import NO_SITES, can_make_sites, heal_interrupted
 from tests.test_cli_errors import fails, good
 from tests.test_cli_errors import corpus as cli_corpus   # noqa: F401 (a fixture)
 from tests.test_train import corpus, flags   # noqa: F401 (corpus: the fixture)
@@ -42,17 +39,7 @@ def test_a_lighthouse_restart_leaves_the_groups_training_and_they_meet_again(cor
     assert lighthouse_restart(base(corpus), tmp_path) == ""
 
 
-def can_make_network_namespaces() -> bool:
-    """Root with iproute2 and the right to make a namespace (bench/groups_sites.py's sites)."""
-    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("unshare") is None:
-        return False
-    probe = f"ftprobe{os.getpid()}"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True).returncode == 0
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-    return made
-
-
-@pytest.mark.skipif(not can_make_network_namespaces(), reason="needs root and network namespaces")
+@pytest.mark.skipif(not can_make_sites(), reason=NO_SITES)
 def test_a_heal_cut_off_midway_leaves_nothing_half_loaded_and_heals_again_later(corpus, tmp_path):  # noqa: F811
     """A late group heals from the other over a slow link (bench/groups_sites.py), and the link
     goes down midway for 15 s: the heal fails whole, the group trains alone, heals once the link
