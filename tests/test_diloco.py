@@ -8,6 +8,8 @@
 - H = 1, outer lr 1, no momentum, exact exchange, SGD inside: synchronous data parallel over
   all 4 ranks, within the fp32 round-off the plain engine shows against fp64 (tests/numerics.py);
 - H = 1 with AdamW inside: parameter averaging after every step, bit for bit;
+- a warm-up: synchronous data parallel over all 4 ranks with the job's gradient clipping, the
+  groups identical bit for bit, the global parameters theirs, the first exchange after it;
 - INT4 outer gradients: the new global parameters within the block quantization's bound of
   the exact mean, the error feedback what quantization left;
 - the streaming schedule: fragments at staggered steps (equal parts of each shard), applied one
@@ -30,7 +32,7 @@ from tests.numerics import EPS32, assert_state_within_roundoff, fp64_reference
 from tests.test_train_faults import torchrun
 from zeropp.collectives.partition import Partition
 from planner.comm import rank_bytes
-from zeropp.diloco import PHASE, OuterSettings, attach, exchange_per_step
+from zeropp.diloco import PHASE, WARMUP, OuterSettings, attach, exchange_per_step
 from zeropp.diloco_edges import final_sync
 from zeropp.kernels.format import QMAX
 
@@ -45,10 +47,10 @@ def batches(steps, ranks):
     return [torch.randint(0, 96, (ranks * PER_RANK, SEQ + 1), generator=g) for _ in range(steps)]
 
 
-def build(topo, zero=None, optim=None):
+def build(topo, zero=None, optim=None, clip=0.0):
     torch.manual_seed(0)
     model = GPT(GPTConfig(**CFG))
-    ds = zeropp.DeepSpeedConfig.from_dict({"zero_optimization": {
+    ds = zeropp.DeepSpeedConfig.from_dict({"gradient_clipping": clip, "zero_optimization": {
         "stage": 3, "reduce_bucket_size": 3000, "allgather_bucket_size": 5000,
         "stage3_param_persistence_threshold": 16, "stage3_prefetch_bucket_size": 20000, **(zero or {})}})
     return zeropp.initialize(model, ds, Communicator(topo), torch.device("cpu"), optim or zeropp.OptimizerSettings(lr=LR))
@@ -69,9 +71,9 @@ def cross_partition(topo):
     return Partition(group=topo.across_group, size=topo.groups, rank=topo.offset // topo.world_size)
 
 
-def diloco(job, nodes, settings, optim=None, zero=None):
+def diloco(job, nodes, settings, optim=None, zero=None, clip=0.0):
     topo = job.group_topology(nodes).build_groups()
-    engine = build(topo, zero, optim)
+    engine = build(topo, zero, optim, clip)
     return engine, attach(engine, cross_partition(topo), settings), topo
 
 
@@ -81,8 +83,8 @@ def local_flat(sync, f=0):
 
 def scenarios(rank, world, tmp):
     """Every 4-rank scenario below in one set of processes (each its own groups and engines)."""
-    out = {fn.__name__: fn(rank, world) for fn in (group_runs, one_group, sgd_runs, averaging_runs, int4_runs,
-                                                    streaming_runs)}
+    out = {fn.__name__: fn(rank, world) for fn in (group_runs, one_group, sgd_runs, averaging_runs, warmup_runs,
+                                                    int4_runs, streaming_runs)}
     out["resume_runs"] = resume_runs(rank, world, tmp)
     out["delayed_resume"] = delayed_resume(rank, world, tmp)
     out["nonfinite_runs"] = nonfinite_runs(rank, world)
@@ -175,6 +177,39 @@ def test_every_step_with_sgd_is_synchronous_data_parallel(runs):
                                  weight_decay=SGD.weight_decay)
     for single, got in runs["sgd_runs"]:
         assert_state_within_roundoff(got, single, exact, "H=1 SGD vs synchronous data parallel")
+
+
+# -- a synchronous warm-up --------------------------------------------------------------------------
+
+CLIPPED = 0.05   # below every step's gradient norm here: a group's own norm would clip otherwise
+
+
+def warmup_runs(rank, world):
+    job = topology_from_env(2)
+    data = batches(4, world)
+    single = train(build(job, optim=SGD, clip=CLIPPED), data, rank)
+    engine, sync, _ = diloco(job, 1, OuterSettings(2, fragments=2, warmup=4), optim=SGD, clip=CLIPPED)
+    warm = train(engine, data, rank)
+    global_is_local = all(torch.equal(sync.glob[f], sync.local(f)) for f in range(2))
+    warm_bytes = engine.comm.stats.by_phase[WARMUP][1]
+    train(engine, batches(3, world), rank)   # steps 5-7: exchanges after each, those of 5 and 6 merged
+    return single, warm, global_is_local, warm_bytes, sync.outer_steps, engine.comm.stats.by_phase[WARMUP][1]
+
+
+def test_a_warm_up_is_synchronous_data_parallel_then_the_groups_exchange(runs):
+    data = batches(4, 4)
+    torch.manual_seed(0)
+    steps = [[lambda m, x=x: m(x[:, :-1], x[:, 1:])] for x in data]
+    _, norms, exact = fp64_reference(GPT(GPTConfig(**CFG)), steps, lr=SGD.lr, clip=CLIPPED, optimizer="sgd",
+                                     weight_decay=SGD.weight_decay)
+    assert min(norms) > CLIPPED
+    results = runs["warmup_runs"]
+    for rank, (single, warm, global_is_local, warm_bytes, outer_steps, bytes_after) in enumerate(results):
+        assert_state_within_roundoff(warm, single, exact, "warm-up vs synchronous data parallel")
+        for k, v in results[rank % 2][1].items():   # the same rank of the other group: the same model
+            assert torch.equal(warm[k], v), k
+        assert global_is_local and warm_bytes > 0
+        assert outer_steps == 2 and bytes_after == warm_bytes   # no warm-up all-reduce after it
 
 
 def averaging_runs(rank, world):
@@ -507,6 +542,8 @@ OUTER = ("--zero-stage", "3", "--outer-sync-interval", "4")
     (2, 1, OUTER, "--group-size 1 makes groups of one rank"),
     (4, 2, ("--zero-stage", "2", "--outer-sync-interval", "4"), "this run is ZeRO stage 2; pass --zero-stage 3"),
     (4, 2, ("--zero-stage", "3", "--outer-lr", "0.5"), "--outer-lr has no effect without --outer-sync-interval"),
+    (4, 2, ("--zero-stage", "3", "--outer-warmup-iters", "10"),
+     "--outer-warmup-iters has no effect without --outer-sync-interval"),
     (4, 2, OUTER + ("--no-load-optim",), "--no-load-optim does not reset the outer state"),
     (4, 2, OUTER + ("--sharding", "fsdp2"), "runs this application's engine in each group; drop --sharding fsdp2"),
     (1, 1, OUTER + ("--dry-run", "--cluster", "configs/clusters/v100_4x16_100gbps.yaml", "--group-size", "3"),
@@ -525,11 +562,14 @@ def test_dry_run_plans_the_bytes_across_groups(capsys):
     train.main(["--dry-run", "--cluster", "configs/clusters/v100_4x16_100gbps.yaml", "--num-layers", "4",
                 "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "256", "--micro-batch-size", "2",
                 "--lr", "1e-4", "--zero-stage", "3", "--outer-sync-interval", "64", "--outer-quantization", "int4",
-                "--outer-fragments", "2", "--group-size", "2"])
+                "--outer-fragments", "2", "--group-size", "2", "--outer-warmup-iters", "100"])
     out = capsys.readouterr().out
     assert "-- Outer synchronization: 2 groups of 2 node(s)" in out
     ratio = float(out.split("(ratio ")[1].split(")")[0])
     assert 0 < ratio < 0.01   # INT4 shards every 64 steps against ZeRO-3's gathers and reductions every step
+    per_step = float(out.split("across groups per inner step per GPU: ")[1].split(" MB")[0])
+    warm = float(out.split("the first 100 iterations as one synchronous job: ")[1].split(" MB")[0])
+    assert warm > 4 * 64 * per_step   # each step the fp32 gradient shard, not an INT4 one every 64 steps
 
 
 def test_train_py_runs_the_mode_and_logs_it(corpus, tmp_path):  # noqa: F811

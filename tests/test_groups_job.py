@@ -64,6 +64,7 @@ LH = ("--zero-stage", "3", "--outer-sync-interval", "4", "--lighthouse", "http:/
     (LH + ("--group-id", "2", "--num-groups", "2"), "--group-id 2 must be below --num-groups 2"),
     (LH + ("--group-id", "0", "--num-groups", "2", "--group-size", "1"), "--group-size 1 has no effect with --lighthouse"),
     (LH + ("--group-id", "0", "--num-groups", "2", "--outer-quantization", "int4"), "--outer-quantization int4 is not fault tolerant yet"),
+    (LH + ("--group-id", "0", "--num-groups", "2", "--outer-warmup-iters", "5"), "--outer-warmup-iters 5 is not fault tolerant yet"),
     (LH + ("--group-id", "0", "--num-groups", "2", "--outer-fragments", "4", "--outer-sync-delay", "1"),
      "--outer-sync-delay 1 must be below --outer-sync-interval 4 / --outer-fragments 4 = 1"),
     (("--zero-stage", "3", "--outer-sync-interval", "4", "--group-id", "0"), "--group-id 0 needs --lighthouse URL"),

@@ -286,6 +286,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--outer-merge-alpha", type=_below_one, default=0.5, metavar="ALPHA",
                    help="a delayed merge keeps this share of the steps taken meanwhile: local <- ALPHA local + "
                         "(1 - ALPHA) global (torchft's fragment_update_alpha)")
+    g.add_argument("--outer-warmup-iters", type=_count, default=0, metavar="N",
+                   help="train the first N iterations as one synchronous job over every group (gradients "
+                        "averaged across the groups each step), then apart")
     g.add_argument("--group-size", type=_int, default=1, help="nodes per group")
     g.add_argument("--lighthouse", default=None, metavar="URL",
                    help="each group is its own torchrun job, meeting the others through torchft's Lighthouse at "

@@ -13,12 +13,13 @@ from parallel.launch import die_with_launcher, print_rank0
 from parallel.topology import Topology
 from zeropp.collectives.partition import Partition
 from parallel.membership import TorchftGroups
-from zeropp.diloco import KEY, PHASE, OuterSettings, attach
+from zeropp.diloco import KEY, PHASE, WARMUP, OuterSettings, attach
 from zeropp.diloco_edges import final_sync as synchronize_groups
 from zeropp.diloco_edges import heal, join, outer_state, with_global_weights
 
 OUTER_FLAGS = ("outer_lr", "outer_momentum", "outer_fragments", "outer_quantization", "outer_sync_delay",
-               "outer_merge_alpha", "group_size", "lighthouse", "group_id", "num_groups", "outer_timeout")
+               "outer_merge_alpha", "outer_warmup_iters", "group_size", "lighthouse", "group_id", "num_groups",
+               "outer_timeout")
 FAULT_TOLERANT_FLAGS = ("group_id", "num_groups", "outer_timeout")
 
 
@@ -86,6 +87,9 @@ def check_fault_tolerant_args(args, flag, H):
     if args.outer_quantization != "none":
         raise ConfigError(f"--outer-quantization {args.outer_quantization} is not fault tolerant yet; pass "
                           f"--outer-quantization none with --lighthouse")
+    if args.outer_warmup_iters:   # an all-reduce across groups every step: no group could leave
+        raise ConfigError(f"{flag(args, 'outer_warmup_iters', args.outer_warmup_iters)} is not fault tolerant "
+                          f"yet; drop it with --lighthouse (or train the warm-up as one job and --load it)")
     spacing = args.outer_sync_interval // args.outer_fragments
     if args.outer_sync_delay >= spacing:   # one quorum at a time: an exchange is merged before the next opens
         raise ConfigError(f"{flag(args, 'outer_sync_delay', args.outer_sync_delay)} must be below {H} / "
@@ -121,7 +125,8 @@ def attach_outer(args, engine):
         return None
     group = engine.comm.topology
     settings = OuterSettings(args.outer_sync_interval, args.outer_lr, args.outer_momentum, args.outer_fragments,
-                             args.outer_quantization, args.outer_sync_delay, args.outer_merge_alpha)
+                             args.outer_quantization, args.outer_sync_delay, args.outer_merge_alpha,
+                             warmup=args.outer_warmup_iters)
     if fault_tolerant(args):
         die_with_launcher()   # a group whose launcher is killed leaves no rank behind in the exchanges
         cross = TorchftGroups(engine.comm, args.group_id, args.lighthouse, args.outer_timeout, args.outer_timeout)
@@ -135,13 +140,16 @@ def attach_outer(args, engine):
                 f"{group.ranks_per_node} ranks, each its own engine; every {settings.interval} inner steps in "
                 f"{settings.fragments} fragment(s), outer lr {settings.lr}, Nesterov momentum {settings.momentum}, "
                 f"{settings.quantization} outer gradients, merged {settings.delay} inner step(s) after issue"
-                + (f" keeping {settings.merge_alpha:g} of the local values" if settings.delay else ""))
+                + (f" keeping {settings.merge_alpha:g} of the local values" if settings.delay else "")
+                + (f"; the first {settings.warmup} iterations as one synchronous job (gradients averaged across "
+                   f"the groups)" if settings.warmup else ""))
     if args.train_iters is not None and settings.interval >= args.train_iters:   # (the benches build no schedule)
         print_rank0(f"> note: --outer-sync-interval {settings.interval} >= --train-iters {args.train_iters}: the "
                     f"final synchronization at the end of training is the only one")
     if args.clip_grad:
-        print_rank0(f"> note: --clip-grad {args.clip_grad:g} clips each group's own gradient norm, not the job's: "
-                    f"with --outer-sync-interval 1 pass --clip-grad 0 for synchronous data parallel")
+        print_rank0(f"> note: --clip-grad {args.clip_grad:g} clips each group's own gradient norm, not the job's"
+                    + (" (the job's during the warm-up)" if settings.warmup else "")
+                    + ": with --outer-sync-interval 1 pass --clip-grad 0 for synchronous data parallel")
     sync = attach(engine, cross, settings)
     if fault_tolerant(args):   # what a group that is behind takes from a peer; the groups must agree on the shapes
         cross.register(lambda: outer_state(sync), lambda state: heal(sync, state),
@@ -175,7 +183,7 @@ def outer_fields(engine, stats, iterations: int) -> dict:
     sync = outer_sync(engine)
     if sync is None:
         return {}
-    inter = stats.by_phase[PHASE][1] if PHASE in stats.by_phase else 0
+    inter = sum(stats.by_phase[p][1] for p in (PHASE, WARMUP) if p in stats.by_phase)
     if sync.cross.fault_tolerant:
         status = sync.cross.status()
         for event in status["events"]:

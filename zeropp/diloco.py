@@ -29,6 +29,13 @@ fragment's next exchange is every group's again. The end of training averages ev
 over the groups once more, exactly (`final_sync`): the global parameters, which an export
 takes, are the groups' trained model.
 
+A warm-up (`warmup` inner steps, 0 by default) trains the groups as one synchronous job first:
+each step's reduced gradients are averaged across the groups before the norm and the update,
+so every group takes the step data parallel over all of them takes, and the global parameters
+follow the masters; the first exchange comes after it. DiLoCo's own runs start from a model
+trained synchronously (arXiv 2311.08105, section 3): from scratch, the first exchanges average
+models that are far apart while the loss falls fastest.
+
 An exchange in flight at a checkpoint is completed and its outer step taken (the global
 values, the momentum and the error are saved as they will be), while the masters, which the
 inner steps own until the merge, are saved as they are: the merge comes at its own step
@@ -52,6 +59,7 @@ from zeropp.kernels.quant import dequantize, dequantize_reduce, quantize
 KEY = "outer_sync"
 GLOBAL = KEY + ".global."   # + a parameter's name: its global values in checkpoints
 PHASE = "outer_sync"
+WARMUP = "outer_warmup"   # the warm-up's gradient all-reduce across the groups
 DRIFT = "outer_drift"   # the drift's all-reduce inside a group (not across groups)
 _LAYER = re.compile(r"\.(\d+)\.")
 
@@ -66,6 +74,7 @@ class OuterSettings:
     delay: int = 1                # inner steps between issuing an exchange and merging it (< H)
     merge_alpha: float = 0.5      # the share of the local values a delayed merge keeps
     block_size: int = DEFAULT_BLOCK_SIZE[4]
+    warmup: int = 0               # inner steps trained as one synchronous job before the first exchange
 
 
 def exchange_per_step(owned: int, s: OuterSettings) -> PlannedCollective:
@@ -106,6 +115,17 @@ def in_flight_bound(numels: list[int], s: OuterSettings, groups: int) -> int:
     return max(sum(held(n) for f, n in enumerate(numels) if (step - f * H // F) % H < window) for step in range(H))
 
 
+def group_check(comm, outer: torch.Tensor, mine: torch.Tensor) -> tuple[bool, bool, float]:
+    """Whether `outer` is finite on every shard of my group (so all its ranks agree, and the
+    other groups too: they hold the same outer gradient), whether my group's own outer
+    gradient `mine` is not (its copy went bad), and the RMS of `outer - mine` over them."""
+    diff = outer - mine
+    sums = torch.stack([diff.square().sum().nan_to_num(), diff.new_tensor(float(diff.numel())),
+                        (~torch.isfinite(outer)).any().float(), (~torch.isfinite(mine)).any().float()])
+    comm.all_reduce(sums, phase=DRIFT)
+    return sums[2].item() == 0, sums[3].item() > 0, (sums[0] / sums[1].clamp(min=1)).sqrt().item()
+
+
 class OuterSync:
     """The outer loop of one rank, a carried part of its engine (zeropp/collectives/protocols.py
     CarriedState): `end_step` counts the inner steps, issues the exchanges and merges them."""
@@ -134,10 +154,20 @@ class OuterSync:
         H, F = self.s.interval, self.s.fragments
         return [f for f in range(F) if step % H == f * H // F]
 
+    def average_gradients(self, grads: torch.Tensor):
+        """The warm-up: my reduced gradient shard averaged over the groups (the engine's hook)."""
+        if self.steps < self.s.warmup:
+            self.cross.all_reduce(grads, WARMUP, async_op=False)
+            grads.div_(self.cross.size)
+
     # -- CarriedState ---------------------------------------------------------------------------
     def end_step(self, applied: bool) -> str | None:
         """After every inner step (applied or skipped: the schedule counts steps)."""
         self.steps += 1
+        if self.steps <= self.s.warmup:   # one job so far: the global parameters are its, in every group
+            for f in range(self.s.fragments):
+                self.glob[f].copy_(self.local(f))
+            return None
         self.since = [n + 1 for n in self.since]
         notes = [self._merge(x) for x in self.pending if x.merge_at == self.steps]
         self.pending = [x for x in self.pending if x.merge_at > self.steps]
@@ -194,7 +224,7 @@ class OuterSync:
             outer = dequantize_reduce(parts, torch.float32, 1.0 / n)
             mean = g - outer
         x.work = x.buf = x.wire = None
-        finite, x.reseed, x.drift = self._group_check(outer, x.mine)
+        finite, x.reseed, x.drift = group_check(self.comm, outer, x.mine)
         if not finite:   # a group diverged: every rank keeps the outer state as it was
             x.note = f"outer step of fragment {f} skipped: its outer gradient is not finite" + (
                 f"; group {self.cross.rank}'s copy is not: it takes the global values" if x.reseed else "")
@@ -223,16 +253,6 @@ class OuterSync:
         self.engine.masters_changed()
         self.drift = x.drift
         return None
-
-    def _group_check(self, outer: torch.Tensor, mine: torch.Tensor) -> tuple[bool, bool, float]:
-        """Whether `outer` is finite on every shard of my group (so all its ranks agree, and the
-        other groups too: they hold the same outer gradient), whether my group's own outer
-        gradient `mine` is not (its copy went bad), and the RMS of `outer - mine` over them."""
-        diff = outer - mine
-        sums = torch.stack([diff.square().sum().nan_to_num(), diff.new_tensor(float(diff.numel())),
-                            (~torch.isfinite(outer)).any().float(), (~torch.isfinite(mine)).any().float()])
-        self.comm.all_reduce(sums, phase=DRIFT)
-        return sums[2].item() == 0, sums[3].item() > 0, (sums[0] / sums[1].clamp(min=1)).sqrt().item()
 
     def checkpoint_state(self, world: int) -> dict[str, FlatState]:
         """My slices of the outer state, in the masters' layout (a key per parameter), with the
@@ -317,5 +337,7 @@ def attach(engine, cross, settings: OuterSettings) -> OuterSync:
     if isinstance(cross, Partition):
         cross = FixedGroups(engine.comm, cross.group, cross.size, cross.rank)
     sync = OuterSync(engine, cross, settings)
+    if settings.warmup:
+        engine.parts.gradient_hooks.append(sync.average_gradients)
     engine.parts.carried[KEY] = sync   # last: after the techniques' parts commit their step
     return sync

@@ -9,7 +9,7 @@ import contextlib
 import torch
 
 from parallel.membership import JOINING
-from zeropp.diloco import DRIFT, PHASE, OuterSync
+from zeropp.diloco import DRIFT, PHASE, OuterSync, group_check
 
 @contextlib.contextmanager
 def with_global_weights(sync: OuterSync):
@@ -59,7 +59,7 @@ def final_sync(sync: OuterSync) -> str | None:
         return "; ".join(n for n in notes + ["final synchronization not committed (a group failed during it)"] if n)
     for f, mean in enumerate(means):
         local, g = sync.local(f), sync.glob[f]
-        finite, reseed, _ = sync._group_check(g - mean, g - local)
+        finite, reseed, _ = group_check(sync.comm, g - mean, g - local)
         if finite:
             g.copy_(mean)
             if sync.err is not None:   # nothing of the groups' drift is left unsent
