@@ -84,6 +84,7 @@ def gloo_staging(rank, world, elements: int) -> float:
     import torch.distributed as dist
 
     from bench.memory_bound import PeakRSS, rss_mb
+    from parallel.comm import all_gather_flat
     from parallel.launch import unmap_freed_blocks
     unmap_freed_blocks()   # as train.py
     per = elements // world
@@ -92,7 +93,7 @@ def gloo_staging(rank, world, elements: int) -> float:
     gc.collect()
     dist.barrier()
     before, probe = rss_mb("VmRSS"), PeakRSS().start()
-    works = [dist.all_gather_into_tensor(full, part, async_op=True), dist.all_to_all_single(recv, rows, async_op=True)]
+    works = [all_gather_flat(full, part, async_op=True), dist.all_to_all_single(recv, rows, async_op=True)]
     for w in works:
         w.wait()
     return max(0.0, probe.stop() - before)
