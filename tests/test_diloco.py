@@ -87,6 +87,7 @@ def scenarios(rank, world, tmp):
                                                     int4_runs, streaming_runs)}
     out["resume_runs"] = resume_runs(rank, world, tmp)
     out["delayed_resume"] = delayed_resume(rank, world, tmp)
+    out["warmup_resume"] = warmup_resume(rank, world, tmp)
     out["nonfinite_runs"] = nonfinite_runs(rank, world)
     out["fp16_resume"] = fp16_resume(rank, world, tmp)
     out["final_runs"] = final_runs(rank, world, tmp)
@@ -422,6 +423,30 @@ def resume_runs(rank, world, tmp):
     return (full, resumed, straight, sync.outer_steps, again.outer_steps, plain.module_state_dict(),
             engine.module_state_dict(), torch.equal(local_flat(fresh), fresh.glob[0]), fresh.steps, regrouped,
             saved_global)
+
+
+def warmup_resume(rank, world, tmp):
+    """Saved in the middle of a warm-up of 2 steps, resumed and trained to step 5 (exchanges after
+    steps 3, 4, 5), against the run that never stopped."""
+    from training.checkpoint import load_checkpoint, save_checkpoint
+    job = topology_from_env(2)
+    settings = OuterSettings(2, fragments=2, quantization="int4", warmup=2)
+    data = batches(5, world)
+    engine, _, _ = diloco(job, 1, settings)
+    straight = train(engine, data, rank)
+    engine, _, _ = diloco(job, 1, settings)
+    train(engine, data[:1], rank)
+    save_checkpoint(f"{tmp}/warm", 1, engine, 0, META)
+    engine, sync, _ = diloco(job, 1, settings)
+    load_checkpoint(f"{tmp}/warm", engine)
+    return straight, train(engine, data[1:], rank), sync.outer_steps
+
+
+def test_a_resume_in_the_middle_of_the_warm_up_is_exact(runs):
+    for straight, resumed, outer_steps in runs["warmup_resume"]:
+        for k, v in straight.items():
+            assert torch.equal(resumed[k], v), k
+        assert outer_steps == 2   # the exchanges after steps 3 and 4, merged a step later
 
 
 def delayed_resume(rank, world, tmp):
