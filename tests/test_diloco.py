@@ -84,7 +84,7 @@ def local_flat(sync, f=0):
 def scenarios(rank, world, tmp):
     """Every 4-rank scenario below in one set of processes (each its own groups and engines)."""
     out = {fn.__name__: fn(rank, world) for fn in (group_runs, one_group, sgd_runs, averaging_runs, warmup_runs,
-                                                    int4_runs, streaming_runs)}
+                                                    warmup_faults, int4_runs, streaming_runs)}
     out["resume_runs"] = resume_runs(rank, world, tmp)
     out["delayed_resume"] = delayed_resume(rank, world, tmp)
     out["warmup_resume"] = warmup_resume(rank, world, tmp)
@@ -211,6 +211,30 @@ def test_a_warm_up_is_synchronous_data_parallel_then_the_groups_exchange(runs):
             assert torch.equal(warm[k], v), k
         assert global_is_local and warm_bytes > 0
         assert outer_steps == 2 and bytes_after == warm_bytes   # no warm-up all-reduce after it
+
+
+def warmup_faults(rank, world):
+    """An fp16 overflow, then (fp32) a NaN loss, on rank 0 only (group 0) at the second of 3
+    warm-up steps (bench/fault_modes.py's engines and fault injection)."""
+    from bench.fault_modes import Grouped
+    out = []
+    for precision, value in (("fp16", float("inf")), ("fp32", float("nan"))):
+        run = Grouped({"stage": 3}, precision, 2, 1, OuterSettings(2, fragments=2, warmup=3))
+        skipped = run.train([0, 1, 2], fault={1: value})   # (train() checks the groups' global copies agree)
+        sd = run.engine.module_state_dict()
+        out.append((skipped, run.engine.loss_scaler.scale, sd))
+        run.sync.drain()
+    return out
+
+
+def test_a_fault_in_one_group_during_the_warm_up_skips_the_step_in_every_group(runs):
+    results = runs["warmup_faults"]
+    for rank, cases in enumerate(results):
+        for case, ((skipped, scale, sd), (_, other_scale, other)) in enumerate(zip(cases, results[(rank + 2) % 4])):
+            assert skipped == [False, True, False], (rank, case)   # as one job: every group skips it
+            assert scale == other_scale == results[0][case][1]
+            for k, v in sd.items():
+                assert torch.isfinite(v).all() and torch.equal(v, other[k]), (rank, case, k)
 
 
 def averaging_runs(rank, world):
