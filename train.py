@@ -35,7 +35,7 @@ from training.checkpoint_files import CheckpointError
 from training.logger import TrainingLogger
 from training.lr_schedule import build_lr_schedule
 from training.model_args import model_config
-from training.outer import attach_outer, engine_comm
+from training.outer import attach_outer, data_partition, engine_comm, join_groups
 from training.preflight import check_inputs
 from training.report import print_job, print_summary
 from training.signals import StopRequest
@@ -56,7 +56,8 @@ def main(argv=None):
     device = init_distributed(args.distributed_backend)
     topology = topology_from_env(args.ranks_per_node)
     comm = engine_comm(args, topology)   # the job's, or its group's with --outer-sync-interval
-    resolve_batch(args, topology.world_size)
+    data_rank, data_world = data_partition(args, topology)   # with --lighthouse: this group's part of the job's
+    resolve_batch(args, data_world)
     torch.manual_seed(args.seed)
 
     cfg = model_config(args, tokenizer.vocab_size, args.seed)
@@ -78,10 +79,11 @@ def main(argv=None):
     schedule = build_lr_schedule(args)
     print_job(args, topology, cfg, engine, device, tokenizer.vocab_size)
     progress = resume(args, engine, cfg) if args.load else Progress()
+    progress.iteration = join_groups(engine, progress.iteration)   # --lighthouse: meet (and heal from) the others
 
     logger = TrainingLogger(args.tensorboard_dir)
     train_batches = iter(build_data_loader(train_ds, progress.consumed_train_samples, args.micro_batch_size,
-                                           topology.rank, topology.world_size, args.num_workers))
+                                           data_rank, data_world, args.num_workers))
     checkpointer = Checkpointer(args.save, engine, checkpoint_meta(args, cfg, model, argv), keep_last=args.keep_last,
                                 async_save=args.async_save) if args.save else None
     trainer = Trainer(args, engine, comm, device, schedule, logger, checkpointer, train_batches, valid_ds, test_ds,

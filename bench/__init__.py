@@ -22,3 +22,14 @@ def cpu_model() -> str:
     fast = [f for f in ("avx512_bf16", "amx_bf16") if f in flags] or ["no avx512_bf16/amx"]
     return (f"{info.get('model name', platform.processor())} (family {info.get('cpu family', '?')} model "
             f"{info.get('model', '?')}; {', '.join(fast)})")
+
+
+def checkout_name(root: Path) -> str:
+    """A checkout of this repository and its commit (git's, or the COMMIT file of an exported tree)."""
+    import subprocess
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = (root / "COMMIT").read_text().strip() if (root / "COMMIT").is_file() else ""
+    return f"{root} ({commit})" if commit else str(root)

@@ -45,7 +45,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import RESULTS, ROOT
+from bench import RESULTS, ROOT, checkout_name
 from bench.convergence_plot import notes, plot, table
 from bench.megatron_log import parse_log
 
@@ -95,14 +95,15 @@ def base_config(scratch: Path) -> Path:
     return path
 
 
-def command(a, zero_flags: list[str], scratch: Path) -> list[str]:
+def command(a, zero_flags: list[str], scratch: Path, root: Path = ROOT) -> list[str]:
+    """train.py of the checkout `root` (the baseline may run another one: --baseline-root)."""
     ds = []
     if a.persistence_threshold is not None:   # every run the same stage-3 layout
         path = scratch.parent / "ds_config.json"
         path.write_text(json.dumps({"zero_optimization": {"stage3_param_persistence_threshold":
                                                           a.persistence_threshold}}))
         ds = ["--deepspeed_config", str(path)]
-    return ([str(ROOT / ".venv/bin/torchrun"), "--standalone", "--nproc-per-node", str(a.nproc), "train.py",
+    return ([str(ROOT / ".venv/bin/torchrun"), "--standalone", "--nproc-per-node", str(a.nproc), str(root / "train.py"),
              "--config", str(scratch.parent / "base.yaml")] + ds + model_flags(a) + zero_flags +
             ["--save", str(scratch / "checkpoints"), "--save-interval", str(a.iters),   # at the end only
              "--tensorboard-dir", str(scratch / "tensorboard")])
@@ -128,13 +129,13 @@ def run_resumed(name: str, a, flags: list[str], scratch: Path, timeout: float) -
     return r2
 
 
-def run_one(name: str, cmd: list[str], log_path: Path, timeout: float) -> dict:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+def run_one(name: str, cmd: list[str], log_path: Path, timeout: float, root: Path = ROOT) -> dict:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONPATH=str(root))
     print(f"[{name}] {shlex.join(cmd)}", flush=True)
     print(f"[{name}] log: {log_path} (time limit {timeout:.0f} s)", flush=True)
     start = time.time()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)  # its own process group: killable as a whole
         try:
             rc = proc.wait(timeout=timeout)
@@ -282,6 +283,11 @@ def main(argv=None):
     p.add_argument("--sharding", choices=["zero", "fsdp2"], default="zero",
                    help="fsdp2: both runs on torch's FSDP2 (train.py --sharding fsdp2), the candidate with the "
                         "ZeRO++ plug-in; runs named FSDP2 and FSDP2 + ZeRO++")
+    p.add_argument("--baseline-flags", default=shlex.join(ZERO3_FLAGS),
+                   help="the baseline's ZeRO flags (default: %(default)s), e.g. the candidate's flags but one")
+    p.add_argument("--baseline-root", default=None,
+                   help="a checkout of this repository to run the baseline from (default: this one), e.g. "
+                        "the commit before a change, to compare the change with what it replaced")
     p.add_argument("--names", default=None, help="the two runs' names, baseline first: e.g. 'ZeRO-3,DiLoCo H=16'")
     p.add_argument("--tolerance", type=float, default=TOLERANCE,
                    help="the criterion: |candidate / baseline final validation loss - 1| (default %(default)s)")
@@ -313,7 +319,8 @@ def main(argv=None):
     base_config(scratch)
     B, C = a.names.split(",") if a.names else FSDP2_NAMES if a.sharding == "fsdp2" else NAMES
     sharding = ["--sharding", a.sharding] if a.sharding != "zero" else []
-    variants = [(B, ZERO3_FLAGS + sharding, a.seed)]
+    base_root = Path(a.baseline_root).resolve() if a.baseline_root else ROOT
+    variants = [(B, shlex.split(a.baseline_flags) + sharding, a.seed)]
     if not a.baseline_only:
         variants.append((C, shlex.split(a.zeropp_flags) + sharding, a.seed))
     if a.with_loco:
@@ -336,7 +343,9 @@ def main(argv=None):
             if "resumed" in name:
                 runs[name] = run_resumed(name, sub, flags, scratch / tag, timeout)
             else:
-                runs[name] = run_one(name, command(sub, flags, scratch / tag), scratch / f"{tag}.log", timeout)
+                root = base_root if name == B else ROOT
+                runs[name] = run_one(name, command(sub, flags, scratch / tag, root), scratch / f"{tag}.log", timeout,
+                                     root)
     finally:
         if not a.keep_logs:
             for child in scratch.iterdir():
@@ -353,6 +362,9 @@ def main(argv=None):
                   + (f" --sharding {a.sharding} --zeropp-flags {shlex.quote(a.zeropp_flags)}" if a.sharding != "zero" else "")
                   + (f" --tolerance {a.tolerance}" if a.tolerance != TOLERANCE else "")
                   + (f" --names {shlex.quote(a.names)} --zeropp-flags {shlex.quote(a.zeropp_flags)}" if a.names else "")
+                  + (f" --baseline-flags {shlex.quote(a.baseline_flags)}" if a.baseline_flags != shlex.join(ZERO3_FLAGS)
+                     else "")
+                  + (f" --baseline-root {a.baseline_root}" if a.baseline_root else "")
                   + (f" --persistence-threshold {a.persistence_threshold}" if a.persistence_threshold is not None
                      else ""))
     setup = {"invocation": invocation, "names": [B, C], "tolerance": a.tolerance, "sharding": a.sharding,
@@ -362,7 +374,8 @@ def main(argv=None):
              "global_batch": a.micro_batch * a.nproc, "iters": a.iters, "warmup": a.warmup,
              "eval_interval": a.eval_interval, "eval_iters": a.eval_iters, "log_interval": a.log_interval,
              "seed": a.seed, "persistence_threshold": a.persistence_threshold, "config": "configs/demo.yaml (lr 1e-3 cosine to 1e-4, AdamW, wd 0.1, clip 1.0, fp32)",
-             "zero3_flags": shlex.join(ZERO3_FLAGS), "zeropp_flags": a.zeropp_flags,
+             "zero3_flags": a.baseline_flags, "zeropp_flags": a.zeropp_flags,
+             "baseline_root": checkout_name(base_root), "candidate_root": checkout_name(ROOT),
              "inter_node_mb_note": "mean over ranks of the bytes sent across emulated nodes per iteration, "
                                    "averaged over the log windows after the first",
              "host": platform.node(), "cpus": os.cpu_count(), "torch": torch.__version__,

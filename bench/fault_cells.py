@@ -31,9 +31,11 @@ SWITCH_VALUES = {
     "zeropp_loco_param": [None, {"err_beta": 0.8, "reset_T": 3}],   # reset every 3: the count is carried state
     "zero_hadamard_gradients": [False, True],
     "zero_quantized_weight_deltas": [False, True],
+    "zero_quantized_gradients_bits": [None, 2],   # None: the default, 4
 }
 SHORT = {"zero_quantized_weights": "qwZ", "zero_quantized_gradients": "qgZ", "zeropp_loco_param": "LoCo",
-         "zero_hadamard_gradients": "Hadamard", "zero_quantized_weight_deltas": "deltas"}
+         "zero_hadamard_gradients": "Hadamard", "zero_quantized_weight_deltas": "deltas",
+         "zero_quantized_gradients_bits": "INT2"}
 STEPS, FAULT_AT = 5, 2          # steps of a run; the fault (and the save) after FAULT_AT steps
 FAULTS = ("overflow", "nan", "resume", "reshard", "world", "toggle", "auto")
 
@@ -57,7 +59,7 @@ def name(zero: dict) -> str:
     for k, v in zero.items():
         if k == "zero_hpz_partition_size" and v > 1:
             parts.append(f"hpZ{v}")
-        elif k in SHORT and v not in (False, None):
+        elif k in SHORT and v not in (False, None, 4):   # 4: qgZ's default bits
             parts.append(SHORT[k])
     return "+".join(parts)
 
@@ -272,7 +274,8 @@ def check_auto(zero: dict, ranks_per_node: int) -> str:
     from planner.cluster import Cluster
     from planner.plan import Job
     auto = dict(zero, zero_quantized_weights="auto", zero_hpz_partition_size="auto")
-    if "zeropp_loco_param" not in zero and not zero.get("zero_hadamard_gradients"):
+    if "zeropp_loco_param" not in zero and not zero.get("zero_hadamard_gradients") \
+            and "zero_quantized_gradients_bits" not in zero:
         auto["zero_quantized_gradients"] = "auto"
     world = dist.get_world_size()
     problems = []

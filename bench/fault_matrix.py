@@ -36,6 +36,10 @@ what each column means there):
   group and back), toggle (other outer settings), an fp16 resume with groups whose loss scales
   differ, a non-finite fragment in one group; and through train.py (bench/diloco_job.py): a
   SIGTERM to one group, a loss diverging in one group first, an export of a run shorter than H;
+  and with each group its own torchrun job (train.py --lighthouse, bench/groups_job.py): a group
+  killed mid-exchange and restarted, a Lighthouse restart, a late start and a clean stop, the
+  one-job model bit for bit, groups of different models, a 60 s link outage between one of three
+  groups on emulated sites and the others;
 - FSDP2 + the ZeRO++ plug-in (zeropp/fsdp_engine.py), a row per switch combination FSDP2
   accepts on 2 nodes x 2: overflow, nan, resume, engine (its checkpoint into the engine's
   ZeRO-3 and back).
@@ -52,6 +56,8 @@ import torch
 
 from bench.diloco_job import FAULTS as JOB_FAULTS
 from bench.diloco_job import demo_flags, run_cells
+from bench.groups_job import FAULTS as GROUP_FAULTS
+from bench.groups_job import run_group_cells
 from bench.fault_cells import (FAULTS, SHORT, SWITCH_VALUES, accepted, check_auto, check_load_elsewhere,
                                check_resume, check_skip, name, run_cell)
 from bench.fault_modes import (DILOCO_FAULTS, DILOCO_LAYOUTS, FSDP2_FAULTS, outer_settings, quick_settings, run_diloco,
@@ -189,6 +195,11 @@ def modes(quick_share: bool) -> dict:
         out["diloco"]["train.py 2x2"] = table = {"H 4, exact": run_cells(demo_flags, Path(tmp))}
     print_table(f"streaming DiLoCo through train.py, 4 ranks as 2 groups of a 2-rank node: a fault in one group "
                 f"({time.perf_counter() - start:.0f} s)", table, JOB_FAULTS)
+    with tempfile.TemporaryDirectory() as tmp:   # each group its own torchrun job (--lighthouse)
+        start = time.perf_counter()
+        out["diloco"]["groups as jobs"] = table = {"H 4, F 2, exact": run_group_cells(demo_flags, Path(tmp))}
+    print_table(f"groups that survive each other (--lighthouse), 2 groups of 2 ranks, each its own torchrun job "
+                f"({time.perf_counter() - start:.0f} s)", table, GROUP_FAULTS)
     combos = combinations(4, 2, "fsdp2")
     combos = quick(combos) if quick_share else combos
     start = time.perf_counter()

@@ -64,6 +64,12 @@ def format_outer_plan(args) -> str:
              + f": {each} s; "
              f"inner step {step:.3f} s + {exposed:.3f} s exposed = {step + exposed:.3f} s; ZeRO-3 over the job: "
              f"{base.timing.iteration:.3f} s"]
+    if args.outer_warmup_iters:   # the gradients' all-reduce across groups: one whole exchange each step
+        warm = exchange_per_step(sum(owned), dataclasses.replace(settings, interval=1, quantization="none"))
+        warm_bytes = sum(rank_bytes(warm.op, across, 0, warm.nbytes, rpn))   # a GPU's; a node sends rpn of them
+        lines.append(f"   the first {args.outer_warmup_iters} iterations as one synchronous job: "
+                     f"{warm_bytes / 1e6:.3f} MB across groups per iteration per GPU, "
+                     f"{rpn * warm_bytes / cluster.inter_bw:.3f} s of link per iteration")
     return "\n".join(lines)
 
 

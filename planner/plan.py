@@ -29,6 +29,7 @@ from zeropp.config import DeepSpeedConfig, OptimizerSettings, ZeroConfig
 from zeropp.stages.engine import communication_dtype, compute_dtype
 from zeropp.kernels.format import wire_nbytes
 from zeropp.techniques.deltas import BLOCK_SIZE as DELTA_BLOCK
+from zeropp.techniques.loco import ERROR_BYTES_PER_ELEMENT, error_nbytes
 
 GPT2_VOCAB = 50257   # GPT-2's BPE vocabulary, when the tokenizer files are not at hand
 
@@ -99,14 +100,16 @@ def plan_config(job: Job, zero: ZeroConfig, trace: ModelTrace, cluster: Cluster 
     k = (8 if opt.type != "sgd" else (4 if opt.momentum else 0)) + (4 if w != 4 else 0)
     formula = formula_bytes(trace.num_parameters, zero.stage, world, dtype, hpz, k)
     loco = zero.stage == 3 and zero.zero_quantized_gradients and zero.zeropp_loco_param is not None and world > rpn
-    # qgZ's error feedback: fp32 [N, bucket's chunks] per gradient bucket, committed and pending
-    # (zeropp/techniques/loco.py)
-    memory["error_feedback"] = 8 * (world // rpn) * sum(s.chunk for s in shards) if loco else 0
-    if loco and zero.zero_hadamard_gradients:   # rotated rows: each bucket's padded to whole blocks
-        bs, chunk = zero.zero_quantized_gradients_block_size, {s.index: s.chunk for s in shards}
-        memory["error_feedback"] = 8 * (world // rpn) * sum(-(-sum(chunk[i] for i in b) // bs) * bs
-                                                            for b in step.gradient_buckets)
-    formula["error_feedback"] = 8 / rpn * trace.num_parameters if loco else 0
+    # qgZ's error feedback: INT8 blocks of [N, bucket's chunks] per gradient bucket, committed
+    # and pending (zeropp/techniques/loco.py)
+    memory["error_feedback"] = 0
+    if loco:
+        chunk = {s.index: s.chunk for s in shards}
+        # rotated rows (Hadamard): each bucket's padded to whole blocks
+        bs = zero.zero_quantized_gradients_block_size if zero.zero_hadamard_gradients else 1
+        memory["error_feedback"] = 2 * sum(error_nbytes((world // rpn) * (-(-sum(chunk[i] for i in b) // bs) * bs))
+                                           for b in step.gradient_buckets)
+    formula["error_feedback"] = 2 * ERROR_BYTES_PER_ELEMENT / rpn * trace.num_parameters if loco else 0
     deltas = hpz_on and zero.zero_quantized_weight_deltas   # zeropp/techniques/deltas.py: recon and INT4 deltas
     memory["weight_deltas"] = sum(s.chunk * w + wire_nbytes(s.chunk, 4, DELTA_BLOCK)
                                   for s in shards if not s.persistent) if deltas else 0
@@ -225,7 +228,7 @@ def format_plan(job: Job, cluster: Cluster, trace: ModelTrace, plans: list[Confi
     out(f"-- Memory per GPU (GiB, rank 0){'':11}{head}")
     rows = [("weights (16-bit shard + persistent)" if plans[0].zero.stage == 3 else "weights (whole, 16-bit)",
              "weights"), ("hpZ secondary partition", "hpz_secondary"), ("gradients (fp32, whole)" if plans[0].zero.stage == 0 else "gradients (fp32 partition)", "gradients"),
-            ("optimizer (fp32 master + Adam)", "optimizer"), ("qgZ error feedback (fp32, 2 x 1/L)", "error_feedback"),
+            ("optimizer (fp32 master + Adam)", "optimizer"), ("qgZ error feedback (INT8, 2 x 1/L)", "error_feedback"),
             ("INT4 weight deltas (recon + INT4, 1/N)", "weight_deltas"),
             ("gradient bucket buffers", "gradient_buckets"),
             ("gathered-weight buffers", "gathered_weights")]

@@ -61,6 +61,8 @@ def skip_then_go_on(rank, world_size, dtype_cfg, bad):
         if step == 2:
             after = snapshot(engine)
     finite = all(torch.isfinite(v).all() for v in snapshot(engine)[0].values() if v.is_floating_point())
+    # the errors are INT8 blocks (uint8 in the snapshot): finite once dequantized
+    finite = finite and all(torch.isfinite(e).all() for e in engine.parts.carried["error_feedback"].errors().values())
     changed = [k for k in before[0] if not torch.equal(before[0][k], after[0][k])]
     changed += [k for k in before[1] if k not in ("loss_scaler", "global_step", "skipped_steps")
                 and before[1][k] != after[1][k]]

@@ -112,6 +112,11 @@ class TestFlags:
         (["--vocab-file", "v.json"], ["--vocab-file", "no effect with --tokenizer-type SentencePieceTokenizer"]),
         (["--save-interval", "5"], ["--save-interval has no effect without --save"]),
         (["--recompute-activations", "--checkpoint-activations"], ["pick one"]),
+        (["--zero-stage", "3", "--zero-quantized-gradients-bits", "2"],
+         ["--zero-quantized-gradients-bits", "--zero-quantized-gradients"]),
+        (["--zero-quantized-gradients-bits", "3"], ["--zero-quantized-gradients-bits"]),
+        (["--zero-stage", "3", "--zero-quantized-gradients", "--zero-quantized-gradients-bits", "2"],
+         ["--zero-quantized-gradients-bits", "without error feedback", "--zero-loco"]),
     ])
     def test_refused(self, corpus, capsys, extra, names):
         fails(good(corpus, *extra), capsys, *names)
@@ -167,6 +172,10 @@ class TestJson:
         ('{"zero_optimization": {"stage": 5}}', ["stage is 5"]),
         ('{"zero_optimizaton": {}}', ["unknown key 'zero_optimizaton'", "zero_optimization"]),
         ('{"optimizer": {"type": "Lamb"}}', ["'Lamb' is not supported"]),
+        ('{"zero_optimization": {"stage": 3, "zero_quantized_gradients": true, "zeropp_loco_param": {}, '
+         '"zero_quantized_gradients_bits": 3}}', ["zero_quantized_gradients_bits", "must be 4 (the default) or 2"]),
+        ('{"zero_optimization": {"stage": 3, "zero_quantized_gradients_bits": 2}}',
+         ["zero_quantized_gradients_bits", "set zero_quantized_gradients true"]),
     ])
     def test_bad_json(self, corpus, tmp_path, capsys, config, names):
         (tmp_path / "ds.json").write_text(config)

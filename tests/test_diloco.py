@@ -8,6 +8,8 @@
 - H = 1, outer lr 1, no momentum, exact exchange, SGD inside: synchronous data parallel over
   all 4 ranks, within the fp32 round-off the plain engine shows against fp64 (tests/numerics.py);
 - H = 1 with AdamW inside: parameter averaging after every step, bit for bit;
+- a warm-up: synchronous data parallel over all 4 ranks with the job's gradient clipping, the
+  groups identical bit for bit, the global parameters theirs, the first exchange after it;
 - INT4 outer gradients: the new global parameters within the block quantization's bound of
   the exact mean, the error feedback what quantization left;
 - the streaming schedule: fragments at staggered steps (equal parts of each shard), applied one
@@ -30,7 +32,8 @@ from tests.numerics import EPS32, assert_state_within_roundoff, fp64_reference
 from tests.test_train_faults import torchrun
 from zeropp.collectives.partition import Partition
 from planner.comm import rank_bytes
-from zeropp.diloco import PHASE, OuterSettings, attach, exchange_per_step
+from zeropp.diloco import PHASE, WARMUP, OuterSettings, attach, exchange_per_step
+from zeropp.diloco_edges import final_sync
 from zeropp.kernels.format import QMAX
 
 CFG = dict(vocab_size=96, num_layers=2, hidden_size=32, num_attention_heads=4,
@@ -44,10 +47,10 @@ def batches(steps, ranks):
     return [torch.randint(0, 96, (ranks * PER_RANK, SEQ + 1), generator=g) for _ in range(steps)]
 
 
-def build(topo, zero=None, optim=None):
+def build(topo, zero=None, optim=None, clip=0.0):
     torch.manual_seed(0)
     model = GPT(GPTConfig(**CFG))
-    ds = zeropp.DeepSpeedConfig.from_dict({"zero_optimization": {
+    ds = zeropp.DeepSpeedConfig.from_dict({"gradient_clipping": clip, "zero_optimization": {
         "stage": 3, "reduce_bucket_size": 3000, "allgather_bucket_size": 5000,
         "stage3_param_persistence_threshold": 16, "stage3_prefetch_bucket_size": 20000, **(zero or {})}})
     return zeropp.initialize(model, ds, Communicator(topo), torch.device("cpu"), optim or zeropp.OptimizerSettings(lr=LR))
@@ -68,9 +71,9 @@ def cross_partition(topo):
     return Partition(group=topo.across_group, size=topo.groups, rank=topo.offset // topo.world_size)
 
 
-def diloco(job, nodes, settings, optim=None, zero=None):
+def diloco(job, nodes, settings, optim=None, zero=None, clip=0.0):
     topo = job.group_topology(nodes).build_groups()
-    engine = build(topo, zero, optim)
+    engine = build(topo, zero, optim, clip)
     return engine, attach(engine, cross_partition(topo), settings), topo
 
 
@@ -80,10 +83,11 @@ def local_flat(sync, f=0):
 
 def scenarios(rank, world, tmp):
     """Every 4-rank scenario below in one set of processes (each its own groups and engines)."""
-    out = {fn.__name__: fn(rank, world) for fn in (group_runs, one_group, sgd_runs, averaging_runs, int4_runs,
-                                                    streaming_runs)}
+    out = {fn.__name__: fn(rank, world) for fn in (group_runs, one_group, sgd_runs, averaging_runs, warmup_runs,
+                                                    warmup_faults, int4_runs, streaming_runs)}
     out["resume_runs"] = resume_runs(rank, world, tmp)
     out["delayed_resume"] = delayed_resume(rank, world, tmp)
+    out["warmup_resume"] = warmup_resume(rank, world, tmp)
     out["nonfinite_runs"] = nonfinite_runs(rank, world)
     out["fp16_resume"] = fp16_resume(rank, world, tmp)
     out["final_runs"] = final_runs(rank, world, tmp)
@@ -174,6 +178,63 @@ def test_every_step_with_sgd_is_synchronous_data_parallel(runs):
                                  weight_decay=SGD.weight_decay)
     for single, got in runs["sgd_runs"]:
         assert_state_within_roundoff(got, single, exact, "H=1 SGD vs synchronous data parallel")
+
+
+# -- a synchronous warm-up --------------------------------------------------------------------------
+
+CLIPPED = 0.05   # below every step's gradient norm here: a group's own norm would clip otherwise
+
+
+def warmup_runs(rank, world):
+    job = topology_from_env(2)
+    data = batches(4, world)
+    single = train(build(job, optim=SGD, clip=CLIPPED), data, rank)
+    engine, sync, _ = diloco(job, 1, OuterSettings(2, fragments=2, warmup=4), optim=SGD, clip=CLIPPED)
+    warm = train(engine, data, rank)
+    global_is_local = all(torch.equal(sync.glob[f], sync.local(f)) for f in range(2))
+    warm_bytes = engine.comm.stats.by_phase[WARMUP][1]
+    train(engine, batches(3, world), rank)   # steps 5-7: exchanges after each, those of 5 and 6 merged
+    return single, warm, global_is_local, warm_bytes, sync.outer_steps, engine.comm.stats.by_phase[WARMUP][1]
+
+
+def test_a_warm_up_is_synchronous_data_parallel_then_the_groups_exchange(runs):
+    data = batches(4, 4)
+    torch.manual_seed(0)
+    steps = [[lambda m, x=x: m(x[:, :-1], x[:, 1:])] for x in data]
+    _, norms, exact = fp64_reference(GPT(GPTConfig(**CFG)), steps, lr=SGD.lr, clip=CLIPPED, optimizer="sgd",
+                                     weight_decay=SGD.weight_decay)
+    assert min(norms) > CLIPPED
+    results = runs["warmup_runs"]
+    for rank, (single, warm, global_is_local, warm_bytes, outer_steps, bytes_after) in enumerate(results):
+        assert_state_within_roundoff(warm, single, exact, "warm-up vs synchronous data parallel")
+        for k, v in results[rank % 2][1].items():   # the same rank of the other group: the same model
+            assert torch.equal(warm[k], v), k
+        assert global_is_local and warm_bytes > 0
+        assert outer_steps == 2 and bytes_after == warm_bytes   # no warm-up all-reduce after it
+
+
+def warmup_faults(rank, world):
+    """An fp16 overflow, then (fp32) a NaN loss, on rank 0 only (group 0) at the second of 3
+    warm-up steps (bench/fault_modes.py's engines and fault injection)."""
+    from bench.fault_modes import Grouped
+    out = []
+    for precision, value in (("fp16", float("inf")), ("fp32", float("nan"))):
+        run = Grouped({"stage": 3}, precision, 2, 1, OuterSettings(2, fragments=2, warmup=3))
+        skipped = run.train([0, 1, 2], fault={1: value})   # (train() checks the groups' global copies agree)
+        sd = run.engine.module_state_dict()
+        out.append((skipped, run.engine.loss_scaler.scale, sd))
+        run.sync.drain()
+    return out
+
+
+def test_a_fault_in_one_group_during_the_warm_up_skips_the_step_in_every_group(runs):
+    results = runs["warmup_faults"]
+    for rank, cases in enumerate(results):
+        for case, ((skipped, scale, sd), (_, other_scale, other)) in enumerate(zip(cases, results[(rank + 2) % 4])):
+            assert skipped == [False, True, False], (rank, case)   # as one job: every group skips it
+            assert scale == other_scale == results[0][case][1]
+            for k, v in sd.items():
+                assert torch.isfinite(v).all() and torch.equal(v, other[k]), (rank, case, k)
 
 
 def averaging_runs(rank, world):
@@ -284,7 +345,7 @@ def final_runs(rank, world, tmp):
     meta = {"model_config": {}, "param_shapes": {n: list(p.shape) for n, p in engine.module.named_parameters()}}
     save_checkpoint(f"{tmp}/before_final", 3, engine, 0, meta)
     before = [sync.local(f) for f in range(2)]
-    sync.final_sync()
+    final_sync(sync)
     return (before, [sync.local(f) for f in range(2)], [g.clone() for g in sync.glob],
             [bool(e.eq(0).all()) for e in sync.err], engine.module_state_dict())
 
@@ -386,6 +447,30 @@ def resume_runs(rank, world, tmp):
     return (full, resumed, straight, sync.outer_steps, again.outer_steps, plain.module_state_dict(),
             engine.module_state_dict(), torch.equal(local_flat(fresh), fresh.glob[0]), fresh.steps, regrouped,
             saved_global)
+
+
+def warmup_resume(rank, world, tmp):
+    """Saved in the middle of a warm-up of 2 steps, resumed and trained to step 5 (exchanges after
+    steps 3, 4, 5), against the run that never stopped."""
+    from training.checkpoint import load_checkpoint, save_checkpoint
+    job = topology_from_env(2)
+    settings = OuterSettings(2, fragments=2, quantization="int4", warmup=2)
+    data = batches(5, world)
+    engine, _, _ = diloco(job, 1, settings)
+    straight = train(engine, data, rank)
+    engine, _, _ = diloco(job, 1, settings)
+    train(engine, data[:1], rank)
+    save_checkpoint(f"{tmp}/warm", 1, engine, 0, META)
+    engine, sync, _ = diloco(job, 1, settings)
+    load_checkpoint(f"{tmp}/warm", engine)
+    return straight, train(engine, data[1:], rank), sync.outer_steps
+
+
+def test_a_resume_in_the_middle_of_the_warm_up_is_exact(runs):
+    for straight, resumed, outer_steps in runs["warmup_resume"]:
+        for k, v in straight.items():
+            assert torch.equal(resumed[k], v), k
+        assert outer_steps == 2   # the exchanges after steps 3 and 4, merged a step later
 
 
 def delayed_resume(rank, world, tmp):
@@ -506,6 +591,8 @@ OUTER = ("--zero-stage", "3", "--outer-sync-interval", "4")
     (2, 1, OUTER, "--group-size 1 makes groups of one rank"),
     (4, 2, ("--zero-stage", "2", "--outer-sync-interval", "4"), "this run is ZeRO stage 2; pass --zero-stage 3"),
     (4, 2, ("--zero-stage", "3", "--outer-lr", "0.5"), "--outer-lr has no effect without --outer-sync-interval"),
+    (4, 2, ("--zero-stage", "3", "--outer-warmup-iters", "10"),
+     "--outer-warmup-iters has no effect without --outer-sync-interval"),
     (4, 2, OUTER + ("--no-load-optim",), "--no-load-optim does not reset the outer state"),
     (4, 2, OUTER + ("--sharding", "fsdp2"), "runs this application's engine in each group; drop --sharding fsdp2"),
     (1, 1, OUTER + ("--dry-run", "--cluster", "configs/clusters/v100_4x16_100gbps.yaml", "--group-size", "3"),
@@ -524,11 +611,14 @@ def test_dry_run_plans_the_bytes_across_groups(capsys):
     train.main(["--dry-run", "--cluster", "configs/clusters/v100_4x16_100gbps.yaml", "--num-layers", "4",
                 "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "256", "--micro-batch-size", "2",
                 "--lr", "1e-4", "--zero-stage", "3", "--outer-sync-interval", "64", "--outer-quantization", "int4",
-                "--outer-fragments", "2", "--group-size", "2"])
+                "--outer-fragments", "2", "--group-size", "2", "--outer-warmup-iters", "100"])
     out = capsys.readouterr().out
     assert "-- Outer synchronization: 2 groups of 2 node(s)" in out
     ratio = float(out.split("(ratio ")[1].split(")")[0])
     assert 0 < ratio < 0.01   # INT4 shards every 64 steps against ZeRO-3's gathers and reductions every step
+    per_step = float(out.split("across groups per inner step per GPU: ")[1].split(" MB")[0])
+    warm = float(out.split("the first 100 iterations as one synchronous job: ")[1].split(" MB")[0])
+    assert warm > 4 * 64 * per_step   # each step the fp32 gradient shard, not an INT4 one every 64 steps
 
 
 def test_train_py_runs_the_mode_and_logs_it(corpus, tmp_path):  # noqa: F811
@@ -545,9 +635,10 @@ def test_train_py_runs_the_mode_and_logs_it(corpus, tmp_path):  # noqa: F811
     steps = [int(line.split("outer steps: ")[1].split(" ")[0]) for line in lines]
     assert steps == [1, 3, 5]   # fragment 1 at steps 2, 6, 10, fragment 0 at 4, 8, 12: each applied a step later
     assert all(float(line.split("cross-group MB: ")[1].split(" ")[0]) > 0 for line in lines)
-    # and at the end the one in flight merged and both fragments exchanged once more: 8
-    assert "final exchange of all 2 fragment(s) after iteration 12" in log
-    assert "8 outer steps (fragment exchanges) over 2 groups" in log and "not merged at the end" not in log
+    # and at the end the one in flight merged (6 outer steps), then both fragments averaged exactly (no outer step)
+    assert "final exchange of all 2 fragment(s) after iteration 12: every group now holds the global parameters, " \
+           "the groups' exact mean" in log
+    assert "6 outer steps (fragment exchanges) over 2 groups" in log and "not merged at the end" not in log
     assert all("| lm loss of: group 0 of 2 |" in line for line in lines)
     assert "MB, the groups' engines and the outer exchange between them" in log and "would send" not in log
     assert "> outer synchronization: 2 groups of 1 node(s) x 2 ranks, each its own engine; every 4 inner steps in 2 " \

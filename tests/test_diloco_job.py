@@ -7,12 +7,13 @@ node (`--ranks-per-node 2 --group-size 1`), a 2-layer GPT on a tiny corpus.
   trained, and says that the final synchronization is its only one;
 - the validation loss printed is the global parameters' (what the export takes) on exactly the
   samples a run without groups evaluates;
+- a warm-up as long as the run validates as the run without groups;
 - one group only, or clipping per group, is said in one line.
 """
 import pytest
 import torch
 
-from bench.diloco_job import diverge_one_group, short_export, short_run, signal_one_group
+from bench.diloco_job import GROUPS, diverge_one_group, finish, launch, short_export, short_run, signal_one_group
 from tests.test_cli_errors import fails, good
 from tests.test_cli_errors import corpus as cli_corpus   # noqa: F401 (a fixture)
 from tests.test_train import corpus, flags   # noqa: F401 (corpus: the fixture)
@@ -90,6 +91,21 @@ def test_validation_is_the_global_parameters_on_the_plain_runs_samples(short_run
         expected = plain_validation_loss(argv, weights, first, per_eval)
         assert abs(printed[it] - expected) <= 2e-5 * expected, (it, printed[it], expected)
     assert "groups' drift from them: " in out
+
+
+def test_a_warm_up_as_long_as_the_run_validates_as_the_run_without_groups(corpus, tmp_path):  # noqa: F811
+    def run(name, *extra):
+        proc = launch(4, [*base(corpus, tmp_path / name), "--train-iters", "8", "--eval-interval", "8", *extra])
+        out, hung = finish(proc, 180)
+        assert not hung and proc.returncode == 0, out
+        return out, [float(line.split("lm loss value: ")[1].split(" ")[0])
+                     for line in out.splitlines() if "validation loss at iteration 8 |" in line]
+
+    out, warm = run("warm", *GROUPS, "--outer-sync-interval", "4", "--outer-warmup-iters", "8")
+    _, plain = run("plain", "--global-batch-size", "8", "--zero-stage", "3", "--ranks-per-node", "2")
+    assert "; the first 8 iterations as one synchronous job (gradients averaged across the groups)" in out
+    assert "(the job's during the warm-up)" in out   # --clip-grad's note: Megatron's default 1.0 clips
+    assert len(warm) == len(plain) == 1 and abs(warm[0] - plain[0]) <= 1e-5 * plain[0], (warm, plain)
 
 
 # -- careless inputs --------------------------------------------------------------------------------------

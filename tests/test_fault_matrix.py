@@ -26,7 +26,8 @@ def test_combinations_are_what_the_validator_accepts():
     names = [name(z) for z in combos]
     assert len(set(names)) == len(names)
     # everything ZeRO++ on stage 3, nothing of it below; hpZ only within a node of 2
-    assert "s3+qwZ+hpZ2+qgZ+LoCo+Hadamard+deltas" in names and "s1" in names
+    assert "s3+qwZ+hpZ2+qgZ+LoCo+Hadamard+deltas+INT2" in names and "s1" in names
+    assert not any("INT2" in n and "LoCo" not in n for n in names)   # INT2 needs the error fed back
     assert not any(n.startswith(("s0+", "s1+", "s2+")) or "hpZ4" in n for n in names)
     assert not any("LoCo" in n and "qgZ" not in n for n in names)
     for z in combos:   # and each is taken by the real parser
@@ -108,7 +109,7 @@ def test_quick_diloco_rows():
 
 def test_fsdp2_with_every_switch():
     combos = [max(combinations(4, 2, "fsdp2"), key=lambda z: len(name(z)))]
-    assert name(combos[0]) == "s3+qwZ+hpZ2+qgZ+LoCo+Hadamard"
+    assert name(combos[0]) == "s3+qwZ+hpZ2+qgZ+LoCo+Hadamard+INT2"
     assert_rows(run_fsdp2(combos), [name(combos[0])], FSDP2_FAULTS)
 
 

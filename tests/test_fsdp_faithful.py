@@ -131,7 +131,7 @@ def save_every_step(rank, world, save):
         if save:
             zpp.state_dict()
         ef = zpp.carried["error_feedback"]
-        norms.append(sum(float(b.norm()) for b in ef.buffers.values()))
+        norms.append(sum(float(e.norm()) for e in ef.errors().values()))
     losses = loop(model, opt, rank, 6, between=between)
     return losses, norms, {n: p.full_tensor() for n, p in model.named_parameters()}
 

@@ -289,7 +289,7 @@ def loco_hadamard_reductions(rank, world_size, steps):
             first = float((mine - exact).abs().mean()) if first is None else first
         out[name] = dict(first=first, drift=float((total - steps * exact).abs().mean()))
         if feedback is not None:
-            out["buffers"] = {k: tuple(v.shape) for k, v in feedback.buffers.items()}
+            out["buffers"] = {k: tuple(v.shape) for k, v in feedback.errors().items()}
     return out
 
 

@@ -44,6 +44,10 @@ CASES = {
     "zeropp-hadamard": ({**BASE, "stage3_max_reuse_distance": 0, "zero_quantized_weights": True,
                          "zero_hpz_partition_size": 2, "zero_quantized_gradients": True, "zeropp_loco_param": {},
                          "zero_hadamard_gradients": True}, "bf16", False, 1),
+    # qgZ's hop between nodes in INT2 (with LoCo, whose INT8 errors are counted as above)
+    "zeropp-int2": ({**BASE, "stage3_max_reuse_distance": 0, "zero_quantized_weights": True,
+                     "zero_hpz_partition_size": 2, "zero_quantized_gradients": True, "zeropp_loco_param": {},
+                     "zero_quantized_gradients_bits": 2}, "bf16", False, 1),
     # Stage 0 (torch DDP): everything whole; 16-bit syncs every micro-step, fp32 the last only.
     "zero0-bf16": ({"stage": 0}, "bf16", False, 2),
     "zero0-fp32": ({"stage": 0}, "fp32", True, 2),

@@ -22,7 +22,7 @@ from zeropp.kernels.quant import DEFAULT_BLOCK_SIZE, QMAX, Quantized  # noqa: E4
 
 SIZES = [1, 7, 127, 128, 129, 1000]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-BITS = [8, 4]
+BITS = [8, 4, 2]
 
 
 def _rand(n, dtype, seed=0, spread=True):
@@ -65,6 +65,12 @@ def test_matches_fp64_hand_computation(bits, n):
     if bits == 8:
         assert q.data.dtype == torch.int8 and q.data.shape == (nb * bs,)
         vals = q.data.long()
+    elif bits == 2:
+        assert q.data.dtype == torch.uint8 and q.data.shape == (nb * bs // 4,)
+        # packing: element 4i + k in bits 2k, 2k + 1 of byte i, 2-bit two's complement
+        b = q.data.long()
+        fields = [(b >> (2 * k)) & 3 for k in range(4)]
+        vals = torch.stack([torch.where(f >= 2, f - 4, f) for f in fields], 1).flatten()
     else:
         assert q.data.dtype == torch.uint8 and q.data.shape == (nb * bs // 2,)
         # packing: element 2i in the low nibble of byte i, 2i+1 in the high nibble,
@@ -88,6 +94,16 @@ def test_int4_packing_explicit():
     # pairs (1,-1) (7,-7) (0,3) (-2,5): low nibble first, -1 -> 0xF, -7 -> 0x9, -2 -> 0xE
     assert q.data.tolist() == [0xF1, 0x97, 0x30, 0x5E]
     assert torch.equal(quant.dequantize(q, backend="torch"), x)
+
+
+def test_int2_packing_explicit():
+    """Ternary values (qmax 1): scale = max|x|, q = round(x / scale) in {-1, 0, 1}."""
+    x = torch.tensor([2.0, -2.0, 0.9, 1.1, -1.1, 0.0, 1.0, -0.9])
+    q = quant.quantize(x, 2, 8, backend="torch")
+    assert q.scales.tolist() == [2.0]
+    # (1, -1, 0, 1) -> 0b01_00_11_01, (-1, 0, 0, 0): 1.0 / 2 ties to even (0), -0.9 / 2 -> 0
+    assert q.data.tolist() == [0b01001101, 0b00000011]
+    assert quant.dequantize(q, backend="torch").tolist() == [2.0, -2.0, 0.0, 2.0, -2.0, 0.0, 0.0, 0.0]
 
 
 def test_int8_explicit_and_rounding():
@@ -160,7 +176,7 @@ def test_nonfinite_propagates_to_scale(bits, bad):
 # ---------------------------------------------------------------------------------------
 # reduce hops
 
-@pytest.mark.parametrize("bits_in,bits_out", [(4, 4), (8, 4), (4, 8), (8, 8)])
+@pytest.mark.parametrize("bits_in,bits_out", [(4, 4), (8, 4), (4, 8), (8, 8), (4, 2), (2, 2), (2, 4)])
 @pytest.mark.parametrize("n", [7, 129, 1000])
 def test_dequantize_reduce_requantize(bits_in, bits_out, n):
     k = 3
@@ -188,7 +204,7 @@ def test_dequantize_reduce(dtype):
     assert torch.equal(got, (summed * torch.tensor(1 / k)).to(dtype))
 
 
-@pytest.mark.parametrize("bits, bs", [(8, 256), (4, 128), (4, 6)])
+@pytest.mark.parametrize("bits, bs", [(8, 256), (4, 128), (4, 6), (2, 128), (2, 12)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_chunked_torch_path_equals_one_pass_and_writes_into_out(monkeypatch, bits, bs, dtype):
     """The torch path works chunk by chunk (bounded temporaries); chunk boundaries, a
@@ -253,7 +269,7 @@ def _rows_into_wire(backend, bits, bs, rows, n, device="cpu"):
     return xs, buf.cpu(), wire
 
 
-@pytest.mark.parametrize("bits, bs", [(8, 256), (4, 128), (4, 6)])
+@pytest.mark.parametrize("bits, bs", [(8, 256), (4, 128), (4, 6), (2, 128)])
 def test_quantize_into_wire_rows_equals_quantizing_the_padded_rows(bits, bs):
     rows, n = 3, 1000
     xs, buf, wire = _rows_into_wire("torch", bits, bs, rows, n)
@@ -379,7 +395,7 @@ def test_triton_special_values(bits):
 
 
 @needs_triton
-@pytest.mark.parametrize("bits, bs", [(8, 256), (4, 128)])
+@pytest.mark.parametrize("bits, bs", [(8, 256), (4, 128), (2, 128)])
 def test_triton_quantizes_into_wire_rows_as_torch(bits, bs):
     _, buf_triton, _ = _rows_into_wire("triton", bits, bs, 3, 1000, _DEV)
     _, buf_torch, _ = _rows_into_wire("torch", bits, bs, 3, 1000)
@@ -396,7 +412,7 @@ def test_triton_quantizes_into_wire_rows_as_torch(bits, bs):
 
 
 @needs_triton
-@pytest.mark.parametrize("bits_in,bits_out", [(4, 4), (8, 4), (4, 8), (8, 8)])
+@pytest.mark.parametrize("bits_in,bits_out", [(4, 4), (8, 4), (4, 8), (8, 8), (4, 2), (2, 2), (2, 4)])
 @pytest.mark.parametrize("n", [1, 7, 129, 1000])
 def test_triton_dequantize_reduce_requantize(bits_in, bits_out, n):
     parts = [quant.quantize(_rand(n, torch.float32, seed=s), bits_in, 64, backend="torch") for s in range(3)]

@@ -36,10 +36,12 @@ def _same_bits(a, b):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 4, 2])
 @pytest.mark.parametrize("n", SIZES)
-@pytest.mark.parametrize("bs", [2, 64, 256])
+@pytest.mark.parametrize("bs", [2, 4, 64, 256])
 def test_quantize_and_dequantize_give_the_torch_paths_bits(dtype, bits, n, bs):
+    if bs * bits % 8:
+        pytest.skip("INT2 blocks are whole bytes: 4 elements at least")
     x = _rand(n, dtype, seed=n + bs)
     x[n // 2] = 0.0
     ref = quant.quantize(x, bits, bs, backend="torch")
@@ -50,7 +52,7 @@ def test_quantize_and_dequantize_give_the_torch_paths_bits(dtype, bits, n, bs):
 
 
 @needs_kernels
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 4, 2])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_special_values(bits, dtype):
     x = torch.randn(64 * 6).to(dtype)
@@ -71,7 +73,7 @@ def test_special_values(bits, dtype):
 
 
 @needs_kernels
-@pytest.mark.parametrize("bits_in,bits_out", [(4, 4), (8, 4), (4, 8), (8, 8)])
+@pytest.mark.parametrize("bits_in,bits_out", [(4, 4), (8, 4), (4, 8), (8, 8), (4, 2), (2, 2), (2, 4)])
 @pytest.mark.parametrize("n", [1, 129, 1000])
 @pytest.mark.parametrize("k", [1, 3])
 def test_reductions_give_the_torch_paths_bits(bits_in, bits_out, n, k):

@@ -11,7 +11,7 @@ from tests.distributed import run_distributed
 from tests.test_zeropp import ARGS, QGZ, gpt, make_engine, mean_over_ranks, tokens
 from zeropp.memory import memory_report
 from zeropp.collectives.partition import Partition
-from zeropp.techniques.loco import CompensatedReduce, ErrorFeedback
+from zeropp.techniques.loco import ERROR_BLOCK, ERROR_BYTES_PER_ELEMENT, CompensatedReduce, ErrorFeedback
 from zeropp.techniques.qgz import HierarchicalQuantizedReduce
 
 LOCO = {**QGZ, "zeropp_loco_param": {"err_beta": 0.8, "reset_T": 1024}}
@@ -83,7 +83,7 @@ def repeated_reductions(rank, world_size, local, beta, steps):
                 first_err = float((mine - exact).abs().mean())
         out[name] = dict(first=first_err, drift=float((total - steps * exact).abs().mean()))
         if feedback is not None:
-            out["buffers"] = {k: tuple(v.shape) for k, v in feedback.buffers.items()}
+            out["buffers"] = {k: tuple(v.shape) for k, v in feedback.errors().items()}
     return out
 
 
@@ -156,11 +156,13 @@ def test_loco_trains_like_zero3_sends_what_qgz_sends_across_nodes_and_counts_its
     for r in runs:
         # the inter-node hop is qgZ's, byte for byte; only the intra-node hop changed
         assert r["loco"]["inter"] == r["qgz"]["inter"]
-        # the fp32 error of 1/L (L = 2) of the gradients, committed and pending, padded to whole
-        # rows: counted
-        assert 4 * r["loco"]["params"] <= r["loco"]["error_bytes"] <= 4 * r["loco"]["params"] * 1.2
+        # the INT8 error of 1/L (L = 2) of the gradients, committed and pending, padded to whole
+        # rows and blocks: counted, a quarter of what fp32 errors took (4 bytes a parameter here)
+        per = 2 * ERROR_BYTES_PER_ELEMENT / 2
+        assert per * r["loco"]["params"] <= r["loco"]["error_bytes"] <= per * r["loco"]["params"] * 1.2
+        assert r["loco"]["error_bytes"] < 1.2 * r["loco"]["params"]
         assert r["loco"]["measured"] - r["qgz"]["measured"] == r["loco"]["error_bytes"]
-        assert r["loco"]["predicted"] - r["qgz"]["predicted"] == pytest.approx(4 * r["loco"]["params"])
+        assert r["loco"]["predicted"] - r["qgz"]["predicted"] == pytest.approx(per * r["loco"]["params"])
         assert all(r["loco"]["pools_within_bounds"].values()), r["loco"]["pools_within_bounds"]
 
 
@@ -242,3 +244,162 @@ def test_the_reset_says_what_layout_the_error_was_saved_in():
     assert "saved on 4 ranks in 2 nodes with 2 gradient buckets, now 2 ranks in 2 nodes with 1" in note
     assert other.buffers[0].abs().sum() == 0 and other.reductions == {}
     assert "saved without zeropp_loco_param" in other.load_scalar_state(None)
+
+
+# --------------------------------------------------------------------------------------
+# the error kept in 8 bits
+# --------------------------------------------------------------------------------------
+def one_send(beta, scale):
+    """One send of rows [2, 1000] through an ErrorFeedback: the error it kept (INT8) and the
+    fp32 error it computed (beta x 0 + (1 - beta) x the INT4 error)."""
+    from zeropp.collectives.buffer_pool import BufferPool, take_wire
+    from zeropp.kernels.quant import dequantize
+    ef = ErrorFeedback(beta, 1024)
+    ef.expect({0: (2, 1000)}, world=4, nodes=2, device="cpu")
+    rows = torch.randn(2, 1000, generator=torch.Generator().manual_seed(5)) * scale
+    pool = BufferPool(torch.device("cpu"))
+    _, dests = take_wire(pool, 2, 1000, 4, 128)
+    ef.send(0, rows, dests, pool)
+    ef.end_step(True)
+    exact = torch.stack([(rows[a] - dequantize(d)) * (1 - beta) for a, d in enumerate(dests)])
+    return ef, ef.errors()[0], exact
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.8])
+def test_the_error_is_kept_in_int8_blocks_within_half_a_step(beta):
+    """The stored error is the fp32 one within half an INT8 step of its block (max|e| / 254),
+    and costs 1 + 4/256 bytes an element instead of 4."""
+    ef, kept, exact = one_send(beta, torch.logspace(-3, 2, 1000))
+    blocks = exact.reshape(-1)[: 2000 // ERROR_BLOCK * ERROR_BLOCK].view(-1, ERROR_BLOCK)
+    bound = blocks.abs().amax(1, keepdim=True) / 254 * (1 + 1e-6)
+    err = (kept.reshape(-1)[: blocks.numel()].view_as(blocks) - blocks).abs()
+    assert (err <= bound).all() and err.max() > 0, float((err - bound).max())
+    assert exact.abs().max() > 0
+    assert ef.buffers[0].dtype == torch.uint8 and ef.buffers[0].numel() == -(-2000 // ERROR_BLOCK) * (ERROR_BLOCK + 4)
+    assert ERROR_BYTES_PER_ELEMENT == 1 + 4 / 256
+
+
+def test_a_non_finite_error_is_not_committed():
+    ef, kept, _ = one_send(0.0, 1.0)
+    from zeropp.collectives.buffer_pool import BufferPool, take_wire
+    pool = BufferPool(torch.device("cpu"))
+    _, dests = take_wire(pool, 2, 1000, 4, 128)
+    rows = torch.zeros(2, 1000)
+    rows[1, 7] = float("inf")
+    ef.send(0, rows, dests, pool)
+    assert "non-finite" in ef.end_step(True)
+    assert torch.equal(ef.errors()[0], kept)
+
+
+def test_an_fp32_error_checkpoint_is_converted_on_load():
+    """A checkpoint saved when the errors were fp32 (no error_bits in its metadata) fits the same
+    layout: the load fills fp32 staging tensors and quantizes them, and says so in one line."""
+    saved = ErrorFeedback(0.8, 10)
+    saved.expect({0: (2, 300)}, world=4, nodes=2, device="cpu")
+    saved.reductions = {0: 3}
+    old = saved.scalar_state()
+    del old["error_bits"]
+    fp32 = torch.randn(600, generator=torch.Generator().manual_seed(1))
+    now = ErrorFeedback(0.8, 10)
+    now.expect({0: (2, 300)}, world=4, nodes=2, device="cpu")
+    flats = now.checkpoint_state(world=4)
+    assert flats["error_feedback.0"].local.dtype == torch.uint8
+    now.stage_load(old)
+    flat = flats["error_feedback.0"]
+    assert flat.local.dtype == torch.float32 and flat.numel == 4 * 600 and flat.local.numel() == 600
+    flat.local.copy_(fp32)   # what the checkpoint's load writes
+    note = now.load_scalar_state(old)
+    assert "saved in fp32: converted to INT8" in note and "\n" not in note
+    assert now.reductions == {0: 3}
+    err = (now.errors()[0].view(-1) - fp32).abs()
+    assert 0 < err.max() <= fp32.abs().max() / 254 * (1 + 1e-6)
+    # a checkpoint of INT8 errors: loaded as it is, nothing said
+    again = ErrorFeedback(0.8, 10)
+    again.expect({0: (2, 300)}, world=4, nodes=2, device="cpu")
+    again.checkpoint_state(world=4)
+    again.stage_load(now.scalar_state())
+    assert again.checkpoint_state(world=4)["error_feedback.0"].local.dtype == torch.uint8
+    assert again.load_scalar_state(now.scalar_state()) is None
+
+
+# --------------------------------------------------------------------------------------
+# 2-bit gradients across nodes (zero_quantized_gradients_bits)
+# --------------------------------------------------------------------------------------
+def test_gradient_bits_key():
+    assert _zero(**QGZ).zero_optimization.zero_quantized_gradients_bits == 4
+    assert _zero(**LOCO, zero_quantized_gradients_bits=2).zero_optimization.zero_quantized_gradients_bits == 2
+
+
+@pytest.mark.parametrize("zero, message", [
+    ({**LOCO, "zero_quantized_gradients_bits": 3}, "must be 4 (the default) or 2"),
+    ({**LOCO, "zero_quantized_gradients_bits": 8}, "must be 4 (the default) or 2"),
+    ({"zero_quantized_gradients_bits": 2}, "set zero_quantized_gradients true"),
+    ({"zero_quantized_gradients": "auto", "zero_quantized_gradients_bits": 2}, "set zero_quantized_gradients true"),
+    ({**LOCO, "zero_quantized_gradients_bits": 2, "zero_quantized_gradients_block_size": 8}, ">= 16"),
+    ({**QGZ, "zero_quantized_gradients_bits": 2}, "without error feedback"),
+])
+def test_gradient_bits_refused_in_one_line(zero, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")) as e:
+        _zero(**zero)
+    assert "\n" not in str(e.value) and "zero_quantized_gradients_bits" in str(e.value)
+
+
+def test_gradient_bits_flag(monkeypatch):
+    from training.args import parse_args
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    zero = parse_args(ARGS + ["--zero-stage", "3", "--zero-quantized-gradients", "--zero-loco",
+                              "--zero-quantized-gradients-bits", "2"]).ds_config.zero_optimization
+    assert zero.zero_quantized_gradients_bits == 2
+    with pytest.raises(ConfigError, match="zero_quantized_gradients_bits"):
+        parse_args(ARGS + ["--zero-stage", "3", "--zero-quantized-gradients-bits", "2"])
+    with pytest.raises(ConfigError, match="add zeropp_loco_param \\(--zero-loco\\)"):
+        parse_args(ARGS + ["--zero-stage", "3", "--zero-quantized-gradients", "--zero-quantized-gradients-bits", "2"])
+
+
+def int2_reductions(rank, world_size, local, steps):
+    """As repeated_reductions, INT2 across nodes, with and without the error fed back; and the
+    bytes each reduction sends across nodes at 4 and 2 bits."""
+    topo = Topology(world_size, rank, local).build_groups()
+    part = Partition(None, world_size, rank)
+    g = torch.Generator().manual_seed(3)
+    every = torch.randn(world_size, world_size, 1000, generator=g) * torch.rand(world_size, world_size, 1, generator=g)
+    exact = every[:, rank].sum(0)
+    out = {}
+    for name, bits, feedback in (("int4", 4, None), ("plain", 2, None), ("loco", 2, ErrorFeedback(0.0, 1024))):
+        comm = Communicator(topo)
+        reduce = (CompensatedReduce(comm, error_feedback=feedback, bits=bits) if feedback
+                  else HierarchicalQuantizedReduce(comm, bits=bits))
+        total, first_err = torch.zeros(1000), None
+        for step in range(steps):
+            mine = torch.empty(1000)
+            reduce.start(every[rank].clone(), mine, part, "grad_reduce", key=7).wait()
+            if feedback is not None:
+                feedback.end_step(True)
+            total += mine
+            if first_err is None:
+                first_err = float((mine - exact).abs().mean())
+                inter = comm.stats.inter_node_bytes
+        planned = [(c.nbytes, c.quant_bits) for c in reduce.plan(1000, 4) if c.group == "inter"]
+        out[name] = dict(first=first_err, drift=float((total - steps * exact).abs().mean()), inter=inter,
+                         planned=planned)
+    return out
+
+
+def test_int2_across_nodes_counts_its_wire_and_needs_the_error_fed_back():
+    """INT2 rows across nodes: about half INT4's bytes (what the communicator counts is what the
+    plan says); a step's error is larger than INT4's, and without feedback it accumulates, while
+    with it the sum of what was delivered tracks the exact sum."""
+    from zeropp.kernels.format import wire_nbytes
+    steps = 20
+    for r in run_distributed(int2_reductions, 4, args=(2, steps)):
+        int4, plain, loco = r["int4"], r["plain"], r["loco"]
+        assert plain["first"] > int4["first"]
+        assert plain["drift"] > 0.5 * steps * plain["first"], r
+        assert loco["drift"] < 0.25 * plain["drift"] and loco["drift"] < 2 * plain["first"], r
+        # across nodes each rank sends one row (its node's sum for the other node's owner of its
+        # local index), counted as it is on the wire; the planner's all-to-all is the 2 rows
+        for x, bits in ((int4, 4), (plain, 2), (loco, 2)):
+            assert x["inter"] == wire_nbytes(1000, bits, 128), r
+            assert x["planned"] == [(2 * wire_nbytes(1000, bits, 128), bits)], r
+        assert plain["inter"] < 0.6 * int4["inter"], r

@@ -181,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--zero-hpz-size", type=_int, default=None, help="zero_hpz_partition_size")
     g.add_argument("--zero-quantized-weights", action="store_true", default=None)
     g.add_argument("--zero-quantized-gradients", action="store_true", default=None)
+    g.add_argument("--zero-quantized-gradients-bits", type=whole, choices=[4, 2], default=None,
+                   help="bits of qgZ's gradients across nodes (zero_quantized_gradients_bits; default 4; "
+                        "needs --zero-quantized-gradients)")
     g.add_argument("--zero-loco", action="store_true", default=None,
                    help="qgZ with error feedback (zeropp_loco_param with err_beta 0.8, reset_T 1024)")
     g.add_argument("--zero-quantized-weight-deltas", action="store_true", default=None,
@@ -287,7 +290,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--outer-merge-alpha", type=_below_one, default=0.5, metavar="ALPHA",
                    help="a delayed merge keeps this share of the steps taken meanwhile: local <- ALPHA local + "
                         "(1 - ALPHA) global (torchft's fragment_update_alpha)")
+    g.add_argument("--outer-warmup-iters", type=_count, default=0, metavar="N",
+                   help="train the first N iterations as one synchronous job over every group (gradients "
+                        "averaged across the groups each step), then apart")
     g.add_argument("--group-size", type=_int, default=1, help="nodes per group")
+    g.add_argument("--lighthouse", default=None, metavar="URL",
+                   help="each group is its own torchrun job, meeting the others through torchft's Lighthouse at "
+                        "URL (e.g. http://host:29510): a group that fails never stops the others and heals from "
+                        "them when it returns (scripts/launch_groups.sh)")
+    g.add_argument("--group-id", type=_count, default=None, help="with --lighthouse: this job is group ID (0, 1, ...)")
+    g.add_argument("--num-groups", type=_int, default=None,
+                   help="with --lighthouse: the groups of the run (each reads 1/N of every global batch)")
+    g.add_argument("--outer-timeout", type=_positive, default=60.0, metavar="S",
+                   help="with --lighthouse: seconds an exchange or a quorum waits for a group before going on "
+                        "without it")
 
     g = p.add_argument_group("planning")
     g.add_argument("--dry-run", action="store_true",

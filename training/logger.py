@@ -28,7 +28,8 @@ def _outer_fields(s: dict) -> str:
     if "outer_steps" not in s:
         return ""
     return (f" outer steps: {s['outer_steps']} | cross-group MB: {s['cross_group_mb']:.3f} "
-            f"| outer drift: {s['outer_drift']:.3e} | lm loss of: {s['loss_of']} |")
+            f"| outer drift: {s['outer_drift']:.3e} |" + (f" quorum: {s['quorum']} groups |" if "quorum" in s else "")
+            + f" lm loss of: {s['loss_of']} |")
 
 
 class TrainingLogger:
@@ -91,7 +92,8 @@ class TrainingLogger:
             "comm/inter-node-MB-per-iteration": s["inter_mb"],
             "memory/peak-MB": peak_memory_mb(),
             **({"outer/steps": s["outer_steps"], "outer/cross-group-MB-per-iteration": s["cross_group_mb"],
-                "outer/drift": s["outer_drift"]} if "outer_steps" in s else {})})
+                "outer/drift": s["outer_drift"]} if "outer_steps" in s else {}),
+            **({"outer/quorum-size": s["quorum"], "outer/heals": s["heals"]} if "quorum" in s else {})})
 
     def wall_clock_line(self, it: int, ms: dict):
         """wall_clock_breakdown: DeepSpeed's per-phase line (this rank's times, ms per

@@ -4,17 +4,23 @@ synchronizes across the groups (zeropp/diloco.py)."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 
 from common import ConfigError
 from parallel.comm import Communicator
-from parallel.launch import print_rank0
+from parallel.launch import die_with_launcher, print_rank0
 from parallel.topology import Topology
 from zeropp.collectives.partition import Partition
-from zeropp.diloco import KEY, PHASE, OuterSettings, attach, with_global_weights
+from parallel.membership import TorchftGroups
+from zeropp.diloco import KEY, PHASE, WARMUP, OuterSettings, attach
+from zeropp.diloco_edges import final_sync as synchronize_groups
+from zeropp.diloco_edges import heal, join, outer_state, with_global_weights
 
 OUTER_FLAGS = ("outer_lr", "outer_momentum", "outer_fragments", "outer_quantization", "outer_sync_delay",
-               "outer_merge_alpha", "group_size", "outer_topk_fraction")
+               "outer_merge_alpha", "outer_warmup_iters", "outer_topk_fraction", "group_size", "lighthouse",
+               "group_id", "num_groups", "outer_timeout")
+FAULT_TOLERANT_FLAGS = ("group_id", "num_groups", "outer_timeout")
 
 
 def check_outer_args(args, flag):
@@ -50,6 +56,9 @@ def check_outer_args(args, flag):
                           f"exchanged at its own inner step); pass at most {args.outer_sync_interval}")
     if args.dry_run:   # the planner checks the groups against --cluster (planner/outer.py)
         return
+    if args.lighthouse is not None or any(d in args.explicit for d in FAULT_TOLERANT_FLAGS):
+        check_fault_tolerant_args(args, flag, H)
+        return
     world = int(os.environ.get("WORLD_SIZE", 1))
     per_node = args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
     nodes, size = world // per_node, args.group_size
@@ -65,9 +74,49 @@ def check_outer_args(args, flag):
                           f"--ranks-per-node for the ranks of one node) or drop {H}")
 
 
+def check_fault_tolerant_args(args, flag, H):
+    """--lighthouse: this torchrun job is one group; one line per bad input."""
+    if args.lighthouse is None:
+        given = [flag(args, d, getattr(args, d)) for d in FAULT_TOLERANT_FLAGS if d in args.explicit]
+        raise ConfigError(f"{', '.join(given)} needs --lighthouse URL (torchft's Lighthouse; "
+                          f"scripts/launch_groups.sh starts one)")
+    if args.group_id is None or args.num_groups is None:
+        raise ConfigError("--lighthouse needs --group-id G and --num-groups N (this job is group G of N); add both")
+    if args.group_id >= args.num_groups:
+        raise ConfigError(f"{flag(args, 'group_id', args.group_id)} must be below --num-groups {args.num_groups}")
+    if "group_size" in args.explicit:
+        raise ConfigError(f"{flag(args, 'group_size', args.group_size)} has no effect with --lighthouse (each "
+                          f"torchrun job is one group); drop it")
+    if args.outer_quantization != "none":
+        raise ConfigError(f"--outer-quantization {args.outer_quantization} is not fault tolerant yet; pass "
+                          f"--outer-quantization none with --lighthouse")
+    if args.outer_warmup_iters:   # an all-reduce across groups every step: no group could leave
+        raise ConfigError(f"{flag(args, 'outer_warmup_iters', args.outer_warmup_iters)} is not fault tolerant "
+                          f"yet; drop it with --lighthouse (or train the warm-up as one job and --load it)")
+    spacing = args.outer_sync_interval // args.outer_fragments
+    if args.outer_sync_delay >= spacing:   # one quorum at a time: an exchange is merged before the next opens
+        raise ConfigError(f"{flag(args, 'outer_sync_delay', args.outer_sync_delay)} must be below {H} / "
+                          f"--outer-fragments {args.outer_fragments} = {spacing} with --lighthouse; pass at most "
+                          f"{spacing - 1}")
+    if importlib.util.find_spec("torchft") is None:   # found, not imported (it imports Triton)
+        raise ConfigError("--lighthouse needs torchft; pip install torchft")
+
+
+def fault_tolerant(args) -> bool:
+    return args.outer_sync_interval is not None and args.lighthouse is not None
+
+
+def data_partition(args, topology: Topology) -> tuple[int, int]:
+    """(rank, world) of this rank in the training data: with --lighthouse group G of N reads the
+    G-th of N parts of every global batch, as its ranks would in one job of N groups."""
+    if not fault_tolerant(args):
+        return topology.rank, topology.world_size
+    return args.group_id * topology.world_size + topology.rank, args.num_groups * topology.world_size
+
+
 def engine_comm(args, topology: Topology) -> Communicator:
     """The communicator of this rank's engine: over its group in the outer mode, else the job."""
-    if args.outer_sync_interval is None:
+    if args.outer_sync_interval is None or fault_tolerant(args):   # (--lighthouse: the job is the group)
         return Communicator(topology)
     return Communicator(topology.group_topology(args.group_size).build_groups())
 
@@ -78,24 +127,58 @@ def attach_outer(args, engine):
     if args.outer_sync_interval is None:
         return None
     group = engine.comm.topology
-    cross = Partition(group=group.across_group, size=group.groups, rank=group.offset // group.world_size)
     settings = OuterSettings(args.outer_sync_interval, args.outer_lr, args.outer_momentum, args.outer_fragments,
                              args.outer_quantization, args.outer_sync_delay, args.outer_merge_alpha,
-                             topk_fraction=args.outer_topk_fraction)
-    print_rank0(f"> outer synchronization: {group.groups} groups of {group.num_nodes} node(s) x "
+                             warmup=args.outer_warmup_iters, topk_fraction=args.outer_topk_fraction)
+    if fault_tolerant(args):
+        die_with_launcher()   # a group whose launcher is killed leaves no rank behind in the exchanges
+        cross = TorchftGroups(engine.comm, args.group_id, args.lighthouse, args.outer_timeout, args.outer_timeout)
+        print_rank0(f"> outer membership: group {args.group_id} of {args.num_groups} ({group.num_nodes} node(s) x "
+                    f"{group.ranks_per_node} ranks), meeting the others through torchft's Lighthouse at "
+                    f"{args.lighthouse}; an exchange waits {args.outer_timeout:g} s for a group")
+    else:
+        cross = Partition(group=group.across_group, size=group.groups, rank=group.offset // group.world_size)
+    groups = args.num_groups if fault_tolerant(args) else group.groups
+    print_rank0(f"> outer synchronization: {groups} groups of {group.num_nodes} node(s) x "
                 f"{group.ranks_per_node} ranks, each its own engine; every {settings.interval} inner steps in "
                 f"{settings.fragments} fragment(s), outer lr {settings.lr}, Nesterov momentum {settings.momentum}, "
                 f"{settings.quantization} outer gradients"
                 + (f" (top {settings.topk_fraction:g} of each chunk)" if settings.quantization == "topk2" else "")
                 + f", merged {settings.delay} inner step(s) after issue"
-                + (f" keeping {settings.merge_alpha:g} of the local values" if settings.delay else ""))
+                + (f" keeping {settings.merge_alpha:g} of the local values" if settings.delay else "")
+                + (f"; the first {settings.warmup} iterations as one synchronous job (gradients averaged across "
+                   f"the groups)" if settings.warmup else ""))
     if args.train_iters is not None and settings.interval >= args.train_iters:   # (the benches build no schedule)
         print_rank0(f"> note: --outer-sync-interval {settings.interval} >= --train-iters {args.train_iters}: the "
                     f"final synchronization at the end of training is the only one")
     if args.clip_grad:
-        print_rank0(f"> note: --clip-grad {args.clip_grad:g} clips each group's own gradient norm, not the job's: "
-                    f"with --outer-sync-interval 1 pass --clip-grad 0 for synchronous data parallel")
-    return attach(engine, cross, settings)
+        print_rank0(f"> note: --clip-grad {args.clip_grad:g} clips each group's own gradient norm, not the job's"
+                    + (" (the job's during the warm-up)" if settings.warmup else "")
+                    + ": with --outer-sync-interval 1 pass --clip-grad 0 for synchronous data parallel")
+    sync = attach(engine, cross, settings)
+    if fault_tolerant(args):   # what a group that is behind takes from a peer; the groups must agree on the shapes
+        cross.register(lambda: outer_state(sync), lambda state: heal(sync, state),
+                       f"{args.num_groups}/{group.world_size}/{sum(s.numel for s in engine.shards)}/"
+                       f"{sum(g.numel() for g in sync.glob)}/{sync._layout()}")
+    return sync
+
+
+def join_groups(engine, iteration: int) -> int:
+    """--lighthouse, before the first step: meet the groups present, heal from them if behind;
+    the iteration to continue from (the others' when they are ahead). `iteration` elsewhere."""
+    sync = outer_sync(engine)
+    if sync is None or not sync.cross.fault_tolerant:
+        return iteration
+    sync.steps = iteration
+    print_rank0(f"> outer membership: {join(sync)}")
+    return sync.steps
+
+
+def outer_iteration(engine, iteration: int) -> int:
+    """The iteration after an inner step: the others' when this group took their schedule at an
+    exchange (--lighthouse), else `iteration`."""
+    sync = outer_sync(engine)
+    return sync.steps if sync is not None and sync.cross.fault_tolerant else iteration
 
 
 def outer_fields(engine, stats, iterations: int) -> dict:
@@ -105,7 +188,14 @@ def outer_fields(engine, stats, iterations: int) -> dict:
     sync = outer_sync(engine)
     if sync is None:
         return {}
-    inter = stats.by_phase[PHASE][1] if PHASE in stats.by_phase else 0
+    inter = sum(stats.by_phase[p][1] for p in (PHASE, WARMUP) if p in stats.by_phase)
+    if sync.cross.fault_tolerant:
+        status = sync.cross.status()
+        for event in status["events"]:
+            print_rank0(f"> outer membership: {event}")
+        return {"outer_steps": sync.outer_steps, "cross_group_mb": inter / iterations / 2**20,
+                "outer_drift": sync.drift, "quorum": status["quorum_size"], "heals": status["heals"],
+                "loss_of": f"group {sync.cross.group_id}"}
     return {"outer_steps": sync.outer_steps, "cross_group_mb": inter / iterations / 2**20, "outer_drift": sync.drift,
             "loss_of": f"group 0 of {sync.cross.size}"}
 
@@ -122,7 +212,7 @@ def final_sync(engine) -> bool:
     sync = outer_sync(engine)
     if sync is None:
         return False
-    note = sync.final_sync()
+    note = synchronize_groups(sync)
     print_rank0(f"> outer synchronization: final exchange of all {sync.s.fragments} fragment(s) after iteration "
                 f"{sync.steps}: every group now holds the global parameters, the groups' exact mean"
                 + (f" ({note})" if note else ""))

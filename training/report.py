@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+import torch.distributed as dist
+
 from data.stats import unigram_entropy
 from model import num_parameters
 from parallel.launch import print_rank0
@@ -33,6 +35,19 @@ def print_job(args, topology, cfg, engine, device, vocab_size: int):
                     f"(the loss of a context-free model)")
 
 
+def peak_memory_line() -> str:
+    """Every rank's peak (GPU memory allocated, or resident memory on CPU): rank 0's, the largest
+    and the smallest (collective over the job)."""
+    mine = peak_memory_mb()
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return f"> peak memory per rank: {mine:.0f} MB"
+    peaks = [0.0] * dist.get_world_size()
+    dist.all_gather_object(peaks, mine)
+    top = max(range(len(peaks)), key=peaks.__getitem__)
+    return (f"> peak memory per rank: {peaks[0]:.0f} MB on rank 0, at most {peaks[top]:.0f} MB (rank {top}), "
+            f"at least {min(peaks):.0f} MB")
+
+
 def zeropp_label(zero, sharding: str = "zero") -> str:
     on = techniques.names(zero)
     if sharding == "fsdp2":
@@ -41,7 +56,7 @@ def zeropp_label(zero, sharding: str = "zero") -> str:
 
 
 def print_summary(args, topology, cross_node: CrossNodeTraffic, engine):
-    print_rank0(f"> peak memory per rank: {peak_memory_mb():.0f} MB")
+    print_rank0(peak_memory_line())
     if topology.num_nodes > 1 and cross_node.iterations:
         sent, plain = (total / cross_node.iterations / 2**20
                        for total in (cross_node.sent_bytes, cross_node.plain_zero3_bytes))

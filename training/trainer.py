@@ -24,7 +24,7 @@ from data.sampler import build_data_loader
 from parallel.comm import Communicator
 from parallel.launch import print_rank0
 from training.checkpoint import Progress, iteration_dir
-from training.outer import final_sync, global_weights, outer_fields
+from training.outer import final_sync, global_weights, outer_fields, outer_iteration
 from training.signals import StopRequest
 from zeropp.memory import memory_report
 
@@ -204,7 +204,7 @@ class Trainer:
         if log_memory:  # Adam's state exists after one step; gradients until step()
             self.logger.memory_line(memory_report(self.engine))
         result = self.engine.step()
-        self.iteration += 1
+        self.iteration = outer_iteration(self.engine, self.iteration + 1)   # --lighthouse: a heal may move it
         self.consumed_samples += args.global_batch_size
         return Step(lr, loss, result.skipped, result.loss_scale, result.grad_norm)
 
@@ -304,7 +304,8 @@ class Trainer:
         self.engine.eval()
         total, count = 0.0, 0
         with torch.no_grad(), self.engine.clock.paused(), global_weights(self.engine) as drift:
-            for _ in range(args.eval_iters * args.gradient_accumulation_steps):
+            # every sample of --eval-iters global batches over this job's ranks (with --lighthouse, one group's)
+            for _ in range(args.eval_iters * args.global_batch_size // (args.micro_batch_size * self.job.topology.world_size)):
                 batch = next(batches, None)
                 if batch is None:
                     break

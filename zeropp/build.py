@@ -104,7 +104,7 @@ def build_sharded_engine(module, config, comm, device, optim, gradient_accumulat
         gradients = ImmediateGradients(reducer)
     else:
         gradients = AccumulatedGradients(reducer, shards, dtype)
-    parts = ShardedParts(groups.world, shards, weights, masters, reducer, gradients, exact, hooks, carried)
+    parts = ShardedParts(groups.world, shards, weights, masters, reducer, gradients, exact, hooks, carried=carried)
     return ShardedEngine(module, config, comm, device, optim, gradient_accumulation_steps, parts)
 
 

@@ -35,6 +35,13 @@ fragment's next exchange is every group's again. The end of training averages ev
 over the groups once more, exactly (`final_sync`): the global parameters, which an export
 takes, are the groups' trained model.
 
+A warm-up (`warmup` inner steps, 0 by default) trains the groups as one synchronous job first:
+each step's reduced gradients are averaged across the groups before the norm and the update,
+so every group takes the step data parallel over all of them takes, and the global parameters
+follow the masters; the first exchange comes after it. DiLoCo's own runs start from a model
+trained synchronously (arXiv 2311.08105, section 3): from scratch, the first exchanges average
+models that are far apart while the loss falls fastest.
+
 An exchange in flight at a checkpoint is completed and its outer step taken (the global
 values, the momentum and the error are saved as they will be), while the masters, which the
 inner steps own until the merge, are saved as they are: the merge comes at its own step
@@ -42,13 +49,12 @@ after a resume as in a run that never stopped.
 """
 from __future__ import annotations
 
-import contextlib
 import re
 from dataclasses import dataclass
 
 import torch
 
-from parallel.comm import Work
+from parallel.membership import JOINING, FixedGroups
 from zeropp.collectives.partition import FlatState, Partition
 from zeropp.collectives.protocols import MemoryLine, PlannedCollective
 from zeropp.config import ConfigError
@@ -60,6 +66,7 @@ from zeropp.kernels.quant import dequantize, dequantize_reduce, quantize
 KEY = "outer_sync"
 GLOBAL = KEY + ".global."   # + a parameter's name: its global values in checkpoints
 PHASE = "outer_sync"
+WARMUP = "outer_warmup"   # the warm-up's gradient all-reduce across the groups
 DRIFT = "outer_drift"   # the drift's all-reduce inside a group (not across groups)
 _LAYER = re.compile(r"\.(\d+)\.")
 
@@ -74,6 +81,7 @@ class OuterSettings:
     delay: int = 1                # inner steps between issuing an exchange and merging it (< H)
     merge_alpha: float = 0.5      # the share of the local values a delayed merge keeps
     block_size: int = DEFAULT_BLOCK_SIZE[4]
+    warmup: int = 0               # inner steps trained as one synchronous job before the first exchange
     topk_fraction: float = 0.02   # topk2: the share of each chunk sent
 
 
@@ -106,6 +114,8 @@ class Exchange:
     note: str | None = None       # why the outer step was skipped, if it was
     reseed: bool = False          # skipped because my group's copy is not finite: it takes the global one
     wire: torch.Tensor | None = None    # int4: what I send, held until it is sent
+    size: int = 1                 # the groups in it
+    weighted: bool = False        # the sum is the token-weighted mean (a fault-tolerant membership)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.buf, self.mine, self.error, self.wire) if t is not None)
@@ -120,11 +130,23 @@ def in_flight_bound(numels: list[int], s: OuterSettings, groups: int) -> int:
     return max(sum(held(n) for f, n in enumerate(numels) if (step - f * H // F) % H < window) for step in range(H))
 
 
+def group_check(comm, outer: torch.Tensor, mine: torch.Tensor) -> tuple[bool, bool, float]:
+    """Whether `outer` is finite on every shard of my group (so all its ranks agree, and the
+    other groups too: they hold the same outer gradient), whether my group's own outer
+    gradient `mine` is not (its copy went bad), and the RMS of `outer - mine` over them."""
+    diff = outer - mine
+    sums = torch.stack([diff.square().sum().nan_to_num(), diff.new_tensor(float(diff.numel())),
+                        (~torch.isfinite(outer)).any().float(), (~torch.isfinite(mine)).any().float()])
+    comm.all_reduce(sums, phase=DRIFT)
+    return sums[2].item() == 0, sums[3].item() > 0, (sums[0] / sums[1].clamp(min=1)).sqrt().item()
+
+
 class OuterSync:
     """The outer loop of one rank, a carried part of its engine (zeropp/collectives/protocols.py
     CarriedState): `end_step` counts the inner steps, issues the exchanges and merges them."""
 
-    def __init__(self, engine, cross: Partition, settings: OuterSettings):
+    def __init__(self, engine, cross, settings: OuterSettings):
+        # cross: who takes part in an exchange (parallel/membership.py)
         self.engine, self.cross, self.s = engine, cross, settings
         self.comm = engine.comm
         self.layout = FragmentLayout(engine.shards, settings.fragments, engine.device)
@@ -136,7 +158,9 @@ class OuterSync:
             self.flat["error"] = torch.zeros_like(self.flat["global"])
         self.glob, self.mom, self.err = (self.layout.views(self.flat.get(k)) for k in ("global", "momentum", "error"))
         self.steps = self.outer_steps = 0
+        self.since = [0] * settings.fragments   # inner steps trained since each fragment's last exchange
         self.pending: list[Exchange] = []
+        self.joined = not cross.fault_tolerant   # in an exchange since this process started
         self.drift = float("nan")   # of the last merged exchange
         self.in_flight_peak = 0     # bytes (Exchange.nbytes) of the exchanges in flight at once
 
@@ -145,14 +169,27 @@ class OuterSync:
         H, F = self.s.interval, self.s.fragments
         return [f for f in range(F) if step % H == f * H // F]
 
+    def average_gradients(self, grads: torch.Tensor):
+        """The warm-up: my reduced gradient shard averaged over the groups (the engine's hook)."""
+        if self.steps < self.s.warmup:
+            self.cross.all_reduce(grads, WARMUP, async_op=False)
+            grads.div_(self.cross.size)
+
     # -- CarriedState ---------------------------------------------------------------------------
     def end_step(self, applied: bool) -> str | None:
         """After every inner step (applied or skipped: the schedule counts steps)."""
         self.steps += 1
+        if self.steps <= self.s.warmup:   # one job so far: the global parameters are its, in every group
+            for f in range(self.s.fragments):
+                self.glob[f].copy_(self.local(f))
+            return None
+        self.since = [n + 1 for n in self.since]
         notes = [self._merge(x) for x in self.pending if x.merge_at == self.steps]
         self.pending = [x for x in self.pending if x.merge_at > self.steps]
         for f in self.due(self.steps):
-            x = self._issue(f)
+            x = self.start(self.cross.open(self.steps, f, self.since[f]))
+            if x is None:   # nobody to exchange with at this step (a fault-tolerant group cut off)
+                continue
             self.in_flight_peak = max(self.in_flight_peak, x.nbytes() + sum(p.nbytes() for p in self.pending))
             if self.s.delay:
                 self.pending.append(x)
@@ -160,14 +197,20 @@ class OuterSync:
                 notes.append(self._merge(x))
         return "; ".join(n for n in notes if n) or None
 
-    def _issue(self, f: int) -> Exchange:
+    def start(self, opened) -> Exchange | None:
+        """Issue the exchange the members agreed on (parallel/membership.py Opened); None if none."""
+        self.steps = opened.steps   # a group that joined the others' exchange takes their inner step
+        if opened.fragment == JOINING:
+            if opened.quorum:
+                self.cross.commit()
+            return None
+        f = opened.fragment
         local, g = self.local(f), self.glob[f]
-        mine, alone = g - local, self.cross.size == 1   # one group: nobody to exchange with
-        x = Exchange(f, self.steps + self.s.delay, mine=mine)
+        mine = g - local
+        x = Exchange(f, self.steps + self.s.delay, mine=mine, size=opened.size, weighted=opened.scale is not None)
         if self.err is None:   # the locals, summed over the groups
-            x.work = Work() if alone else self.comm.all_reduce(local, group=self.cross.group, async_op=True,
-                                                               phase=PHASE)
-            x.buf = local
+            x.buf = local if opened.scale is None else local.mul_(opened.scale)
+            x.work = self.cross.all_reduce(x.buf, PHASE)
             return x
         send = mine + self.err[f]
         if self.s.quantization == "topk2":
@@ -176,11 +219,8 @@ class OuterSync:
         else:
             q = quantize(send, 4, self.s.block_size)
             wire, sent = q.to_bytes(), None
-        x.buf, x.wire = torch.empty(self.cross.size, wire.numel(), dtype=torch.uint8, device=wire.device), wire
-        if alone:
-            x.buf.copy_(wire.view(1, -1))
-        x.work = Work() if alone else self.comm.all_gather(x.buf.view(-1), wire, group=self.cross.group,
-                                                           async_op=True, phase=PHASE)
+        x.buf, x.wire = torch.empty(opened.size, wire.numel(), dtype=torch.uint8, device=wire.device), wire
+        x.work = self.cross.all_gather(x.buf, wire, PHASE)
         x.error = send.sub_(dequantize(q) if sent is None else sent)
         return x
 
@@ -189,9 +229,14 @@ class OuterSync:
         if x.stepped or x.note:
             return
         x.work.wait()
-        f, g, n = x.fragment, self.glob[x.fragment], self.cross.size
+        f, g, n = x.fragment, self.glob[x.fragment], x.size
+        if not self.cross.commit():   # a member failed during the exchange: every group skips it
+            x.work = x.buf = x.wire = None
+            x.note = f"exchange of fragment {f} not committed (a group failed during it): skipped"
+            return
+        self.since[f], self.joined = 0, True
         if x.error is None:
-            mean = x.buf.div_(n) if n > 1 else x.buf
+            mean = x.buf.div_(n) if n > 1 and not x.weighted else x.buf
             outer = g - mean
         elif self.s.quantization == "topk2":
             parts = sparse.SparseTopK.from_bytes(x.buf, g.numel(), self.s.topk_fraction)
@@ -202,7 +247,7 @@ class OuterSync:
             outer = dequantize_reduce(parts, torch.float32, 1.0 / n)
             mean = g - outer
         x.work = x.buf = x.wire = None
-        finite, x.reseed, x.drift = self._group_check(outer, x.mine)
+        finite, x.reseed, x.drift = group_check(self.comm, outer, x.mine)
         if not finite:   # a group diverged: every rank keeps the outer state as it was
             x.note = f"outer step of fragment {f} skipped: its outer gradient is not finite" + (
                 f"; group {self.cross.rank}'s copy is not: it takes the global values" if x.reseed else "")
@@ -238,43 +283,6 @@ class OuterSync:
         self.drift = x.drift
         return None
 
-    def final_sync(self) -> str | None:
-        """The end of training: the exchanges in flight merged now, then every fragment averaged
-        over the groups exactly (fp32, once: no quantization, no outer step) and the masters and
-        the global values set to the mean, so the global parameters (what a checkpoint exports)
-        are every group's trained model. What `tools/export_checkpoint.py --average-groups`
-        computes from a checkpoint saved before the end."""
-        notes = [self._merge(x) for x in self.pending]
-        self.pending = []
-        for f in range(self.s.fragments):
-            local, g = self.local(f), self.glob[f]
-            mean = local.clone()
-            if self.cross.size > 1:
-                self.comm.all_reduce(mean, group=self.cross.group, phase=PHASE)
-                mean.div_(self.cross.size)
-            finite, reseed, _ = self._group_check(g - mean, g - local)
-            if finite:
-                g.copy_(mean)
-                if self.err is not None:   # nothing of the groups' drift is left unsent
-                    self.err[f].zero_()
-            else:
-                notes.append(f"final synchronization of fragment {f} skipped: a group's values are not finite"
-                             + (f"; group {self.cross.rank} takes the global values" if reseed else ""))
-            if finite or reseed:
-                self._set_masters(f, 0.0, g)
-        self.engine.masters_changed()
-        return "; ".join(n for n in notes if n) or None
-
-    def _group_check(self, outer: torch.Tensor, mine: torch.Tensor) -> tuple[bool, bool, float]:
-        """Whether `outer` is finite on every shard of my group (so all its ranks agree, and the
-        other groups too: they hold the same outer gradient), whether my group's own outer
-        gradient `mine` is not (its copy went bad), and the RMS of `outer - mine` over them."""
-        diff = outer - mine
-        sums = torch.stack([diff.square().sum().nan_to_num(), diff.new_tensor(float(diff.numel())),
-                            (~torch.isfinite(outer)).any().float(), (~torch.isfinite(mine)).any().float()])
-        self.comm.all_reduce(sums, phase=DRIFT)
-        return sums[2].item() == 0, sums[3].item() > 0, (sums[0] / sums[1].clamp(min=1)).sqrt().item()
-
     def checkpoint_state(self, world: int) -> dict[str, FlatState]:
         """My slices of the outer state, in the masters' layout (a key per parameter), with the
         outer steps of the exchanges in flight taken (collective over my group)."""
@@ -286,7 +294,8 @@ class OuterSync:
 
     def scalar_state(self) -> dict:
         """With the merges to come: taken after checkpoint_state(), which steps them."""
-        return {"steps": self.steps, "outer_steps": self.outer_steps, "groups": self.cross.size,
+        return {"steps": self.steps, "outer_steps": self.outer_steps, "groups": self.cross.layout_key(),
+                "since": self.since, "membership": self.cross.state_dict(),
                 "settings": self._layout(),
                 "merges": [[x.fragment, x.merge_at, x.drift, x.note, x.reseed]
                            for x in self.pending if x.stepped or x.note]}
@@ -297,19 +306,22 @@ class OuterSync:
         return [self.s.interval, self.s.fragments, self.s.quantization, self.mom is not None, self.s.delay] + topk
 
     def carried(self, saved: dict | None) -> bool:
-        return saved is not None and saved.get("groups") == self.cross.size and saved.get("settings") == self._layout()
+        return (saved is not None and saved.get("groups") == self.cross.layout_key()
+                and saved.get("settings") == self._layout())
 
     def load_scalar_state(self, saved: dict | None) -> str | None:
         self.drain()
         if self.carried(saved):
             self.steps, self.outer_steps = saved["steps"], saved["outer_steps"]
+            self.since = saved.get("since", self.since)
+            self.cross.load_state_dict(saved.get("membership"))
             self.pending = [Exchange(f, at, stepped=note is None, drift=drift, note=note, reseed=bool(rest and rest[0]))
                             for f, at, drift, note, *rest in saved.get("merges", [])]
             return None
         for f in range(self.s.fragments):   # the global parameters: the mean of the groups' loaded masters,
             self.glob[f].copy_(self.local(f))   # the same in every group (the outer step assumes it)
-            if self.cross.size > 1:
-                self.comm.all_reduce(self.glob[f], group=self.cross.group, phase=PHASE)
+            if self.cross.size > 1 and not self.cross.fault_tolerant:   # (torchft: a heal replaces them)
+                self.cross.all_reduce(self.glob[f], PHASE, async_op=False)
                 self.glob[f].div_(self.cross.size)
         for state in (self.mom, self.err):
             for t in state or []:
@@ -346,36 +358,16 @@ class OuterSync:
                 + (f"; {unmerged} exchange(s) not merged at the end (a resume merges them)" if unmerged else ""))
 
 
-@contextlib.contextmanager
-def with_global_weights(sync: OuterSync):
-    """The engine computes with the global parameters (those a checkpoint exports) inside, with
-    its own masters again after, bit for bit (collective over the job; an evaluation, in
-    training/outer.py). Yields the RMS distance of the groups' masters from the global ones."""
-    for x in sync.pending:   # as a save does: the exchanges in flight stepped, merged at their step
-        sync._outer_step(x)
-    own = [sync.local(f) for f in range(sync.s.fragments)]
-    sums = torch.zeros(2, dtype=torch.float64, device=sync.engine.device)
-    for o, g in zip(own, sync.glob):
-        sums += torch.stack([(o - g).double().square().sum(), sums.new_tensor(float(o.numel()))])
-    sync.comm.all_reduce(sums, phase=DRIFT)
-    if sync.cross.size > 1:
-        sync.comm.all_reduce(sums, group=sync.cross.group, phase=DRIFT)
-    for f in range(sync.s.fragments):
-        sync._set_masters(f, 0.0, sync.glob[f])
-    sync.engine.masters_changed()
-    try:
-        yield (sums[0] / sums[1].clamp(min=1)).sqrt().item()
-    finally:
-        for f in range(sync.s.fragments):
-            sync._set_masters(f, 0.0, own[f])
-        sync.engine.masters_changed()
-
-
-def attach(engine, cross: Partition, settings: OuterSettings) -> OuterSync:
-    """Make `engine` (a sharded engine over one group) synchronize across the groups."""
+def attach(engine, cross, settings: OuterSettings) -> OuterSync:
+    """Make `engine` (a sharded engine over one group) synchronize across the groups: `cross` is a
+    membership (parallel/membership.py) or the Partition of the same rank in every group of this job."""
     if not hasattr(engine, "masters_changed"):
         raise ConfigError("--outer-sync-interval needs ZeRO stage 1-3 over groups of more than one rank; "
                           "pass --zero-stage 3 and a --group-size of at least one node of 2+ ranks")
+    if isinstance(cross, Partition):
+        cross = FixedGroups(engine.comm, cross.group, cross.size, cross.rank)
     sync = OuterSync(engine, cross, settings)
+    if settings.warmup:
+        engine.parts.gradient_hooks.append(sync.average_gradients)
     engine.parts.carried[KEY] = sync   # last: after the techniques' parts commit their step
     return sync

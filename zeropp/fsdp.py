@@ -51,7 +51,8 @@ PREFETCH = 2   # units whose forward gathers a unit issues ahead (CPU: FSDP2 has
 
 def apply_zeropp(model: torch.nn.Module, topology: Topology | int | None = None, *, quantized_weights: bool = True,
                  hpz: bool = True, quantized_gradients: bool = True, loco: bool = False, hadamard: bool = False,
-                 weight_block_size: int = 256, gradient_block_size: int = 128, loco_beta: float = 0.8,
+                 weight_block_size: int = 256, gradient_block_size: int = 128, gradient_bits: int = 4,
+                 loco_beta: float = 0.8,
                  loco_reset_every: int = 1024, overlap: bool = True, max_inflight_reductions: int = 2,
                  communicator: Communicator | None = None) -> ZeroPP:
     """Install ZeRO++ on `model`, the root a `fully_shard` returned (collective: every rank
@@ -77,7 +78,8 @@ def apply_zeropp(model: torch.nn.Module, topology: Topology | int | None = None,
     zero = ZeroConfig(stage=3, zero_quantized_weights=quantized_weights, zero_quantized_gradients=quantized_gradients,
                       zeropp_loco_param=LocoConfig(loco_beta, loco_reset_every) if loco else None,
                       zero_hadamard_gradients=hadamard, zero_quantized_weights_block_size=weight_block_size,
-                      zero_quantized_gradients_block_size=gradient_block_size)
+                      zero_quantized_gradients_block_size=gradient_block_size,
+                      zero_quantized_gradients_bits=gradient_bits)
     try:
         zero.validate("apply_zeropp")
     except ConfigError as e:   # the engine's key names, said as this call's arguments
@@ -179,6 +181,10 @@ def _world_shard_after_eval(group, world: int):
 
 _ARGUMENTS = {"apply_zeropp.zero_quantized_weights_block_size": "apply_zeropp: weight_block_size",
               "apply_zeropp.zero_quantized_gradients_block_size": "apply_zeropp: gradient_block_size",
+              "apply_zeropp.zero_quantized_gradients_bits": "apply_zeropp: gradient_bits",
+              "(--zero-quantized-gradients-bits)": "(gradient_bits)",
+              "(--zero-quantized-gradients)": "(quantized_gradients=True)",
+              "(--zero-loco)": "(loco=True)",
               "apply_zeropp.zeropp_loco_param.err_beta": "apply_zeropp: loco_beta",
               "apply_zeropp.zeropp_loco_param.reset_T": "apply_zeropp: loco_reset_every",
               "--ranks-per-node": "ranks per node (topology)"}

@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from common.errors import ConfigError
 from zeropp.collectives.partition import FlatState
+from zeropp.collectives.protocols import uncarried_state
 from zeropp.config import ZeroConfig
 from zeropp.fsdp import apply_zeropp
 from zeropp.stages.engine import Engine, compute_dtype, split_decay
@@ -59,6 +60,7 @@ def plugin_switches(zero: ZeroConfig) -> dict:
                 hadamard=bool(zero.zero_hadamard_gradients),
                 weight_block_size=zero.zero_quantized_weights_block_size,
                 gradient_block_size=zero.zero_quantized_gradients_block_size,
+                gradient_bits=zero.zero_quantized_gradients_bits,
                 **({"loco_beta": loco.err_beta, "loco_reset_every": loco.reset_T} if loco else {}))
 
 
@@ -195,8 +197,7 @@ class FSDP2Engine(Engine):
         return notes
 
     def uncarried_state(self, saved_scalar_state: dict) -> list[str]:
-        return [k for key, part in self.zeropp.carried.items() if not part.carried(saved_scalar_state.get(key))
-                for k in part.checkpoint_state(self.world)]
+        return uncarried_state(self.zeropp.carried, saved_scalar_state, self.world)
 
     # -- reports -------------------------------------------------------------------------------
     def summary(self) -> list[str]:

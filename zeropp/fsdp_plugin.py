@@ -159,6 +159,8 @@ class ZeroPP:
             if part.carried(saved):
                 part.adopt(saved)   # the errors of parameter sets the saving run had met
                 flats = part.checkpoint_state(self.topology.world_size)
+                if hasattr(part, "stage_load"):   # saved in an older format: read as saved, converted
+                    part.stage_load(saved)
                 dcp.load({"zeropp": as_dcp(flats, _device(flats))}, checkpoint_id=checkpoint_id)
             if note := part.load_scalar_state(saved):
                 notes.append(note)

@@ -28,9 +28,9 @@ without momentum has no optimizer state (K = 0, or 4 for the 16-bit master).
 hpZ (ZeRO++) adds the secondary partition: the 16-bit weights again, split
 over the h ranks of a node group, w/h bytes per parameter on top of stage 3's
 parameters (`hpz_secondary_bytes` is that buffer alone). qgZ's error feedback
-(`zeropp_loco_param`, on more than one node) adds an fp32 error for 1/L of the
-gradients and, pending until the step is applied, the next one: 8/L bytes per
-parameter under gradients (`error_feedback_bytes`). INT4
+(`zeropp_loco_param`, on more than one node) adds an INT8 error (one fp32 scale per
+256) for 1/L of the gradients and, pending until the step is applied, the next one:
+2 x 1.016/L bytes per parameter under gradients (`error_feedback_bytes`). INT4
 weight deltas (`zero_quantized_weight_deltas`) add the reconstruction of this
 rank's chunk (w/N) and its INT4 delta (0.53/N) under parameters
 (`weight_deltas_bytes`).

@@ -132,3 +132,17 @@ class CarriedState(Protocol):
 
     def summary(self) -> str | None:
         """A line for the end of a run, if it has one to say."""
+
+
+def uncarried_state(carried: dict[str, CarriedState], saved_scalar_state: dict, world: int) -> list[str]:
+    """The checkpoint keys of the carried parts whose saved state does not fit this job (they
+    start anew). A part that fits but was saved in an older format (LoCo's fp32 errors) swaps in
+    staging tensors of that format among those of its last checkpoint_state()."""
+    out = []
+    for key, part in carried.items():
+        saved = saved_scalar_state.get(key)
+        if not part.carried(saved):
+            out += list(part.checkpoint_state(world))
+        elif hasattr(part, "stage_load"):   # read as saved, converted after the load
+            part.stage_load(saved)
+    return out

@@ -25,6 +25,7 @@ from typing import Any, Callable
 from common import ConfigError, parse_int, parse_number, refuse_value
 from zeropp.config.keys import BUCKET_DEFAULTS, UNSUPPORTED
 from zeropp.config.optim import OptimizerConfig, OptimizerSettings, SchedulerConfig
+from zeropp.config.precision import BF16Config, DataTypesConfig, FP16Config, normalize_dtype
 
 __all__ = ["AUTO", "AUTO_KEYS", "ConfigError", "DeepSpeedConfig", "LocoConfig", "ZeroConfig", "OptimizerSettings", "load_json"]
 
@@ -81,6 +82,9 @@ class ZeroConfig:
     # This product's keys (DeepSpeed fixes these): elements per fp32 scale (zeropp/kernels/quant.py).
     zero_quantized_weights_block_size: int = 256      # qwZ, INT8
     zero_quantized_gradients_block_size: int = 128    # qgZ, INT4
+    # Bits of qgZ's hop between nodes (--zero-quantized-gradients-bits): 4, or 2 (INT2 blocks,
+    # zeropp/techniques/qgz.py); the hop inside a node stays INT4.
+    zero_quantized_gradients_bits: int = 4
     allgather_partitions: bool = True        # true only
     round_robin_gradients: bool = False      # false only
     sub_group_size: int = 1_000_000_000      # the default only
@@ -135,6 +139,7 @@ class ZeroConfig:
             if on and self.zero_quantized_gradients is not True:
                 raise ConfigError(f"{where}.{key} ({flag}) {what}: set zero_quantized_gradients true "
                                   f"(--zero-quantized-gradients), got {self.zero_quantized_gradients!r}")
+        self._validate_gradient_bits(where)
         if self.zero_quantized_weight_deltas is True:
             zpp.append("zero_quantized_weight_deltas")
             if self.zero_hpz_partition_size != AUTO and self.zero_hpz_partition_size <= 1:
@@ -151,6 +156,26 @@ class ZeroConfig:
         if zpp and self.stage != 3:
             raise ConfigError(f"{where}: {', '.join(zpp)} (ZeRO++) need stage 3, "
                               f"but stage is {self.stage}")
+
+    def _validate_gradient_bits(self, where: str):
+        bits, key = self.zero_quantized_gradients_bits, f"{where}.zero_quantized_gradients_bits"
+        if bits not in (4, 2) or isinstance(bits, bool):
+            raise ConfigError(f"{key} (--zero-quantized-gradients-bits) must be 4 (the default) or 2 (INT2 "
+                              f"across nodes), got {bits!r}")
+        if bits == 4:
+            return
+        if self.zero_quantized_gradients is not True:
+            raise ConfigError(f"{key} (--zero-quantized-gradients-bits) {bits} sets the bits of qgZ's gradients "
+                              f"across nodes: set zero_quantized_gradients true (--zero-quantized-gradients), "
+                              f"got {self.zero_quantized_gradients!r}")
+        if self.zeropp_loco_param is None:   # measured: bench/results/convergence_int2_without_loco_1234.json
+            raise ConfigError(f"{key} (--zero-quantized-gradients-bits) 2 without error feedback does not train "
+                              f"as ZeRO-3 does (ternary gradients lose what they do not send): add "
+                              f"zeropp_loco_param (--zero-loco)")
+        if self.zero_quantized_gradients_block_size < 16:   # a block's INT2 data: whole 4-byte words
+            raise ConfigError(f"{key} (--zero-quantized-gradients-bits) 2 needs "
+                              f"zero_quantized_gradients_block_size >= 16 (the scales stay 4-byte aligned on "
+                              f"the wire), got {self.zero_quantized_gradients_block_size}")
 
     def validate_topology(self, ranks_per_node: int, world_size: int):
         """Checks that need the job's shape (called when the engine starts)."""
@@ -188,27 +213,6 @@ _ZERO_FIXED = {
                "model in 16 bits run `python -m tools.export_checkpoint --load DIR --format torch --dtype bf16 "
                "--output model.pt` (no GPU or process group needed)"),
 }
-
-
-@dataclass
-class FP16Config:
-    enabled: bool = False
-    loss_scale: float = 0.0          # 0 = dynamic loss scaling
-    initial_scale_power: int = 16    # dynamic scaling starts at 2**initial_scale_power
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
-    min_loss_scale: float = 1.0
-    auto_cast: bool = False          # false only: the model itself runs in fp16
-
-
-@dataclass
-class BF16Config:
-    enabled: bool = False
-
-
-@dataclass
-class DataTypesConfig:
-    grad_accum_dtype: str | None = "fp32"   # fp32 only
 
 
 @dataclass
@@ -324,12 +328,6 @@ def load_json(path: str) -> dict:
         raise ConfigError(f"--deepspeed_config: no such file {path}") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"--deepspeed_config {path} is not valid JSON: {e}") from None
-
-
-def normalize_dtype(name: str) -> str | None:
-    """DeepSpeed's dtype spellings -> "fp32" / "fp16" / "bf16"; None if unknown."""
-    return {"fp32": "fp32", "float32": "fp32", "fp16": "fp16", "float16": "fp16", "half": "fp16",
-            "bf16": "bf16", "bfloat16": "bf16"}.get(str(name).lower())
 
 
 def _section_of(key: str) -> str | None:

@@ -11,18 +11,19 @@ from typing import Optional, Sequence
 
 import torch
 
-QMAX = {8: 127, 4: 7}
-DEFAULT_BLOCK_SIZE = {8: 256, 4: 128}
+QMAX = {8: 127, 4: 7, 2: 1}
+DEFAULT_BLOCK_SIZE = {8: 256, 4: 128, 2: 128}
 
 
 @dataclass
 class Quantized:
     """A block-quantized flat tensor (or a stack of k of them, see below).
 
-    data:   int8 ``[padded]`` (INT8) or uint8 ``[padded // 2]`` (INT4, packed low nibble first)
+    data:   int8 ``[padded]`` (INT8), uint8 ``[padded // 2]`` (INT4, packed low nibble first) or
+            uint8 ``[padded // 4]`` (INT2, four values a byte, lowest bits first)
     scales: fp32 ``[num_blocks]``
     numel:  number of real (unpadded) elements
-    bits:   8 or 4
+    bits:   8, 4 or 2
     block_size: elements per scale
 
     A *stacked* Quantized holds k tensors of the same numel/bits/block_size:
@@ -41,7 +42,7 @@ class Quantized:
         """Uninitialized storage for `numel` elements quantized to `bits`."""
         nb = num_blocks(numel, block_size)
         data = torch.empty(nb * block_size * bits // 8, dtype=torch.int8 if bits == 8 else torch.uint8,
-                           device=device)   # INT4: two values per uint8
+                           device=device)   # INT4: two values per uint8, INT2: four
         return Quantized(data, torch.empty(nb, dtype=torch.float32, device=device), numel, bits, block_size)
 
     def check_out(self, numel: int, bits: int, block_size: int) -> "Quantized":
@@ -140,12 +141,12 @@ def num_blocks(numel: int, block_size: int) -> int:
 def check_block_size(bits: int, block_size: Optional[int]) -> int:
     """The block size to use (the default for `bits` when None), checked."""
     if bits not in QMAX:
-        raise ValueError(f"bits must be 8 or 4, got {bits}")
+        raise ValueError(f"bits must be 8, 4 or 2, got {bits}")
     if block_size is None:
         block_size = DEFAULT_BLOCK_SIZE[bits]
     block_size = int(block_size)
-    if block_size <= 0 or (bits == 4 and block_size % 2):
-        raise ValueError(f"block_size must be positive (and even for INT4), got {block_size}")
+    if block_size <= 0 or block_size * bits % 8:
+        raise ValueError(f"block_size must be positive (even for INT4, a multiple of 4 for INT2), got {block_size}")
     return block_size
 
 

@@ -1,4 +1,5 @@
-"""Block-wise symmetric quantization for ZeRO++ (qwZ: INT8 weights, qgZ: INT4 gradients).
+"""Block-wise symmetric quantization for ZeRO++ (qwZ: INT8 weights, qgZ: INT4 gradients, or INT2
+across nodes with `zero_quantized_gradients_bits` 2; LoCo's errors kept in INT8).
 
 One API, three backends giving the same bits, chosen in one place (`kernel`): Triton
 kernels (``zeropp.kernels.triton_quant``) when the tensor is on CUDA and triton imports, C
@@ -11,7 +12,7 @@ Format
 A flat tensor of ``numel`` elements is zero-padded to ``num_blocks * block_size``
 elements and cut into blocks of ``block_size``.  Each block gets one fp32 scale::
 
-    scale = max|x| / qmax            (qmax = 127 for INT8, 7 for INT4)
+    scale = max|x| / qmax            (qmax = 127 for INT8, 7 for INT4, 1 for INT2)
     q     = round_half_even(clamp(x / scale, -qmax, qmax))
     x'    = q * scale                (computed in fp32, then cast to the requested dtype)
 
@@ -21,6 +22,9 @@ elements and cut into blocks of ``block_size``.  Each block gets one fp32 scale:
   bits 4-7.  Each nibble is the 4-bit two's complement of q (q in [-7, 7]; -8 is never
   produced), i.e. ``byte = (q[2i] & 0xF) | ((q[2i+1] & 0xF) << 4)``.  ``block_size`` must
   be even so that blocks are byte aligned.
+* INT2: ``data`` is uint8, shape ``[num_blocks * block_size // 4]``; four values per byte,
+  element ``4i + k`` in bits ``2k, 2k+1`` of byte ``i``, each the 2-bit two's complement of
+  q in {-1, 0, 1} (ternary: -2 is never produced).  ``block_size`` must be a multiple of 4.
 * All arithmetic is fp32 whatever the input dtype (fp32/fp16/bf16 are read as fp32 exactly).
 
 Special values
@@ -36,7 +40,10 @@ Special values
 
 Error bound: for finite input each dequantized (fp32) element is within half a
 quantization step of the original, ``|x - x'| <= scale / 2`` (plus a few fp32 ulps of
-max|x| for the rounding of the division and the product).
+max|x| for the rounding of the division and the product): max|x| / 254 of its block for
+INT8, max|x| / 14 for INT4, and max|x| / 2 for INT2 (which keeps only the sign of the
+elements above half the block's largest; qgZ sends it only with error feedback).
+tests/test_quant.py checks the bound for every format.
 
 Default block sizes (``DEFAULT_BLOCK_SIZE``)
 --------------------------------------------
@@ -190,7 +197,7 @@ def dequantize_reduce_requantize(parts: Union[Quantized, Sequence[Quantized]], b
     ``bits_out``, else ``DEFAULT_BLOCK_SIZE[bits_out]``). ``out`` as for ``quantize``."""
     st = _as_stacked(parts)
     if block_size_out is None:
-        block_size_out = st.block_size if (bits_out == 8 or st.block_size % 2 == 0) else None
+        block_size_out = st.block_size if st.block_size * bits_out % 8 == 0 else None
     block_size_out = check_block_size(bits_out, block_size_out)
     if out is not None:
         out.check_out(st.numel, bits_out, block_size_out)

@@ -61,7 +61,7 @@ def scratch_bound(block_size: int, rows: int = 1) -> int:
 
 def _quantize_blocks(xb: torch.Tensor, bits: int, data_out: torch.Tensor, scales_out: torch.Tensor):
     """xb: fp32 [nb, bs] -> the quantized blocks into `data_out` (int8 [nb * bs], or packed
-    uint8 [nb * bs / 2] for INT4) and `scales_out` (fp32 [nb])."""
+    uint8 [nb * bs / 2] for INT4, [nb * bs / 4] for INT2) and `scales_out` (fp32 [nb])."""
     qmax = QMAX[bits]
     # max|x| without an |x| temporary (amax and amin propagate NaN; aminmax is slower on CPU)
     scales = torch.maximum(xb.amax(dim=-1), xb.amin(dim=-1).neg_(), out=scales_out)
@@ -75,6 +75,15 @@ def _quantize_blocks(xb: torch.Tensor, bits: int, data_out: torch.Tensor, scales
         y.masked_fill_(~finite.unsqueeze(-1), 0.0)
     if bits == 8:
         data_out.copy_(y.view(-1))
+    elif bits == 2:   # four values per byte, element 4i + k in bits 2k, 2k + 1
+        q = _scratch("int8", (y.numel() // 4, 4), torch.int8, y.device)
+        q.copy_(y.view(-1, 4))
+        u = q.view(torch.uint8).bitwise_and_(3)
+        byte = _scratch("pack2", (y.numel() // 4,), torch.uint8, y.device)
+        torch.bitwise_left_shift(u[:, 3], 6, out=byte)
+        for k in (2, 1):
+            byte.bitwise_or_(u[:, k] << (2 * k))
+        data_out.copy_(byte.bitwise_or_(u[:, 0]))
     else:  # two values per byte, low nibble = even element
         q = _scratch("int8", (y.numel(),), torch.int8, y.device)
         q.copy_(y.view(-1))
@@ -108,11 +117,24 @@ def _unpack4(b: torch.Tensor) -> torch.Tensor:
     return word.bitwise_or_(low).view(torch.int8)
 
 
+def _unpack2(b: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., m] -> int8 [..., 4m]: value k of byte i is bits 2k, 2k + 1, sign-extended
+    ((v ^ 2) - 2 maps 0, 1, 2, 3 to 0, 1, -2, -1)."""
+    out = _scratch("unpacked2", (*b.shape, 4), torch.int8, b.device)
+    for k in range(4):
+        v = out[..., k]
+        torch.bitwise_right_shift(b, 2 * k, out=v.view(torch.uint8)).bitwise_and_(3)
+        v.bitwise_xor_(2).sub_(2)
+    return out.flatten(-2)
+
+
 def _values(q: Quantized, b0: int, b1: int) -> torch.Tensor:
     """int8 [..., b1 - b0, bs]: the quantized values of blocks [b0, b1), unpacked."""
     bs = q.block_size
     if q.bits == 8:
         vals = q.data[..., b0 * bs:b1 * bs]
+    elif q.bits == 2:
+        vals = _unpack2(q.data[..., b0 * bs // 4:b1 * bs // 4])
     else:
         vals = _unpack4(q.data[..., b0 * bs // 2:b1 * bs // 2])
     return vals.reshape(*q.data.shape[:-1], b1 - b0, bs)

@@ -1,7 +1,8 @@
 """Triton kernels for zeropp.kernels.quant (same format, same results bit for bit).
 
 Every kernel works on tiles of ROWS blocks of BLOCK (a power of two) elements, one block
-per row; INT4 bytes are split into (even, odd) nibbles and joined back in element order.
+per row; INT4 bytes are split into (even, odd) nibbles and joined back in element order, INT2
+bytes into their four 2-bit fields likewise.
 Rounding: clamp to [-qmax, qmax], then
 ``(y + 1.5 * 2**23) - 1.5 * 2**23`` which is round-to-nearest-even for |y| < 2**22, the
 same arithmetic as the torch path (libdevice.rint is not available under
@@ -58,6 +59,13 @@ def _store_quantized(v, row, live, data_ptr, scale_ptr,
     if BITS == 8:
         offs = row[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
         tl.store(data_ptr + offs, q.to(tl.int8), mask=live[:, None])
+    elif BITS == 2:  # four values per byte, element 4i + k in bits 2k, 2k + 1
+        QUARTER: tl.constexpr = BLOCK // 4
+        a, b = tl.split(tl.reshape(q.to(tl.int32), (ROWS, QUARTER, 2, 2)))   # elements 4i + {0, 2}, 4i + {1, 3}
+        e0, e2 = tl.split(a)
+        e1, e3 = tl.split(b)
+        packed = ((e0 & 3) | ((e1 & 3) << 2) | ((e2 & 3) << 4) | ((e3 & 3) << 6)).to(tl.uint8)
+        tl.store(data_ptr + row[:, None] * QUARTER + tl.arange(0, QUARTER)[None, :], packed, mask=live[:, None])
     else:  # two values per byte, low nibble = even element
         HALF: tl.constexpr = BLOCK // 2
         qe, qo = tl.split(tl.reshape(q.to(tl.int32), (ROWS, HALF, 2)))
@@ -108,6 +116,15 @@ def _load_deq(data_ptr, scale_ptr, k, data_stride, scale_stride, row, live,
     if BITS == 8:
         offs = row[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
         v = tl.load(data_ptr + k * data_stride + offs, mask=live[:, None], other=0).to(tl.float32)
+    elif BITS == 2:
+        QUARTER: tl.constexpr = BLOCK // 4
+        b = tl.load(data_ptr + k * data_stride + row[:, None] * QUARTER + tl.arange(0, QUARTER)[None, :],
+                    mask=live[:, None], other=0).to(tl.int32)
+        v0 = (((b & 3) ^ 2) - 2).to(tl.float32)   # (v ^ 2) - 2 sign-extends 2 bits
+        v1 = ((((b >> 2) & 3) ^ 2) - 2).to(tl.float32)
+        v2 = ((((b >> 4) & 3) ^ 2) - 2).to(tl.float32)
+        v3 = ((((b >> 6) & 3) ^ 2) - 2).to(tl.float32)
+        v = tl.reshape(tl.join(tl.join(v0, v2), tl.join(v1, v3)), (ROWS, BLOCK))   # [i, a, c] = 4i + 2a + c
     else:
         HALF: tl.constexpr = BLOCK // 2
         b = tl.load(data_ptr + k * data_stride + row[:, None] * HALF + tl.arange(0, HALF)[None, :],

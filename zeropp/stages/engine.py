@@ -137,6 +137,7 @@ class Engine:
             raise RuntimeError(f"step() after {self.micro_step} backward() calls; expected "
                                f"{self.gradient_accumulation_steps} (gradient accumulation steps)")
         scale = self.loss_scaler.scale
+        self._gradients_reduced()
         norm_sq = self._grad_norm_sq()  # of the scaled gradient; inf/nan on overflow
         norm = math.sqrt(norm_sq) / scale if math.isfinite(norm_sq) else float("nan")
         overflow = not math.isfinite(norm)
@@ -152,6 +153,9 @@ class Engine:
         self.global_step += 1
         self.skipped_steps += int(overflow)
         return StepResult(skipped=overflow, grad_norm=norm, loss_scale=scale)
+
+    def _gradients_reduced(self):
+        """Hook: the step's gradients are reduced; nothing has read them yet."""
 
     def _end_step(self, applied: bool):
         """Hook: commit the state carried from step to step (qgZ's error feedback) when the

@@ -7,6 +7,8 @@
   at the accumulation boundary (stage 1); the reducer's reduction is the plain reduce-scatter
   or a technique's (qgZ, LoCo);
 - `hooks` (stage 3): the module and saved-tensor hooks and the order of gathers;
+- `gradient_hooks`: what runs on the reduced gradient partition before the step reads it (the
+  outer synchronization's warm-up averages it across the groups);
 - `carried`: the state carried from step to step besides the optimizer's (LoCo's error
   feedback, the INT4 weight deltas), by its scalar-state key (zeropp/collectives/protocols.py
   `CarriedState`).
@@ -21,6 +23,7 @@ import torch
 
 from zeropp.collectives.exact import GradientReducer, ShardGather, gather_bucketed
 from zeropp.collectives.partition import FlatState, Partition, ShardedParam
+from zeropp.collectives.protocols import uncarried_state
 from zeropp.stages.engine import Engine
 from zeropp.stages.masters import Masters
 
@@ -35,6 +38,7 @@ class ShardedParts:
     gradients: object               # ImmediateGradients | AccumulatedGradients
     gather: ShardGather             # exact: state dicts
     hooks: object | None = None     # Stage3Hooks
+    gradient_hooks: list = field(default_factory=list)   # f(grad_flat), before the norm and the update
     carried: dict = field(default_factory=dict)   # scalar-state key -> CarriedState part
 
 
@@ -84,6 +88,10 @@ class ShardedEngine(Engine):
                 f"set zero_optimization.ignore_unused_parameters true to train them with zero gradient")
 
     # -- Engine hooks ---------------------------------------------------------------
+    def _gradients_reduced(self):
+        for hook in self.parts.gradient_hooks:
+            hook(self.masters.grad_flat)
+
     def _grad_norm_sq(self) -> float:
         return self.masters.grad_norm_sq(self.comm, self.partition.group)
 
@@ -179,11 +187,7 @@ class ShardedEngine(Engine):
         return notes
 
     def uncarried_state(self, saved_scalar_state: dict) -> list[str]:
-        out = []
-        for key, part in self.parts.carried.items():
-            if not part.carried(saved_scalar_state.get(key)):
-                out += list(part.checkpoint_state(self.world))
-        return out
+        return uncarried_state(self.parts.carried, saved_scalar_state, self.world)
 
     def checkpoint_loaded(self, state: dict):
         self.masters_changed()

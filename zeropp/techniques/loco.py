@@ -1,16 +1,23 @@
-"""qgZ's error feedback (`zeropp_loco_param`, LoCo: arXiv 2407.04480): the INT4
-error of what a rank sends across nodes, carried into its next reduction of the
-same gradient bucket, and kept in checkpoints.
+"""qgZ's error feedback (`zeropp_loco_param`, LoCo: arXiv 2407.04480): the INT4 (or,
+with `zero_quantized_gradients_bits` 2, INT2) error of what a rank sends across
+nodes, carried into its next reduction of the same gradient bucket, and kept in
+checkpoints.
 
-Per bucket one fp32 buffer [N, P]: the node's sums for the owners with this
+Per bucket one error of [N, P] elements: the node's sums for the owners with this
 rank's local index (HierarchicalQuantizedReduce's inter-node rows), 1/L of the
-bucket, so all buffers together are 4/L bytes per parameter. A reduction sends
-Q(x) for x = rows + e and keeps e = beta e + (1 - beta)(x - Q(x)) (beta 0:
-classic error feedback); every `reset_every` reductions of a bucket e starts
-again from zero. Without it each step's INT4 error is lost; with it what was
-not sent is sent later, so the sum of what the optimizer receives over steps
-tracks the sum of the true gradients (tests/test_zeropp_loco.py: over 20
-reductions of the same rows, 0.1 x a step's error against 20 x).
+bucket. As in the LoCo paper it is kept in 8 bits: INT8 blocks of ERROR_BLOCK (256)
+elements with one fp32 scale each (zeropp/kernels/quant.py's INT8 format and kernels,
+the same bits on every backend), stored as one uint8 buffer in the wire layout
+(scales, then data): 1 + 4/256 bytes per element, so all buffers together are
+1.016/L bytes per parameter. A reduction sends Q(x) for x = rows + e and keeps
+e = Q8(beta e + (1 - beta)(x - Q(x))) (beta 0: classic error feedback); every
+`reset_every` reductions of a bucket e starts again from zero. Storing e costs at
+most half an INT8 step per element, max|e over its block| / 254, on top of what
+the fp32 error kept (tests/test_zeropp_loco.py checks the bound). Without error
+feedback each step's INT4 error is lost; with it what was not sent is sent later,
+so the sum of what the optimizer receives over steps tracks the sum of the true
+gradients (tests/test_zeropp_loco.py: over 20 reductions of the same rows, 0.1 x a
+step's error against 20 x).
 
 With Hadamard smoothing (`zero_hadamard_gradients`) the rows are sent rotated
 (zeropp/techniques/hadamard.py), each padded to whole blocks of B, so the buffers are [N, P
@@ -20,14 +27,17 @@ Carried state is committed with the step (ARCHITECTURE.md, "State carried across
 steps"): a reduction writes the new error into a second buffer per bucket, and
 `end_step` swaps it in only when the optimizer step is applied. A skipped step (an
 fp16 overflow on any rank, a non-finite gradient) leaves the error and the counts as
-they were, so one overflow never poisons later steps. This costs a second fp32
-buffer: 8/L bytes per parameter in all.
+they were, so one overflow never poisons later steps. This costs a second INT8
+buffer: 2.03/L bytes per parameter in all (fp32 errors took 8/L).
 
-Checkpoints: each buffer is a sharded tensor of W x N x P elements (rank r's
-buffer is its r-th chunk), and the layout (ranks, nodes, each bucket's shape)
-and the reduction counts go to the metadata. A load with the same layout
-restores them exactly; any other layout (world size, node shape, buckets, with or
-without the rotation) cannot place them, so they start from zero and the load says so.
+Checkpoints: each buffer is a sharded uint8 tensor of W x wire_nbytes(N x P) bytes
+(rank r's buffer is its r-th chunk), and the layout (ranks, nodes, each bucket's
+shape), the error's bits and the reduction counts go to the metadata. A load with
+the same layout restores them exactly; any other layout (world size, node shape,
+buckets, with or without the rotation) cannot place them, so they start from zero and
+the load says so. A checkpoint saved with fp32 errors (no bits in its metadata) is
+read into fp32 staging tensors (`stage_load`) and quantized to INT8 on load, said
+in one line.
 """
 from __future__ import annotations
 
@@ -40,17 +50,27 @@ from zeropp.collectives.protocols import MemoryLine, PlannedCollective
 from zeropp.collectives.two_hop import TwoHops
 from zeropp.collectives.partition import FlatState
 from zeropp.kernels.quant import DEFAULT_BLOCK_SIZE, dequantize, quantize
-from zeropp.kernels.format import Quantized, wire_nbytes
+from zeropp.kernels.format import Quantized, num_blocks, wire_nbytes
 from zeropp.kernels.hadamard import hadamard
 from zeropp.techniques.qgz import HierarchicalQuantizedReduce
 
 KEY = "error_feedback."   # checkpoint keys: KEY + bucket index
 MEMORY_KEY = "error_feedback_bytes"
+ERROR_BITS, ERROR_BLOCK = 8, DEFAULT_BLOCK_SIZE[8]   # the stored error's format
+
+
+def error_nbytes(numel: int) -> int:
+    """Bytes of one stored error of `numel` elements (INT8 blocks and their fp32 scales)."""
+    return wire_nbytes(numel, ERROR_BITS, ERROR_BLOCK)
+
+
+ERROR_BYTES_PER_ELEMENT = error_nbytes(1 << 20) / (1 << 20)   # 1 + 4/256
 
 
 class ErrorFeedback:
     def __init__(self, beta: float, reset_every: int, hadamard: int = 0):
         self.beta, self.reset_every = beta, reset_every
+        # Errors as INT8 wire buffers (error_nbytes(N P) bytes each, `_error` views them)
         self.buffers: dict[int, torch.Tensor] = {}      # the error after the last applied step
         self.reductions: dict[int, int] = {}
         self._pending: dict[int, torch.Tensor] = {}     # this step's new error, swapped in by end_step
@@ -59,6 +79,9 @@ class ErrorFeedback:
         self.added: dict[str, tuple[int, int]] = {}    # buckets met while training (`add`)
         self.layout: dict = {}
         self.hadamard = hadamard   # the rotation's block size when the rows are rotated, 0: none
+        self._offered: dict[str, FlatState] = {}      # the last checkpoint_state(), for `stage_load`
+        self._staged: dict[str, torch.Tensor] = {}    # fp32 errors of an old checkpoint, being loaded
+        self._sent: dict = {}                         # each bucket's rows as sent: [N, P]
 
     def expect(self, shapes: dict[int, tuple[int, int]], world: int, nodes: int, device):
         """The buckets to come (index -> [N, P]) and the job's shape: what a checkpoint records.
@@ -83,12 +106,28 @@ class ErrorFeedback:
         for key, shape in saved.get("added", {}).items():
             self.add(key, tuple(shape))
 
-    def _buffer(self, key: int, shape, store: dict | None = None) -> torch.Tensor:
+    def _buffer(self, key, shape, store: dict | None = None) -> torch.Tensor:
+        """The error of bucket `key` ([N, P] elements) as its INT8 wire buffer; zeros when new
+        (scale 0: dequantizes to exact zeros)."""
         store = self.buffers if store is None else store
         err = store.get(key)
-        if err is None or tuple(err.shape) != tuple(shape):
-            err = store[key] = torch.zeros(tuple(shape), dtype=torch.float32, device=self.device)
+        if err is None or err.numel() != error_nbytes(shape[0] * shape[1]):
+            err = store[key] = torch.zeros(error_nbytes(shape[0] * shape[1]), dtype=torch.uint8, device=self.device)
         return err
+
+    @staticmethod
+    def _error(buf: torch.Tensor, shape) -> Quantized:
+        return Quantized.from_bytes(buf, shape[0] * shape[1], ERROR_BITS, ERROR_BLOCK)
+
+    @staticmethod
+    def _scales(buf: torch.Tensor) -> torch.Tensor:
+        """The fp32 scales at the head of an error buffer (whole blocks: 4 + ERROR_BLOCK bytes each)."""
+        return buf[:4 * (buf.numel() // (4 + ERROR_BLOCK))].view(torch.float32)
+
+    def errors(self) -> dict:
+        """The committed errors in fp32, [N, P] each (for inspection and tests)."""
+        shapes = {**self.shapes, **self._sent}
+        return {k: dequantize(self._error(b, shapes[k])).view(shapes[k]) for k, b in self.buffers.items()}
 
     def summary(self) -> str | None:
         return None
@@ -100,43 +139,49 @@ class ErrorFeedback:
         return []
 
     def memory(self) -> MemoryLine:
-        """The committed errors and the pending ones: an fp32 error for 1/L of the gradients, twice
-        (none on one node)."""
+        """The committed errors and the pending ones: an INT8 error for 1/L of the gradients,
+        twice (none on one node)."""
         nodes = self.layout.get("nodes", 1)
-        per = 8 * nodes / self.layout["world"] if nodes > 1 else 0.0
+        per = 2 * ERROR_BYTES_PER_ELEMENT * nodes / self.layout["world"] if nodes > 1 else 0.0
         return MemoryLine(MEMORY_KEY, "gradients", list(self.buffers.values()) + list(self._pending.values()), per)
 
     def send(self, key: int, rows: torch.Tensor, dests: list[Quantized], pool: BufferPool):
-        """Quantize rows [N, total] plus the carried error into `dests` (INT4 wire rows); the new
-        error is pending until end_step. A second reduction of the bucket in the same step
-        (gradient accumulation) carries the pending error on."""
+        """Quantize rows [N, total] plus the carried error into `dests` (the wire rows, INT4 or
+        INT2); the new error is pending until end_step. A second reduction of the bucket in the
+        same step (gradient accumulation) carries the pending error on."""
         self.device = rows.device
+        self._sent[key] = tuple(rows.shape)
         again = key in self._pending_reductions
         done = self._pending_reductions[key] if again else self.reductions.get(key, 0)
         new = self._buffer(key, rows.shape, self._pending)
         old = new if again else self._buffer(key, rows.shape)
-        if done and done % self.reset_every == 0:
-            new.zero_()
-            old = new
         self._pending_reductions[key] = done + 1
+        carried = pool.take(rows.numel(), torch.float32).view(rows.shape)   # e in fp32
+        if done and done % self.reset_every == 0:
+            carried.zero_()
+        else:
+            dequantize(self._error(old, rows.shape), torch.float32, out=carried.view(-1))
         x = pool.take(rows.numel(), torch.float32).view(rows.shape)
-        torch.add(rows, old, out=x)
+        torch.add(rows, carried, out=x)
         sent = pool.take(rows.shape[1], torch.float32)
         for a, dest in enumerate(dests):
-            quantize(x[a], 4, dest.block_size, out=dest)
+            quantize(x[a], dest.bits, dest.block_size, out=dest)
             x[a].sub_(dequantize(dest, torch.float32, out=sent))    # this quantization's error
-        torch.mul(old, self.beta, out=new).add_(x, alpha=1 - self.beta)
+        carried.mul_(self.beta).add_(x, alpha=1 - self.beta)
+        quantize(carried, ERROR_BITS, ERROR_BLOCK, out=self._error(new, rows.shape))
         pool.give(sent)
         pool.give(x)
+        pool.give(carried)
 
     def end_step(self, applied: bool) -> str | None:
         """The optimizer step ended: commit this step's errors if it was applied, else drop them.
         An applied step that left a non-finite error commits nothing either (the carried error
-        stays the last finite one) and says so."""
+        stays the last finite one) and says so. A non-finite block shows in its scale
+        (zeropp/kernels/quant.py), so the scales alone are checked."""
         touched, self._pending_reductions = self._pending_reductions, {}
         if not applied or not touched:
             return None
-        if not bool(torch.stack([torch.isfinite(self._pending[k]).all() for k in touched]).all()):
+        if not bool(torch.stack([torch.isfinite(self._scales(self._pending[k])).all() for k in touched]).all()):
             return "qgZ's error feedback came out non-finite; the last finite error is kept"
         for k in touched:
             self.buffers[k], self._pending[k] = self._pending[k], self.buffers[k]
@@ -147,17 +192,29 @@ class ErrorFeedback:
     def checkpoint_state(self, world: int) -> dict[str, FlatState]:
         """Every bucket's buffer (zeros for one not reduced yet), as rank r's chunk of W of them.
         A buffer is only ever made, never replaced: saving changes no error."""
-        return {f"{KEY}{k}": FlatState(self._stored(k, shape).view(-1), world * shape[0] * shape[1], sharded=True)
-                for k, shape in self.shapes.items()}
+        self._offered = {f"{KEY}{k}": FlatState(self._stored(k, shape), world * error_nbytes(shape[0] * shape[1]),
+                                                sharded=True)
+                         for k, shape in self.shapes.items()}
+        return dict(self._offered)
 
     def _stored(self, key, shape) -> torch.Tensor:
-        if key not in self.buffers:
-            self.buffers[key] = torch.zeros(tuple(shape), dtype=torch.float32, device=self.device)
-        return self.buffers[key]
+        return self._buffer(key, shape)
+
+    def stage_load(self, saved: dict | None):
+        """Before a load that fits (`carried`) from a checkpoint saved with fp32 errors: the
+        tensors the last `checkpoint_state()` offered become fp32 staging tensors of the saved
+        size, filled by the load and quantized by `load_scalar_state`."""
+        self._staged = {}
+        if not self.carried(saved) or saved.get("error_bits") == ERROR_BITS:
+            return
+        for name, flat in self._offered.items():
+            n, p = self.shapes[_key(name[len(KEY):])]
+            flat.local = self._staged[name] = torch.zeros(n * p, dtype=torch.float32, device=self.device)
+            flat.numel = flat.numel // error_nbytes(n * p) * n * p
 
     def scalar_state(self) -> dict:   # holds: whether there is any error (none on one node)
         out = {"layout": self.layout, "reductions": {str(k): v for k, v in self.reductions.items()},
-               "holds": bool(self.shapes)}
+               "holds": bool(self.shapes), "error_bits": ERROR_BITS}
         if self.added:   # absent when none: checkpoints saved before buckets could be added still fit
             out["added"] = {k: list(v) for k, v in self.added.items()}
         return out
@@ -169,9 +226,17 @@ class ErrorFeedback:
     def load_scalar_state(self, saved: dict | None) -> str | None:
         """After the buffers were loaded (if carried): the counts; else zero everything and say why."""
         self._pending_reductions = {}
+        staged, self._staged = self._staged, {}
         if self.carried(saved):
             self.reductions = {_key(k): v for k, v in saved["reductions"].items()}
-            return None
+            if not staged:
+                return None
+            for name, fp32 in staged.items():
+                key = _key(name[len(KEY):])
+                quantize(fp32, ERROR_BITS, ERROR_BLOCK, out=self._error(self._buffer(key, self.shapes[key]),
+                                                                         self.shapes[key]))
+            return (f"qgZ's error feedback was saved in fp32: converted to INT8 blocks of {ERROR_BLOCK} "
+                    f"(saved again in INT8)")
         for err in self.buffers.values():
             err.zero_()
         self.reductions = {}
@@ -197,11 +262,12 @@ def _key(saved: str):
 
 
 class CompensatedReduce(HierarchicalQuantizedReduce):
-    """qgZ with LoCo's error feedback: exact inside the node, INT4 with the carried error across."""
+    """qgZ with LoCo's error feedback: exact inside the node, INT4 (or INT2: `bits`) with the
+    carried error across."""
 
     def __init__(self, comm, block_size: int = DEFAULT_BLOCK_SIZE[4], error_feedback: ErrorFeedback | None = None,
-                 hadamard: bool = False):
-        super().__init__(comm, block_size, hadamard)
+                 hadamard: bool = False, bits: int = 4):
+        super().__init__(comm, block_size, hadamard, bits)
         self.error_feedback = error_feedback
 
     def expect(self, bucket_totals: dict[int, int], topology, device):
@@ -222,19 +288,19 @@ class CompensatedReduce(HierarchicalQuantizedReduce):
             out.append(PlannedCollective("grad_reduce", "all_to_all", "intra", local * nodes * total * elem_bytes))
         if nodes > 1:
             q = (3 * nodes + int(self.hadamard) * (nodes + 1)) * padded
-            out.append(PlannedCollective("grad_reduce", "all_to_all", "inter", nodes * wire_nbytes(padded, 4, bs),
-                                         quant_elements=q, quant_bits=4))
+            out.append(PlannedCollective("grad_reduce", "all_to_all", "inter", nodes * wire_nbytes(padded, self.bits, bs),
+                                         quant_elements=q, quant_bits=self.bits))
         return out
 
     def inflight_bytes(self, bucket_elems: int, elem_bytes: int = 4) -> int:
         # at most (all counted as if alive at once): the exact first hop's reordered rows and
         # what it received (the bucket each, `elem_bytes` an element), then in fp32 the node sums
-        # (1/L of it), x (1/L) and one row (1/W <= 1/N), and the second hop's INT4 wire, sent and
-        # received; Hadamard: the rotated node sums (1/L) beside x
+        # (1/L of it), the carried error dequantized and x (1/L each) and one row (1/W <= 1/N),
+        # and the second hop's wire, sent and received; Hadamard: the rotated node sums (1/L)
         padded = self._padded(bucket_elems)
-        sums = (3 if self.hadamard else 2) / self.local
+        sums = (4 if self.hadamard else 3) / self.local
         return (2 * elem_bytes * padded + 4 * padded * (sums + 1 / self.nodes)
-                + 2 * wire_nbytes(padded, 4, self.block_size))
+                + 2 * wire_nbytes(padded, self.bits, self.block_size))
 
     def _reduce(self, by_node: torch.Tensor, out: torch.Tensor, phase: str, async_op: bool, pool: BufferPool,
                 key: int) -> Work:
@@ -296,4 +362,5 @@ def build(ctx) -> CompensatedReduce:
     """qgZ's reduction with the error carried (the config requires qgZ with LoCo)."""
     loco = ctx.zero.zeropp_loco_param
     return CompensatedReduce(ctx.comm, ctx.zero.zero_quantized_gradients_block_size,
-                             ErrorFeedback(loco.err_beta, loco.reset_T, ctx.rotation), bool(ctx.rotation))
+                             ErrorFeedback(loco.err_beta, loco.reset_T, ctx.rotation), bool(ctx.rotation),
+                             ctx.zero.zero_quantized_gradients_bits)

@@ -1,7 +1,12 @@
 """qgZ (ZeRO++, arXiv 2306.10209 section 3.3): the gradient reduce-scatter replaced by two
 all-to-alls of INT4 blocks, inside each node, then between the ranks of the same local
 index, with a dequantize-sum-requantize between the hops. The result is the sum a
-reduce-scatter gives (the caller scales it), within the INT4 bound.
+reduce-scatter gives (the caller scales it), within the INT4 bound. With
+`zero_quantized_gradients_bits` 2 the hop between nodes sends INT2 blocks instead (the node's
+sums requantized to ternary values, zeropp/kernels/quant.py): 0.28 instead of 0.53 bytes an
+element on the slow link; the hop inside the node stays INT4. Without error feedback that
+loses most of each block (max|x| / 2 an element): the configuration refuses it without LoCo
+(measured: bench/results/convergence_int2_without_loco_1234.md).
 
 With `hadamard` (`zero_hadamard_gradients`, zeropp/techniques/hadamard.py; Hadamard smoothing
 as in SDP4Bit, arXiv 2410.15526), each row, zero-padded to whole quantization blocks, is
@@ -56,10 +61,11 @@ class HierarchicalQuantizedReduce(ShardReduce):
     `hadamard`: step 1 quantizes each padded row rotated, step 5 rotates the sum back.
     """
 
-    def __init__(self, comm, block_size: int = DEFAULT_BLOCK_SIZE[4], hadamard: bool = False):
+    def __init__(self, comm, block_size: int = DEFAULT_BLOCK_SIZE[4], hadamard: bool = False, bits: int = 4):
         super().__init__(comm)
         self.block_size = block_size
         self.hadamard = hadamard
+        self.bits = bits   # of the hop between nodes (4 or 2); inside the node always INT4
         if hadamard:
             check_hadamard_block(block_size)
         topo = comm.topology
@@ -76,7 +82,7 @@ class HierarchicalQuantizedReduce(ShardReduce):
         # before it is quantized, and the sum back once the last hop is in
         padded = self._padded(bucket_elems)
         row = 4 * -(-padded // (self.nodes * self.local)) if self.hadamard else 0
-        return 2 * wire_nbytes(padded, 4, self.block_size) + row
+        return 2 * wire_nbytes(padded, 4, self.block_size) + row   # INT2 across: smaller than the INT4 hop
 
     def plan(self, total: int, elem_bytes: int) -> list[PlannedCollective]:
         """An all-to-all of L x wire_nbytes(N P) inside the node, then of N x wire_nbytes(P) between
@@ -92,8 +98,8 @@ class HierarchicalQuantizedReduce(ShardReduce):
                                          quant_elements=q, quant_bits=4))
             q = 0
         if nodes > 1:
-            out.append(PlannedCollective("grad_reduce", "all_to_all", "inter", nodes * wire_nbytes(padded, 4, bs),
-                                         quant_elements=q, quant_bits=4))
+            out.append(PlannedCollective("grad_reduce", "all_to_all", "inter", nodes * wire_nbytes(padded, self.bits, bs),
+                                         quant_elements=q, quant_bits=self.bits))
         return out
 
     def _row_numel(self, total: int) -> int:
@@ -110,15 +116,15 @@ class HierarchicalQuantizedReduce(ShardReduce):
         rotated[row.numel():].zero_()
         quantize(hadamard(rotated, self.block_size), 4, self.block_size, out=dest)
 
-    def _sum_into(self, recv: torch.Tensor, out: torch.Tensor, total: int, pool: BufferPool):
-        """Step 5: the received rows [k, nbytes] dequantized and summed into `out`; with
+    def _sum_into(self, recv: torch.Tensor, out: torch.Tensor, total: int, pool: BufferPool, bits: int = 4):
+        """Step 5: the received rows [k, nbytes] (`bits`) dequantized and summed into `out`; with
         Hadamard through a pooled fp32 row, rotated back."""
         if not self.hadamard:
-            dequantize_reduce(Quantized.from_bytes(recv, total, 4, self.block_size), out.dtype, out=out)
+            dequantize_reduce(Quantized.from_bytes(recv, total, bits, self.block_size), out.dtype, out=out)
             return
         n = self._row_numel(total)
         acc = pool.take(n, torch.float32)
-        dequantize_reduce(Quantized.from_bytes(recv, n, 4, self.block_size), torch.float32, out=acc)
+        dequantize_reduce(Quantized.from_bytes(recv, n, bits, self.block_size), torch.float32, out=acc)
         out.copy_(hadamard(acc, self.block_size, inverse=True)[:total])
         pool.give(acc)
 
@@ -173,7 +179,7 @@ class HierarchicalQuantizedReduce(ShardReduce):
 
             def fill(dests: list[Quantized]):   # row a of the node's sum, for node a
                 for a, dest in enumerate(dests):
-                    dequantize_reduce_requantize(received.row(a, n), 4, bs, out=dest)
+                    dequantize_reduce_requantize(received.row(a, n), self.bits, bs, out=dest)
             work = self._inter_hop(fill, out, total, phase, async_op, pool)
             pool.give(recv)
             return work
@@ -182,10 +188,10 @@ class HierarchicalQuantizedReduce(ShardReduce):
 
     def _inter_hop(self, fill: Callable[[list[Quantized]], None], out: torch.Tensor, total: int, phase: str,
                    async_op: bool, pool: BufferPool) -> Work:
-        """4-5: `fill(dests)` writes the INT4 row for node a (`total` elements; rotated, `total`
-        padded to whole blocks) into `dests[a]`, its slot of the wire buffer."""
+        """4-5: `fill(dests)` writes the row for node a in `self.bits` (`total` elements; rotated,
+        `total` padded to whole blocks) into `dests[a]`, its slot of the wire buffer."""
         nodes, bs = self.nodes, self.block_size
-        send, per_node = take_wire(pool, nodes, self._row_numel(total), 4, bs)
+        send, per_node = take_wire(pool, nodes, self._row_numel(total), self.bits, bs)
         fill(per_node)
         recv = pool.take(send.numel(), torch.uint8).view_as(send)
         work = self.comm.all_to_all(recv.view(-1), send.view(-1), group=self.inter_group, phase=phase,
@@ -193,11 +199,12 @@ class HierarchicalQuantizedReduce(ShardReduce):
 
         def finish():  # rows of `total` have the wire size of `padded`: the padding is whole blocks
             pool.give(send)
-            self._sum_into(recv, out, total, pool)
+            self._sum_into(recv, out, total, pool, self.bits)
             pool.give(recv)
             return out
         return Work(work, then=finish)
 
 
 def build(ctx) -> HierarchicalQuantizedReduce:
-    return HierarchicalQuantizedReduce(ctx.comm, ctx.zero.zero_quantized_gradients_block_size, bool(ctx.rotation))
+    return HierarchicalQuantizedReduce(ctx.comm, ctx.zero.zero_quantized_gradients_block_size, bool(ctx.rotation),
+                                       ctx.zero.zero_quantized_gradients_bits)

@@ -53,10 +53,10 @@ static void store_values(const float *buf, int dtype, int64_t count, void *dst, 
     }
 }
 
-/* Quantize one fp32 block of bs elements into data (int8 [bs] or packed uint8 [bs/2]).
+/* Quantize one fp32 block of bs elements into data (int8 [bs], packed uint8 [bs/2] or [bs/4]).
  * x is scratch: it is overwritten with the rounded values. */
 static void quantize_block(float *x, int64_t bs, int bits, void *data, float *scale_out) {
-    const float qmax = bits == 8 ? 127.0f : 7.0f;
+    const float qmax = bits == 8 ? 127.0f : bits == 4 ? 7.0f : 1.0f;
     /* max|x| on the bit patterns: for non-NaN floats the order of |x|'s bits is the order of
      * |x|, and any NaN's bits exceed +inf's (an integer max vectorizes; a float one may not) */
     const uint32_t *u = (const uint32_t *)x;
@@ -84,6 +84,11 @@ static void quantize_block(float *x, int64_t bs, int bits, void *data, float *sc
     }
     if (bits == 8) {
         memcpy(data, q, (size_t)bs);
+    } else if (bits == 2) {             /* four values a byte, element 4i + k in bits 2k, 2k + 1 */
+        uint8_t *d = (uint8_t *)data;
+        for (int64_t i = 0; i < bs / 4; i++)
+            d[i] = (uint8_t)(((uint8_t)q[4 * i] & 3) | (((uint8_t)q[4 * i + 1] & 3) << 2)
+                             | (((uint8_t)q[4 * i + 2] & 3) << 4) | (((uint8_t)q[4 * i + 3] & 3) << 6));
     } else {
         uint8_t *d = (uint8_t *)data;
         for (int64_t i = 0; i < bs / 2; i++)
@@ -103,11 +108,17 @@ static void dequant_block(const uint8_t *data, const float *scales, int bits, in
         else for (int64_t i = 0; i < bs; i++) acc[i] += (float)q[i] * s;
         return;
     }
-    const uint8_t *q = data + b * bs / 2;
     int8_t v[MAX_BLOCK];
-    for (int64_t i = 0; i < bs / 2; i++) {   /* arithmetic shifts sign-extend each nibble */
-        v[2 * i] = (int8_t)((int8_t)(uint8_t)(q[i] << 4) >> 4);
-        v[2 * i + 1] = (int8_t)((int8_t)q[i] >> 4);
+    if (bits == 2) {
+        const uint8_t *q = data + b * bs / 4;
+        for (int64_t i = 0; i < bs / 4; i++)   /* (v ^ 2) - 2 sign-extends 2 bits */
+            for (int k = 0; k < 4; k++) v[4 * i + k] = (int8_t)((((q[i] >> (2 * k)) & 3) ^ 2) - 2);
+    } else {
+        const uint8_t *q = data + b * bs / 2;
+        for (int64_t i = 0; i < bs / 2; i++) {   /* arithmetic shifts sign-extend each nibble */
+            v[2 * i] = (int8_t)((int8_t)(uint8_t)(q[i] << 4) >> 4);
+            v[2 * i + 1] = (int8_t)((int8_t)q[i] >> 4);
+        }
     }
     if (first) for (int64_t i = 0; i < bs; i++) acc[i] = (float)v[i] * s;
     else for (int64_t i = 0; i < bs; i++) acc[i] += (float)v[i] * s;
@@ -119,7 +130,7 @@ int zq_max_block(void) { return MAX_BLOCK; }
 void zq_quantize(const void *x, int dtype, int64_t numel, int bits, int64_t bs, void *data, float *scales) {
     float buf[MAX_BLOCK];
     int64_t nb = numel > 0 ? (numel + bs - 1) / bs : 1;
-    int64_t per_block = bits == 8 ? bs : bs / 2;
+    int64_t per_block = bs * bits / 8;
     for (int64_t b = 0; b < nb; b++) {
         int64_t first = b * bs, count = numel - first < bs ? numel - first : bs;
         load_block(x, dtype, first, count > 0 ? count : 0, bs, buf);
@@ -140,7 +151,7 @@ void zq_dequantize(const uint8_t *data, int64_t data_stride, const float *scales
     float acc[MAX_BLOCK];
     int64_t nb = numel > 0 ? (numel + bs - 1) / bs : 1;
     int64_t rows = reduce ? 1 : k, parts = reduce ? k : 1;
-    int64_t per_block = requant_bits == 8 ? bs : bs / 2;
+    int64_t per_block = bs * requant_bits / 8;
     for (int64_t r = 0; r < rows; r++) {
         for (int64_t b = 0; b < nb; b++) {
             int64_t first = b * bs, count = numel - first < bs ? numel - first : bs;

@@ -1,0 +1,365 @@
+"""Groups that survive each other as a user meets them: each group its own `torchrun train.py
+--lighthouse ...` job of 2 gloo ranks, meeting the others through torchft's Lighthouse (a
+process of its own). A cell returns "" when it holds, else what went wrong (tests/
+test_groups_job.py asserts each on a tiny corpus; bench/fault_matrix.py can print them).
+
+- kill-one-group: once the groups exchange together, one rank of group 1 is frozen (SIGSTOP: the
+  others meet it in an exchange that cannot finish) and its launcher SIGKILLed (its ranks die
+  with it). Group 0 never waits longer than one exchange's timeout, applies outer steps alone,
+  logs every iteration once and exits 0; group 1, restarted from its own checkpoint, heals from
+  group 0 and exchanges with it again; both end on the same global model.
+- freeze-one-group: every rank of group 1 stopped for 15 s, then continued (cut off and back):
+  it heals keeping its own masters and exchanges with group 0 again.
+- lighthouse-restart, late-start-clean-stop (through scripts/launch_groups.sh), same-as-one-job
+  (the one-job mode's model bit for bit), different-models (every group stops with one line),
+  link-outage (three groups on emulated sites, one cut off for 60 s), heal-interrupted (a late
+  group's heal over a slow link cut off): bench/groups_sites.py, root only;
+- in the bench only (`python -m bench.groups_job`, bench/results/groups_job.json):
+  three-groups-two-kills, kill-against-uninterrupted (the final validation loss after a kill
+  against the uninterrupted groups), punisher (random kills against a 10-minute job:
+  bench/groups_punisher.py).
+Launching and reading the jobs: bench/groups_launch.py.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from bench import ROOT
+from bench.diloco_job import worker_ranks
+from bench.groups_launch import (FIGURES, RUN, TIMEOUT, VALIDATION, free_port, iterations, launch_group, problem, script,
+                                 samples_in_order, start_lighthouse, stood_still, stop_all, tensorboard,
+                                 wait_for)
+from bench.groups_punisher import punisher
+from bench.groups_sites import heal_interrupted, link_outage
+
+# -- the cells ---------------------------------------------------------------------------------------
+
+
+def kill_one_group(base, tmp: Path, iters: int = 700) -> str:
+    """`base(out_dir)`: train.py's flags for data and model, --save inside out_dir."""
+    return kills(base, tmp, 2, (1,), iters)
+
+
+def kills(base, tmp: Path, groups: int, victims: tuple[int, ...], iters: int) -> str:
+    """Group 0 first, the others join it; then each victim in turn (a group may die twice) has one
+    rank frozen in an exchange, its launcher SIGKILLed, and is restarted from its own checkpoint
+    once group 0 has gone on without it. Group 0 must log every iteration once and never stand
+    still past one exchange timeout; each restart heals and exchanges with the others again; every
+    group ends on the same global model."""
+    lh, url = start_lighthouse(tmp / "lighthouse.log")
+    argv = [*RUN, "--train-iters", str(iters), "--save-interval", "10", "--global-batch-size", str(4 * groups)]
+    flags = {g: [*base(tmp / f"g{g}"), *argv] for g in range(groups)}
+    logs = {g: tmp / f"group{g}.log" for g in range(groups)}
+    procs = {0: launch_group(0, groups, url, flags[0], logs[0])}
+    killed_at, restarts = [], []
+    try:   # group 0 first: the others join it (a group that joins late takes the others' inner step)
+        if not wait_for(logs[0], r"iteration +1/", 120, procs[0]):
+            return problem(logs[0], "group 0 never trained")
+        for g in range(1, groups):
+            procs[g] = launch_group(g, groups, url, flags[g], logs[g])
+        for n, g in enumerate(victims):
+            full = rf"quorum: {groups} groups"
+            if not (wait_for(logs[g], full, 180, procs[g]) and wait_for(logs[g], r"saved checkpoint", 60, procs[g])):
+                return problem(logs[g], f"group {g} never exchanged with all the others, or never saved")
+            rank1 = worker_ranks(procs[g]).get(1)
+            if rank1:
+                os.kill(rank1, signal.SIGSTOP)   # the others meet it in an exchange it cannot finish
+            time.sleep(1.0)
+            procs[g].send_signal(signal.SIGKILL)   # the launcher: its ranks die with it (parallel/launch.py)
+            procs[g].wait()
+            killed_at.append(time.time())
+            if not wait_for(logs[0], rf"quorum of {groups - 1} group\(s\), was {groups}", 60, procs[0]):
+                return problem(logs[0], f"group 0 never went on without group {g}")
+            logs[g] = tmp / f"group{g}_again{n}.log"
+            restarts.append(logs[g])
+            procs[g] = launch_group(g, groups, url, [*flags[g], "--load", str(tmp / f"g{g}" / "ckpt")], logs[g])
+        rcs = {g: p.wait(timeout=900) for g, p in procs.items()}
+    finally:
+        stop_all(*procs.values(), lh)
+    if any(rcs.values()):
+        return problem(logs[next(g for g, rc in rcs.items() if rc)], f"exit statuses {rcs}")
+    seen = iterations(logs[0])
+    if [it for _, it in seen] != list(range(1, iters + 1)):
+        return problem(logs[0], "group 0 did not log every iteration exactly once")
+    if still := stood_still(logs[0]):
+        return still
+    if not any(t > killed_at[-1] for t, _ in seen):
+        return problem(logs[0], "group 0 logged nothing after the last kill")
+    for log in restarts:
+        again = log.read_text(errors="replace")
+        for said in ("healed from a peer", "continuing at their inner step", f"quorum: {groups} groups"):
+            if said not in again:
+                return problem(log, f"a restarted group never said {said!r}")
+    quorum, heals = tensorboard(tmp / "g0" / "tb", "outer/quorum-size"), tensorboard(tmp / f"g{victims[-1]}" / "tb",
+                                                                                        "outer/heals")
+    if not {float(groups - 1), float(groups)} <= set(quorum) or not heals or max(heals) < 1:
+        return problem(restarts[-1], f"TensorBoard: quorum sizes {sorted(set(quorum))} (group 0), heals {heals[-1:]}")
+    finals = [VALIDATION.findall(logs[g].read_text(errors="replace"))[-1:] for g in range(groups)]
+    if not all(finals) or any(f != finals[0] for f in finals):
+        return problem(restarts[-1], f"the groups end on different global models: {finals}")
+    return ""
+
+
+def freeze_one_group(base, tmp: Path, iters: int = 1500, seconds: float = 15.0) -> str:
+    """Every rank of group 1 stopped (SIGSTOP) for `seconds`, then continued: a group cut off
+    that comes back alive. Group 0 goes on alone meanwhile; group 1 finds its exchange failed,
+    goes on alone, then heals from group 0 keeping its own trained masters (merged at its next
+    exchanges), and both end on the same global model."""
+    lh, url = start_lighthouse(tmp / "lighthouse.log")
+    argv = [*RUN, "--train-iters", str(iters)]
+    logs = [tmp / "group0.log", tmp / "group1.log"]
+    procs = [launch_group(0, 2, url, [*base(tmp / "g0"), *argv], logs[0])]
+    try:
+        if not wait_for(logs[0], r"iteration +1/", 120, procs[0]):
+            return problem(logs[0], "group 0 never trained")
+        procs.append(launch_group(1, 2, url, [*base(tmp / "g1"), *argv], logs[1]))
+        if not wait_for(logs[1], r"quorum: 2 groups", 180, procs[1]):
+            return problem(logs[1], "the two groups never exchanged together")
+        ranks = list(worker_ranks(procs[1]).values())
+        for pid in ranks:
+            os.kill(pid, signal.SIGSTOP)
+        time.sleep(seconds)
+        mark = len(logs[1].read_text(errors="replace"))
+        for pid in ranks:
+            os.kill(pid, signal.SIGCONT)
+        rcs = [p.wait(timeout=900) for p in procs]
+    finally:
+        stop_all(*procs, lh)
+    if any(rcs):
+        return problem(logs[rcs.index(next(r for r in rcs if r))], f"exit statuses {rcs}")
+    seen = iterations(logs[0])
+    if [it for _, it in seen] != list(range(1, iters + 1)):
+        return problem(logs[0], "group 0 did not log every iteration exactly once")
+    if still := stood_still(logs[0]):
+        return still
+    after = logs[1].read_text(errors="replace")[mark:]
+    if "healed from a peer" not in after or "quorum: 2 groups" not in after.split("healed from a peer", 1)[1]:
+        return problem(logs[1], "group 1 did not heal from group 0 and exchange with it again after the freeze")
+    finals = [VALIDATION.findall(log.read_text(errors="replace"))[-1:] for log in logs]
+    if not all(finals) or finals[0] != finals[1]:
+        return problem(logs[1], f"the groups end on different global models: {finals}")
+    return ""
+
+
+def lighthouse_restart(base, tmp: Path, iters: int = 1000) -> str:
+    """The Lighthouse killed while two groups exchange, and started again on its port 5 s later:
+    both go on alone meanwhile (no step lost, no exchange past its chain of timeouts) and
+    exchange together again after it returns."""
+    lh, url = start_lighthouse(tmp / "lighthouse.log")
+    argv = [*RUN, "--train-iters", str(iters)]
+    logs = [tmp / "group0.log", tmp / "group1.log"]
+    procs = [launch_group(g, 2, url, [*base(tmp / f"g{g}"), *argv], logs[g]) for g in (0, 1)]
+    try:
+        if not wait_for(logs[1], r"quorum: 2 groups", 120, procs[1]):
+            return problem(logs[1], "the two groups never exchanged together")
+        lh.kill()
+        lh.wait()
+        time.sleep(5)
+        back = time.time()
+        lh, _ = start_lighthouse(tmp / "lighthouse_again.log", port=int(url.rsplit(":", 1)[1]))
+        rcs = [p.wait(timeout=600) for p in procs]
+    finally:
+        stop_all(*procs, lh)
+    if any(rcs):
+        return problem(logs[0], f"exit status {rcs}")
+    for log in logs:
+        seen = iterations(log)
+        if [it for _, it in seen][-1] != iters or len({it for _, it in seen}) != len(seen) or not samples_in_order(log):
+            return problem(log, "an iteration was repeated, or a sample skipped or repeated")
+        # torchft's Lighthouse numbers quorums from 1 again after a restart: a group whose last
+        # quorum had the same number but other members keeps its process group, and one exchange
+        # can then wait out each of its steps in turn (quorum, reconfiguration, heal, header,
+        # exchange, commit), every one bounded by the timeout
+        if still := stood_still(log, timeouts=6):
+            return still
+        text = log.read_text(errors="replace")
+        after = [t for t, _ in seen if t > back + TIMEOUT + 5]
+        if "goes on alone" not in text or not after or not re.search(r"quorum of 2 group\(s\), was 1", text.split(
+                "goes on alone", 1)[1]):
+            return problem(log, "the group did not go on alone and then exchange with the other again")
+    return ""
+
+
+def late_start_and_clean_stop(base, tmp: Path, iters: int = 800) -> str:
+    """With scripts/launch_groups.sh: group 0 trains alone; group 1 starts late, heals and joins;
+    `stop 1` makes it save and leave (exit 0); group 0 goes on alone to the end, no step lost."""
+    env = {"GROUPS_DIR": str(tmp / "run"), "LIGHTHOUSE_PORT": str(free_port()), "JOIN_TIMEOUT_MS": "2000"}
+    flags = [*base(tmp / "out"), *RUN, "--train-iters", str(iters), "--outer-timeout", str(TIMEOUT)]
+    logs = [tmp / "run" / "group0.log", tmp / "run" / "group1.log"]
+    lh = script("lighthouse", env=env)
+    g0 = script("group", "0", "2", "2", *flags, env=env)
+    g1 = None
+    try:
+        if not wait_for(logs[0], r"iteration +30/", 120, g0):
+            return problem(logs[0], "group 0 did not train alone")
+        g1 = script("group", "1", "2", "2", *flags, env=env)
+        if not wait_for(logs[1], r"quorum: 2 groups", 120, g1):
+            return problem(logs[1], "the late group never exchanged with group 0")
+        subprocess.run(["bash", str(ROOT / "scripts" / "launch_groups.sh"), "stop", "1"], env=dict(os.environ, **env),
+                       check=True, capture_output=True)
+        rc1 = g1.wait(timeout=120)
+        rc0 = g0.wait(timeout=600)
+    finally:
+        stop_all(*[p for p in (g0, g1, lh) if p is not None])
+    if rc0 or rc1:
+        return problem(logs[1] if rc1 else logs[0], f"exit status {rc0} (group 0), {rc1} (group 1 stopped)")
+    late = logs[1].read_text(errors="replace")
+    if "healed from a peer" not in late or "saved checkpoint" not in late.split("quorum: 2 groups", 1)[1]:
+        return problem(logs[1], "the late group did not heal, or did not save when stopped")
+    seen = iterations(logs[0])
+    text = logs[0].read_text(errors="replace")
+    if [it for _, it in seen] != list(range(1, iters + 1)):
+        return problem(logs[0], "group 0 did not log every iteration exactly once")
+    if not re.search(r"quorum of 2 group\(s\), was 1[\s\S]*quorum of 1 group\(s\), was 2", text):
+        return problem(logs[0], "group 0 did not see the late group join and then leave")
+    return ""
+
+
+def different_models(base, tmp: Path) -> str:
+    lh, url = start_lighthouse(tmp / "lighthouse.log")
+    argv = [*RUN, "--train-iters", "200"]
+    logs = [tmp / "group0.log", tmp / "group1.log"]
+    g0 = launch_group(0, 2, url, [*base(tmp / "g0"), *argv], logs[0])
+    g1 = launch_group(1, 2, url, [*base(tmp / "g1"), *argv, "--hidden-size", "64"], logs[1])
+    try:
+        rcs = g0.wait(timeout=300), g1.wait(timeout=300)
+    finally:
+        stop_all(g0, g1, lh)
+    said = "run different models or group shapes"
+    for rc, log in zip(rcs, logs):   # torchrun reports a worker's exit status 2 as its own 1, with its line
+        lines = log.read_text(errors="replace").splitlines()
+        if rc == 0 or not any(line.startswith("error: ") and said in line for line in lines) \
+                or not any("exitcode  : 2" in line for line in lines):
+            return problem(log, f"exit status {rc}: expected the ranks' exit status 2 and one line saying {said!r}")
+    return ""
+
+
+def steady_groups(base, tmp: Path, argv: list[str], name: str) -> str:
+    """Two groups that meet at every exchange (the Lighthouse waits for both), to the end: ""
+    or what failed; logs `name`0.log and `name`1.log, outputs under tmp / `name`<g>."""
+    lh, url = start_lighthouse(tmp / f"lighthouse_{name}.log", min_replicas=2)
+    logs = [tmp / f"{name}{g}.log" for g in (0, 1)]
+    procs = [launch_group(g, 2, url, [*base(tmp / f"{name}{g}"), *argv], logs[g]) for g in (0, 1)]
+    try:
+        rcs = [p.wait(timeout=900) for p in procs]
+    finally:
+        stop_all(*procs, lh)
+    return problem(logs[rcs.index(next(r for r in rcs if r))], f"exit statuses {rcs}") if any(rcs) else ""
+
+
+def same_as_one_job(base, tmp: Path, iters: int = 24) -> str:
+    """Two groups as two jobs, every exchange with both (the Lighthouse waits for 2), against the
+    same two groups in one torchrun job (`--group-size 1`): the exported models are equal bit for
+    bit (equal token weights are halves: exact)."""
+    from bench.diloco_job import finish, launch
+    from tools.export_checkpoint import consolidated_state_dict
+    argv = [*RUN, "--train-iters", str(iters), "--hidden-dropout", "0", "--save-interval", str(iters)]
+    one = launch(4, [*base(tmp / "one"), *argv, "--ranks-per-node", "2", "--group-size", "1"])
+    out, hung = finish(one, 300)
+    if hung or one.returncode:
+        return f"the one-job run failed ({one.returncode}):\n" + "\n".join(out.splitlines()[-10:])
+    why = steady_groups(base, tmp, argv, "g")
+    if why:
+        return why
+    want = consolidated_state_dict(str(tmp / "one" / "ckpt"))[0]
+    for g in (0, 1):
+        got = consolidated_state_dict(str(tmp / f"g{g}" / "ckpt"))[0]
+        differ = [k for k in want if not torch.equal(want[k], got[k])]
+        if differ:
+            worst = max((want[k] - got[k]).abs().max().item() for k in differ)
+            return f"group {g}'s export differs from the one job's in {len(differ)} tensors (worst {worst:.3e})"
+    return ""
+
+
+CELLS = {"kill-one-group": kill_one_group, "freeze-one-group": freeze_one_group, "lighthouse-restart": lighthouse_restart,
+         "late-start-clean-stop": late_start_and_clean_stop, "same-as-one-job": same_as_one_job,
+         "different-models": different_models, "link-outage": link_outage,
+         "heal-interrupted": heal_interrupted}
+FAULTS = tuple(CELLS)
+
+
+def run_group_cells(base, tmp: Path, faults=FAULTS) -> dict:
+    """{fault: {"ok", "why", "seconds"}} (bench/fault_matrix.py's table of groups as jobs)."""
+    row = {}
+    for fault in faults:
+        (tmp / fault).mkdir(parents=True)
+        start = time.perf_counter()
+        why = CELLS[fault](base, tmp / fault)
+        row[fault] = {"ok": not why, "why": why, "seconds": time.perf_counter() - start}
+    return row
+
+
+def final_loss(log: Path) -> float | None:
+    found = VALIDATION.findall(log.read_text(errors="replace"))
+    return float(found[-1][1]) if found else None
+
+
+def kill_against_uninterrupted(base, tmp: Path, iters: int = 700, tolerance: float = 0.02) -> str:
+    """The final validation loss (the global model, the plain run's validation samples) of
+    kill-one-group against the same two groups uninterrupted (the Lighthouse waits for both):
+    within `tolerance`. The ratio is in the cell's "why" when it is not."""
+    why = steady_groups(base, tmp, [*RUN, "--train-iters", str(iters)], "steady")
+    if why:
+        return "the uninterrupted run failed: " + why
+    (tmp / "killed").mkdir()
+    why = kill_one_group(base, tmp / "killed", iters)
+    if why:
+        return why
+    steady, killed = final_loss(tmp / "steady0.log"), final_loss(tmp / "killed" / "group0.log")
+    ratio = killed / steady
+    FIGURES["kill-against-uninterrupted"] = {"uninterrupted_loss": steady, "killed_loss": killed, "ratio": ratio}
+    return "" if abs(ratio - 1) <= tolerance else f"final validation loss {killed:.4f} with the kill / {steady:.4f} " \
+                                                   f"uninterrupted = {ratio:.4f}, beyond {tolerance:.0%}"
+
+
+def three_groups_two_kills(base, tmp: Path) -> str:
+    """3 groups of 2 ranks; group 1 killed mid-exchange, restarted; then killed again at a later
+    step and restarted again."""
+    return kills(base, tmp, 3, (1, 1), 900)
+
+
+def main(argv=None):
+    import argparse
+    import contextlib
+    import json
+    import tempfile
+
+    from bench import RESULTS, cpu_model
+    from bench.diloco_job import demo_flags
+
+    p = argparse.ArgumentParser(description="groups that survive each other (train.py --lighthouse): the cells")
+    p.add_argument("--cells", default=",".join([*FAULTS, "three-groups-two-kills"]))
+    p.add_argument("--workdir", help="keep the groups' logs and checkpoints here (default: a temporary folder)")
+    a = p.parse_args(argv)
+    cells = {**CELLS, "three-groups-two-kills": three_groups_two_kills,
+             "kill-against-uninterrupted": kill_against_uninterrupted, "punisher": punisher}
+    unknown = [c for c in a.cells.split(",") if c not in cells]
+    if unknown:
+        p.error(f"--cells: no cell {', '.join(unknown)}; the cells: {', '.join(cells)}")
+    rows = {}
+    with tempfile.TemporaryDirectory() if a.workdir is None else contextlib.nullcontext(a.workdir) as tmp:
+        for cell in a.cells.split(","):
+            (Path(tmp) / cell).mkdir(parents=True)
+            start = time.perf_counter()
+            why = cells[cell](demo_flags, Path(tmp) / cell)
+            rows[cell] = {"ok": not why, "why": why, "seconds": round(time.perf_counter() - start, 1),
+                          **FIGURES.get(cell, {})}
+            print(f"{cell:24s} {'ok' if not why else 'FAILED'} ({rows[cell]['seconds']:.0f} s)"
+                  + (f"\n{why}" if why else ""), flush=True)
+    path = RESULTS / "groups_job.json"   # cells run before by another command stay, each with its own
+    saved = json.loads(path.read_text()) if path.exists() else {"cells": {}}
+    old = {k: {"cpu": saved.get("cpu"), "command": saved.get("command"), **v} for k, v in saved["cells"].items()}
+    stamp = {"cpu": cpu_model(), "command": "python -m bench.groups_job --cells " + a.cells}
+    path.write_text(json.dumps({"cells": {**old, **{k: {**v, **stamp} for k, v in rows.items()}}}, indent=1) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""Groups that survive each other (train.py --lighthouse): each group its own torchrun job of 2
+gloo ranks, meeting the others through torchft's Lighthouse, on a 2-layer GPT and a tiny corpus
+(bench/groups_job.py runs the jobs and checks them)."""
+import importlib.util
+
+import pytest
+
+from bench.groups_job import (different_models, kill_one_group, late_start_and_clean_stop, lighthouse_restart,
+                              same_as_one_job)
+from bench.groups_sites import NO_SITES, can_make_sites, heal_interrupted
+from tests.test_cli_errors import fails, good
+from tests.test_cli_errors import corpus as cli_corpus   # noqa: F401 (a fixture)
+from tests.test_train import corpus, flags   # noqa: F401 (corpus: the fixture)
+
+# Found, not imported: torchft imports Triton, which tests/test_quant.py needs imported after it
+# sets TRITON_INTERPRET (the groups' ranks import torchft in their own processes).
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchft") is None, reason="torchft is not installed")
+
+
+def base(corpus):  # noqa: F811
+    return lambda out: flags(corpus, out, 1)
+
+
+def test_a_killed_group_never_stops_the_other_and_heals_from_it_when_restarted(corpus, tmp_path):  # noqa: F811
+    """One rank of group 1 frozen in an exchange, then its launcher SIGKILLed: group 0 goes on
+    alone within one exchange timeout and logs every iteration once; group 1, restarted from its
+    own (older) checkpoint, heals from group 0, takes its inner step, exchanges with it again, and
+    both end on the same global model."""
+    assert kill_one_group(base(corpus), tmp_path) == ""
+
+
+def test_two_groups_as_two_jobs_train_the_model_of_one_job_bit_for_bit(corpus, tmp_path):  # noqa: F811
+    """The outer step over torchft's quorum is the one of a job whose groups never fail: the same
+    exchanges, token weights (equal: halves), data parts and final synchronization."""
+    assert same_as_one_job(base(corpus), tmp_path) == ""
+
+
+def test_a_lighthouse_restart_leaves_the_groups_training_and_they_meet_again(corpus, tmp_path):  # noqa: F811
+    assert lighthouse_restart(base(corpus), tmp_path) == ""
+
+
+@pytest.mark.skipif(not can_make_sites(), reason=NO_SITES)
+def test_a_heal_cut_off_midway_leaves_nothing_half_loaded_and_heals_again_later(corpus, tmp_path):  # noqa: F811
+    """A late group heals from the other over a slow link (bench/groups_sites.py), and the link
+    goes down midway for 15 s: the heal fails whole, the group trains alone, heals once the link
+    is back and exchanges again; the other never stood still and read its samples in order;
+    both end on the same global model."""
+    assert heal_interrupted(base(corpus), tmp_path, iters=2000, rate_mbit=0.5) == ""
+
+
+def test_with_the_launch_script_a_late_group_joins_and_a_stopped_one_leaves(corpus, tmp_path):  # noqa: F811
+    assert late_start_and_clean_stop(base(corpus), tmp_path) == ""
+
+
+def test_groups_with_different_models_stop_with_one_line(corpus, tmp_path):  # noqa: F811
+    assert different_models(base(corpus), tmp_path) == ""
+
+
+LH = ("--zero-stage", "3", "--outer-sync-interval", "4", "--lighthouse", "http://127.0.0.1:1")
+
+
+@pytest.mark.parametrize("extra, says", [
+    (LH, "--lighthouse needs --group-id G and --num-groups N"),
+    (LH + ("--group-id", "2", "--num-groups", "2"), "--group-id 2 must be below --num-groups 2"),
+    (LH + ("--group-id", "0", "--num-groups", "2", "--group-size", "1"), "--group-size 1 has no effect with --lighthouse"),
+    (LH + ("--group-id", "0", "--num-groups", "2", "--outer-quantization", "int4"), "--outer-quantization int4 is not fault tolerant yet"),
+    (LH + ("--group-id", "0", "--num-groups", "2", "--outer-warmup-iters", "5"), "--outer-warmup-iters 5 is not fault tolerant yet"),
+    (LH + ("--group-id", "0", "--num-groups", "2", "--outer-fragments", "4", "--outer-sync-delay", "1"),
+     "--outer-sync-delay 1 must be below --outer-sync-interval 4 / --outer-fragments 4 = 1"),
+    (("--zero-stage", "3", "--outer-sync-interval", "4", "--group-id", "0"), "--group-id 0 needs --lighthouse URL"),
+    (("--zero-stage", "3", "--lighthouse", "http://x:1"), "--lighthouse has no effect without --outer-sync-interval"),
+])
+def test_bad_fault_tolerant_input(cli_corpus, capsys, monkeypatch, extra, says):  # noqa: F811
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    fails(good(cli_corpus, *extra), capsys, says)
