@@ -33,6 +33,7 @@ __all__ = ["AUTO", "AUTO_KEYS", "ConfigError", "DeepSpeedConfig", "LocoConfig", 
 # the fp32 scales of the next row of a wire buffer start unaligned (zeropp/kernels/format.py, to_bytes).
 _MIN_BLOCK = {"zero_quantized_weights_block_size": 4, "zero_quantized_gradients_block_size": 8}
 _DEFAULT_REFRESH = 100   # ZeroConfig.zero_quantized_weight_deltas_refresh_interval
+LOCO_ERR_BETA = {4: 0.8, 2: 0.95}   # unset err_beta by the bits across nodes (bench/results/convergence_int2.md)
 
 
 @dataclass
@@ -40,8 +41,8 @@ class LocoConfig:
     """`zeropp_loco_param` (DeepSpeed's spelling): error feedback for qgZ's INT4 hop
     (zeropp/techniques/qgz.py). The error carried to the next reduction is
     err_beta x the old one + (1 - err_beta) x this quantization's; every reset_T
-    reductions of a bucket it starts again from zero."""
-    err_beta: float = 0.8
+    reductions of a bucket it starts again from zero (unset err_beta: LOCO_ERR_BETA)."""
+    err_beta: float | None = None
     reset_T: int = 1024
 
     def validate(self, where: str):
@@ -128,6 +129,8 @@ class ZeroConfig:
         if self.zero_hpz_partition_size != AUTO and self.zero_hpz_partition_size > 1:
             zpp.append("zero_hpz_partition_size")
         if self.zeropp_loco_param is not None:
+            if self.zeropp_loco_param.err_beta is None:
+                self.zeropp_loco_param.err_beta = LOCO_ERR_BETA.get(self.zero_quantized_gradients_bits, 0.8)
             self.zeropp_loco_param.validate(f"{where}.zeropp_loco_param")
         if self.zero_hadamard_gradients is True:
             zpp.append("zero_hadamard_gradients")
