@@ -189,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--zero-quantized-weight-deltas", action="store_true", default=None,
                    help="send weights across nodes as INT4 differences from the copy hpZ keeps in each node "
                         "(zero_quantized_weight_deltas; needs --zero-hpz-size)")
+    g.add_argument("--zero-quantized-weight-deltas-bits", type=whole, choices=[4, 2], default=None,
+                   help="bits of the weight deltas across nodes (zero_quantized_weight_deltas_bits; default 4; "
+                        "needs --zero-quantized-weight-deltas)")
     g.add_argument("--zero-hadamard-gradients", action="store_true", default=None,
                    help="rotate qgZ's INT4 gradient blocks by a Walsh-Hadamard transform before quantizing "
                         "(zero_hadamard_gradients; needs --zero-quantized-gradients)")
