@@ -9,14 +9,15 @@ import torch
 
 # ZeRO++ rows (bench/slow_link.py): our reuse-0 ZeRO-3 plus one or all of qwZ, hpZ, qgZ, and
 # beyond: ZeRO++ with INT4 weight deltas, and with qgZ's error feedback (LoCo) too, and with INT2
-# gradients across nodes under LoCo ("-int2").
+# gradients across nodes under LoCo ("-int2"), and INT2 weight deltas too ("-int2-all").
 # hpZ's partition size is the number of ranks per node (a["ranks_per_node"]).
 # "auto": all three "auto", resolved by build_system(prepare=...) (bench/slow_link_auto.py).
 ZEROPP = {"zeropp-qwz": ("qwz",), "zeropp-hpz": ("hpz",), "zeropp-qgz": ("qgz",),
           "zeropp": ("qwz", "hpz", "qgz"), "deepspeed-z3-hpz": ("hpz",), "auto": ("auto",),
           "zeropp-loco": ("qwz", "hpz", "qgz", "loco"), "zeropp-deltas": ("qwz", "hpz", "qgz", "deltas"),
           "zeropp-loco-deltas": ("qwz", "hpz", "qgz", "loco", "deltas"),
-          "zeropp-loco-deltas-int2": ("qwz", "hpz", "qgz", "loco", "deltas", "int2")}
+          "zeropp-loco-deltas-int2": ("qwz", "hpz", "qgz", "loco", "deltas", "int2"),
+          "zeropp-loco-deltas-int2-all": ("qwz", "hpz", "qgz", "loco", "deltas", "int2", "deltas2")}
 # Streaming DiLoCo rows (zeropp/diloco.py), "diloco-h<H>": a group per node, each running the "zero3"
 # row's engine, exchanging every H inner steps; fragments and quantization from a["outer_fragments"]
 # (default 1), a["outer_quantization"] (default int4) and a["outer_sync_delay"] (default 1). Built as
@@ -24,7 +25,8 @@ ZEROPP = {"zeropp-qwz": ("qwz",), "zeropp-hpz": ("hpz",), "zeropp-qgz": ("qgz",)
 DILOCO = ("diloco-h16", "diloco-h64")
 OURS = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "zero3-reuse0": 3,
         "zeropp-qwz": 3, "zeropp-hpz": 3, "zeropp-qgz": 3, "zeropp": 3, "auto": 3, "zeropp-loco": 3,
-        "zeropp-deltas": 3, "zeropp-loco-deltas": 3, "zeropp-loco-deltas-int2": 3, **dict.fromkeys(DILOCO, 3)}
+        "zeropp-deltas": 3, "zeropp-loco-deltas": 3, "zeropp-loco-deltas-int2": 3, "zeropp-loco-deltas-int2-all": 3,
+        **dict.fromkeys(DILOCO, 3)}
 DEEPSPEED = {"deepspeed-z1": 1, "deepspeed-z2": 2, "deepspeed-z3": 3, "deepspeed-z3-reuse0": 3,
              "deepspeed-z3-hpz": 3}
 FSDP2_PLAIN = ("fsdp2", "fsdp2-hpz")
@@ -61,6 +63,7 @@ LABELS = {"ddp": "ours stage 0 (DDPEngine)", "zero1": "ours ZeRO-1", "zero2": "o
           "zeropp-loco": "ours ZeRO++ + LoCo", "zeropp-deltas": "ours ZeRO++ + INT4 weight deltas",
           "zeropp-loco-deltas": "ours ZeRO++ + LoCo + deltas",
           "zeropp-loco-deltas-int2": "ours ZeRO++ + LoCo + deltas, INT2 gradients",
+          "zeropp-loco-deltas-int2-all": "ours ZeRO++ + LoCo + INT2 deltas, INT2 gradients",
           "fsdp2+overlap": "FSDP2 + plug-in, no technique (its CPU overlap)", "fsdp2+qwz": "FSDP2 + plug-in qwZ", "fsdp2+hpz": "FSDP2 + plug-in hpZ", "fsdp2+qgz": "FSDP2 + plug-in qgZ",
           "fsdp2+loco": "FSDP2 + plug-in qgZ+LoCo", "fsdp2+zeropp": "FSDP2 + plug-in qwZ+hpZ+qgZ+LoCo",
           **{s: f"ours streaming DiLoCo H={s.rsplit('-h', 1)[1]}" for s in DILOCO}}
@@ -133,6 +136,8 @@ def zero_section(system: str, a) -> dict:
         zero["zero_quantized_weight_deltas"] = True
     if "int2" in switches:
         zero["zero_quantized_gradients_bits"] = 2
+    if "deltas2" in switches:
+        zero["zero_quantized_weight_deltas_bits"] = 2
     return zero
 
 

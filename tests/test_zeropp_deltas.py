@@ -119,12 +119,13 @@ def test_a_delta_goes_while_its_int4_step_is_within_int8s_and_not_beyond(dtype):
 def test_an_int2_delta_goes_while_its_step_is_within_int4s(dtype):
     g = torch.Generator().manual_seed(0)
     w = (torch.randn(300, generator=g) * 0.02).to(dtype)
-    amax = w.float().abs().max()   # INT2's step is the block's largest |delta|: at most 0.05 x amax / 7 here
+    amax = w.float().abs().max()   # INT2's error is at most a step, half the block's largest |delta|
     small = (torch.rand(300, generator=g) - 0.5) * 2 * 0.05 * amax / 7
     d, s = _one_weight(w, (w.float() - small).to(dtype), bits=2)
     d.prepare()
     assert d.holds(s)
-    # INT4's rule would refuse this one (its INT4 step, 0.5 amax / 7 / 7, is over INT8's amax / 127)
+    # INT4's rule would refuse this one (its INT4 step, 0.5 amax / 7 / 7, is over INT8's amax / 127);
+    # INT2's error, up to 0.5 amax / 7 / 2, is within max|w| / 14
     d4, s4 = _one_weight(w, (w.float() - 10 * small).to(dtype))
     d4.prepare()
     assert not d4.holds(s4)
@@ -132,7 +133,7 @@ def test_an_int2_delta_goes_while_its_step_is_within_int4s(dtype):
     d.prepare()
     assert d.holds(s)
     big = torch.zeros(300)
-    big[5] = 0.2 * amax   # over amax / 7
+    big[5] = 0.2 * amax   # an error of up to 0.1 amax: over amax / 14
     d, s = _one_weight(w, (w.float() - big).to(dtype), bits=2)
     d.prepare()
     assert not d.holds(s)
