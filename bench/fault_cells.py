@@ -36,7 +36,7 @@ SWITCH_VALUES = {
 }
 SHORT = {"zero_quantized_weights": "qwZ", "zero_quantized_gradients": "qgZ", "zeropp_loco_param": "LoCo",
          "zero_hadamard_gradients": "Hadamard", "zero_quantized_weight_deltas": "deltas",
-         "zero_quantized_gradients_bits": "INT2", "zero_quantized_weight_deltas_bits": "INT2deltas"}
+         "zero_quantized_gradients_bits": "INT2", "zero_quantized_weight_deltas_bits": "deltas2bit"}
 STEPS, FAULT_AT = 5, 2          # steps of a run; the fault (and the save) after FAULT_AT steps
 FAULTS = ("overflow", "nan", "resume", "reshard", "world", "toggle", "auto")
 

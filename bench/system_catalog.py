@@ -47,7 +47,8 @@ GLOO_ALL_REDUCE_PEERS = (FSDP2_PLAIN + tuple(k for k, v in FSDP2_PLUGIN.items() 
 ALL_SYSTEMS = ["ddp", "zero1", "zero2", "zero3", "zero3-reuse0", "fsdp2", "deepspeed-z1", "deepspeed-z2",
                "deepspeed-z3", "deepspeed-z3-reuse0"]
 SLOW_LINK_SYSTEMS = ["zero3-reuse0", "zero3", "zeropp-qwz", "zeropp-hpz", "zeropp-qgz", "zeropp", "auto",
-                     "zeropp-loco", "zeropp-deltas", "zeropp-loco-deltas", "zeropp-loco-deltas-int2", "fsdp2",
+                     "zeropp-loco", "zeropp-deltas", "zeropp-loco-deltas", "zeropp-loco-deltas-int2",
+                     "zeropp-loco-deltas-int2-all", "fsdp2",
                      "fsdp2-hpz", "deepspeed-z3-reuse0", "deepspeed-z3-hpz", *FSDP2_PLUGIN, *DILOCO]
 DEFAULT_SYSTEMS = ["ddp", "zero1", "zero2", "zero3", "zero3-reuse0", "fsdp2", "deepspeed-z3"]
 WORLD1_SYSTEMS = ["plain", "ddp", "zero3"]
@@ -72,7 +73,8 @@ PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's default stage3_param_persistence_
 # prefetch bucket 1/REUSE0_PREFETCH_FRACTION of the model; a["bucket_fraction"] (bench/slow_link.py):
 # prefetch and reduce buckets 1/that, also for ours with held weights ("zero3").
 REUSE0 = ("zero3-reuse0", "deepspeed-z3-reuse0", "zeropp-qwz", "zeropp-hpz", "zeropp-qgz", "zeropp",
-          "deepspeed-z3-hpz", "auto", "zeropp-loco", "zeropp-deltas", "zeropp-loco-deltas", "zeropp-loco-deltas-int2")
+          "deepspeed-z3-hpz", "auto", "zeropp-loco", "zeropp-deltas", "zeropp-loco-deltas", "zeropp-loco-deltas-int2",
+          "zeropp-loco-deltas-int2-all")
 REUSE0_PREFETCH_FRACTION = 4
 OPTIM = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
 
