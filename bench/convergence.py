@@ -98,10 +98,11 @@ def base_config(scratch: Path) -> Path:
 def command(a, zero_flags: list[str], scratch: Path, root: Path = ROOT) -> list[str]:
     """train.py of the checkout `root` (the baseline may run another one: --baseline-root)."""
     ds = []
-    if a.persistence_threshold is not None:   # every run the same stage-3 layout
+    zero = {k: v for k, v in (("stage3_param_persistence_threshold", a.persistence_threshold),
+                              ("stage3_max_reuse_distance", a.reuse_distance)) if v is not None}
+    if zero:   # every run the same stage-3 layout and reuse
         path = scratch.parent / "ds_config.json"
-        path.write_text(json.dumps({"zero_optimization": {"stage3_param_persistence_threshold":
-                                                          a.persistence_threshold}}))
+        path.write_text(json.dumps({"zero_optimization": zero}))
         ds = ["--deepspeed_config", str(path)]
     return ([str(ROOT / ".venv/bin/torchrun"), "--standalone", "--nproc-per-node", str(a.nproc), str(root / "train.py"),
              "--config", str(scratch.parent / "base.yaml")] + ds + model_flags(a) + zero_flags +
@@ -278,6 +279,8 @@ def main(argv=None):
     p.add_argument("--resume-ranks-per-node", type=int, default=4)
     p.add_argument("--persistence-threshold", type=int, default=None,
                    help="stage3_param_persistence_threshold of every run (default 1e5: only the embedding is partitioned)")
+    p.add_argument("--reuse-distance", type=int, default=None,
+                   help="stage3_max_reuse_distance of every run (0: re-gather every weight in backward)")
     p.add_argument("--zeropp-flags", default=shlex.join(ZEROPP_FLAGS),
                    help="the candidate's ZeRO flags (default: %(default)s)")
     p.add_argument("--sharding", choices=["zero", "fsdp2"], default="zero",
@@ -366,14 +369,15 @@ def main(argv=None):
                      else "")
                   + (f" --baseline-root {a.baseline_root}" if a.baseline_root else "")
                   + (f" --persistence-threshold {a.persistence_threshold}" if a.persistence_threshold is not None
-                     else ""))
+                     else "") + (f" --reuse-distance {a.reuse_distance}" if a.reuse_distance is not None else ""))
     setup = {"invocation": invocation, "names": [B, C], "tolerance": a.tolerance, "sharding": a.sharding,
              "model": {"num_layers": a.num_layers, "hidden_size": a.hidden_size, "heads": a.heads,
                        "seq_length": a.seq_length},
              "ranks": a.nproc, "ranks_per_node": a.ranks_per_node, "micro_batch": a.micro_batch,
              "global_batch": a.micro_batch * a.nproc, "iters": a.iters, "warmup": a.warmup,
              "eval_interval": a.eval_interval, "eval_iters": a.eval_iters, "log_interval": a.log_interval,
-             "seed": a.seed, "persistence_threshold": a.persistence_threshold, "config": "configs/demo.yaml (lr 1e-3 cosine to 1e-4, AdamW, wd 0.1, clip 1.0, fp32)",
+             "seed": a.seed, "persistence_threshold": a.persistence_threshold, "reuse_distance": a.reuse_distance,
+             "config": "configs/demo.yaml (lr 1e-3 cosine to 1e-4, AdamW, wd 0.1, clip 1.0, fp32)",
              "zero3_flags": a.baseline_flags, "zeropp_flags": a.zeropp_flags,
              "baseline_root": checkout_name(base_root), "candidate_root": checkout_name(ROOT),
              "inter_node_mb_note": "mean over ranks of the bytes sent across emulated nodes per iteration, "

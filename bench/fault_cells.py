@@ -32,10 +32,11 @@ SWITCH_VALUES = {
     "zero_hadamard_gradients": [False, True],
     "zero_quantized_weight_deltas": [False, True],
     "zero_quantized_gradients_bits": [None, 2],   # None: the default, 4
+    "zero_quantized_weight_deltas_bits": [None, 2],
 }
 SHORT = {"zero_quantized_weights": "qwZ", "zero_quantized_gradients": "qgZ", "zeropp_loco_param": "LoCo",
          "zero_hadamard_gradients": "Hadamard", "zero_quantized_weight_deltas": "deltas",
-         "zero_quantized_gradients_bits": "INT2"}
+         "zero_quantized_gradients_bits": "INT2", "zero_quantized_weight_deltas_bits": "deltas2bit"}
 STEPS, FAULT_AT = 5, 2          # steps of a run; the fault (and the save) after FAULT_AT steps
 FAULTS = ("overflow", "nan", "resume", "reshard", "world", "toggle", "auto")
 
@@ -59,7 +60,7 @@ def name(zero: dict) -> str:
     for k, v in zero.items():
         if k == "zero_hpz_partition_size" and v > 1:
             parts.append(f"hpZ{v}")
-        elif k in SHORT and v not in (False, None, 4):   # 4: qgZ's default bits
+        elif k in SHORT and v not in (False, None, 4):   # 4: the default bits
             parts.append(SHORT[k])
     return "+".join(parts)
 

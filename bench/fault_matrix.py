@@ -141,8 +141,9 @@ def on_fewer_ranks(rank, world_size, combos: list[dict], tmp: str, saved_layout:
     table = {}
     for i, zero in enumerate(combos):
         there = {**zero, "zero_hpz_partition_size": 1}
-        if not accepted(there, world_size, 1):
+        if not accepted(there, world_size, 1):   # the deltas' bits go with them
             there.pop("zero_quantized_weight_deltas")
+            there.pop("zero_quantized_weight_deltas_bits", None)
         table[name(zero)] = {"world": run_cell(check_load_elsewhere, zero, saved_layout, there,
                                                os.path.join(tmp, f"c{i}"), 1)}
     return table

@@ -8,13 +8,16 @@ import os
 import torch
 
 # ZeRO++ rows (bench/slow_link.py): our reuse-0 ZeRO-3 plus one or all of qwZ, hpZ, qgZ, and
-# beyond: ZeRO++ with INT4 weight deltas, and with qgZ's error feedback (LoCo) too.
+# beyond: ZeRO++ with INT4 weight deltas, and with qgZ's error feedback (LoCo) too, and with INT2
+# gradients across nodes under LoCo ("-int2"), and INT2 weight deltas too ("-int2-all").
 # hpZ's partition size is the number of ranks per node (a["ranks_per_node"]).
 # "auto": all three "auto", resolved by build_system(prepare=...) (bench/slow_link_auto.py).
 ZEROPP = {"zeropp-qwz": ("qwz",), "zeropp-hpz": ("hpz",), "zeropp-qgz": ("qgz",),
           "zeropp": ("qwz", "hpz", "qgz"), "deepspeed-z3-hpz": ("hpz",), "auto": ("auto",),
           "zeropp-loco": ("qwz", "hpz", "qgz", "loco"), "zeropp-deltas": ("qwz", "hpz", "qgz", "deltas"),
-          "zeropp-loco-deltas": ("qwz", "hpz", "qgz", "loco", "deltas")}
+          "zeropp-loco-deltas": ("qwz", "hpz", "qgz", "loco", "deltas"),
+          "zeropp-loco-deltas-int2": ("qwz", "hpz", "qgz", "loco", "deltas", "int2"),
+          "zeropp-loco-deltas-int2-all": ("qwz", "hpz", "qgz", "loco", "deltas", "int2", "deltas2")}
 # Streaming DiLoCo rows (zeropp/diloco.py), "diloco-h<H>": a group per node, each running the "zero3"
 # row's engine, exchanging every H inner steps; fragments and quantization from a["outer_fragments"]
 # (default 1), a["outer_quantization"] (default int4) and a["outer_sync_delay"] (default 1). Built as
@@ -22,7 +25,8 @@ ZEROPP = {"zeropp-qwz": ("qwz",), "zeropp-hpz": ("hpz",), "zeropp-qgz": ("qgz",)
 DILOCO = ("diloco-h16", "diloco-h64")
 OURS = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "zero3-reuse0": 3,
         "zeropp-qwz": 3, "zeropp-hpz": 3, "zeropp-qgz": 3, "zeropp": 3, "auto": 3, "zeropp-loco": 3,
-        "zeropp-deltas": 3, "zeropp-loco-deltas": 3, **dict.fromkeys(DILOCO, 3)}
+        "zeropp-deltas": 3, "zeropp-loco-deltas": 3, "zeropp-loco-deltas-int2": 3, "zeropp-loco-deltas-int2-all": 3,
+        **dict.fromkeys(DILOCO, 3)}
 DEEPSPEED = {"deepspeed-z1": 1, "deepspeed-z2": 2, "deepspeed-z3": 3, "deepspeed-z3-reuse0": 3,
              "deepspeed-z3-hpz": 3}
 FSDP2_PLAIN = ("fsdp2", "fsdp2-hpz")
@@ -43,7 +47,8 @@ GLOO_ALL_REDUCE_PEERS = (FSDP2_PLAIN + tuple(k for k, v in FSDP2_PLUGIN.items() 
 ALL_SYSTEMS = ["ddp", "zero1", "zero2", "zero3", "zero3-reuse0", "fsdp2", "deepspeed-z1", "deepspeed-z2",
                "deepspeed-z3", "deepspeed-z3-reuse0"]
 SLOW_LINK_SYSTEMS = ["zero3-reuse0", "zero3", "zeropp-qwz", "zeropp-hpz", "zeropp-qgz", "zeropp", "auto",
-                     "zeropp-loco", "zeropp-deltas", "zeropp-loco-deltas", "fsdp2",
+                     "zeropp-loco", "zeropp-deltas", "zeropp-loco-deltas", "zeropp-loco-deltas-int2",
+                     "zeropp-loco-deltas-int2-all", "fsdp2",
                      "fsdp2-hpz", "deepspeed-z3-reuse0", "deepspeed-z3-hpz", *FSDP2_PLUGIN, *DILOCO]
 DEFAULT_SYSTEMS = ["ddp", "zero1", "zero2", "zero3", "zero3-reuse0", "fsdp2", "deepspeed-z3"]
 WORLD1_SYSTEMS = ["plain", "ddp", "zero3"]
@@ -58,6 +63,8 @@ LABELS = {"ddp": "ours stage 0 (DDPEngine)", "zero1": "ours ZeRO-1", "zero2": "o
           "deepspeed-z3-hpz": "DeepSpeed ZeRO-3 + hpZ (reuse 0)",
           "zeropp-loco": "ours ZeRO++ + LoCo", "zeropp-deltas": "ours ZeRO++ + INT4 weight deltas",
           "zeropp-loco-deltas": "ours ZeRO++ + LoCo + deltas",
+          "zeropp-loco-deltas-int2": "ours ZeRO++ + LoCo + deltas, INT2 gradients",
+          "zeropp-loco-deltas-int2-all": "ours ZeRO++ + LoCo + INT2 deltas, INT2 gradients",
           "fsdp2+overlap": "FSDP2 + plug-in, no technique (its CPU overlap)", "fsdp2+qwz": "FSDP2 + plug-in qwZ", "fsdp2+hpz": "FSDP2 + plug-in hpZ", "fsdp2+qgz": "FSDP2 + plug-in qgZ",
           "fsdp2+loco": "FSDP2 + plug-in qgZ+LoCo", "fsdp2+zeropp": "FSDP2 + plug-in qwZ+hpZ+qgZ+LoCo",
           **{s: f"ours streaming DiLoCo H={s.rsplit('-h', 1)[1]}" for s in DILOCO}}
@@ -66,7 +73,8 @@ PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's default stage3_param_persistence_
 # prefetch bucket 1/REUSE0_PREFETCH_FRACTION of the model; a["bucket_fraction"] (bench/slow_link.py):
 # prefetch and reduce buckets 1/that, also for ours with held weights ("zero3").
 REUSE0 = ("zero3-reuse0", "deepspeed-z3-reuse0", "zeropp-qwz", "zeropp-hpz", "zeropp-qgz", "zeropp",
-          "deepspeed-z3-hpz", "auto", "zeropp-loco", "zeropp-deltas", "zeropp-loco-deltas")
+          "deepspeed-z3-hpz", "auto", "zeropp-loco", "zeropp-deltas", "zeropp-loco-deltas", "zeropp-loco-deltas-int2",
+          "zeropp-loco-deltas-int2-all")
 REUSE0_PREFETCH_FRACTION = 4
 OPTIM = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
 
@@ -128,6 +136,10 @@ def zero_section(system: str, a) -> dict:
         zero["zeropp_loco_param"] = {}
     if "deltas" in switches:
         zero["zero_quantized_weight_deltas"] = True
+    if "int2" in switches:
+        zero["zero_quantized_gradients_bits"] = 2
+    if "deltas2" in switches:
+        zero["zero_quantized_weight_deltas_bits"] = 2
     return zero
 
 

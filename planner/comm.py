@@ -18,8 +18,8 @@ Per iteration (A = gradient accumulation steps, micro-step m = 0..A-1):
   elements quantized, W T dequantized); with
   hpZ, micro-steps m > 0 gather the secondary partition inside the group of
   h ranks (S = sum of secondary chunks x w);
-  INT4 weight deltas (with hpZ), micro-step 0: S = sum of wire_nbytes(chunk,
-  4, 128) over the bucket's weights among the W/h ranks at my index in their
+  weight deltas (with hpZ), micro-step 0: S = sum of wire_nbytes(chunk,
+  bits (4 or 2), 128) over the bucket's weights among the W/h ranks at my index in their
   hpZ group ("strided"), then those W/h rows and the previous weights'
   secondary slices inside the hpZ group (the steady state: a full gather every
   refresh_interval steps and after a load is left out);

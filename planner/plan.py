@@ -110,10 +110,11 @@ def plan_config(job: Job, zero: ZeroConfig, trace: ModelTrace, cluster: Cluster 
         memory["error_feedback"] = 2 * sum(error_nbytes((world // rpn) * (-(-sum(chunk[i] for i in b) // bs) * bs))
                                            for b in step.gradient_buckets)
     formula["error_feedback"] = 2 * ERROR_BYTES_PER_ELEMENT / rpn * trace.num_parameters if loco else 0
-    deltas = hpz_on and zero.zero_quantized_weight_deltas   # zeropp/techniques/deltas.py: recon and INT4 deltas
-    memory["weight_deltas"] = sum(s.chunk * w + wire_nbytes(s.chunk, 4, DELTA_BLOCK)
+    deltas = hpz_on and zero.zero_quantized_weight_deltas   # zeropp/techniques/deltas.py: recon and the deltas
+    bits = zero.zero_quantized_weight_deltas_bits
+    memory["weight_deltas"] = sum(s.chunk * w + wire_nbytes(s.chunk, bits, DELTA_BLOCK)
                                   for s in shards if not s.persistent) if deltas else 0
-    formula["weight_deltas"] = (w + wire_nbytes(1 << 20, 4, DELTA_BLOCK) / (1 << 20)) / world \
+    formula["weight_deltas"] = (w + wire_nbytes(1 << 20, bits, DELTA_BLOCK) / (1 << 20)) / world \
         * trace.num_parameters if deltas else 0
     memory.update(buffer_bytes(step, shards, zero, world, w, g))
     memory["activations"] = trace.activation_bytes(job.cfg.checkpoint_activations)
@@ -229,7 +230,7 @@ def format_plan(job: Job, cluster: Cluster, trace: ModelTrace, plans: list[Confi
     rows = [("weights (16-bit shard + persistent)" if plans[0].zero.stage == 3 else "weights (whole, 16-bit)",
              "weights"), ("hpZ secondary partition", "hpz_secondary"), ("gradients (fp32, whole)" if plans[0].zero.stage == 0 else "gradients (fp32 partition)", "gradients"),
             ("optimizer (fp32 master + Adam)", "optimizer"), ("qgZ error feedback (INT8, 2 x 1/L)", "error_feedback"),
-            ("INT4 weight deltas (recon + INT4, 1/N)", "weight_deltas"),
+            ("weight deltas (recon + INT4 or INT2, 1/N)", "weight_deltas"),
             ("gradient bucket buffers", "gradient_buckets"),
             ("gathered-weight buffers", "gathered_weights")]
     rows = [r for r in rows if r[1] not in ("error_feedback", "weight_deltas") or any(p.memory[r[1]] for p in plans)]

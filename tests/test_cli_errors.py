@@ -117,6 +117,9 @@ class TestFlags:
         (["--zero-quantized-gradients-bits", "3"], ["--zero-quantized-gradients-bits"]),
         (["--zero-stage", "3", "--zero-quantized-gradients", "--zero-quantized-gradients-bits", "2"],
          ["--zero-quantized-gradients-bits", "without error feedback", "--zero-loco"]),
+        (["--zero-stage", "3", "--zero-hpz-size", "2", "--zero-quantized-weight-deltas-bits", "2"],
+         ["--zero-quantized-weight-deltas-bits", "--zero-quantized-weight-deltas)"]),
+        (["--zero-quantized-weight-deltas-bits", "8"], ["--zero-quantized-weight-deltas-bits"]),
     ])
     def test_refused(self, corpus, capsys, extra, names):
         fails(good(corpus, *extra), capsys, *names)
@@ -176,6 +179,8 @@ class TestJson:
          '"zero_quantized_gradients_bits": 3}}', ["zero_quantized_gradients_bits", "must be 4 (the default) or 2"]),
         ('{"zero_optimization": {"stage": 3, "zero_quantized_gradients_bits": 2}}',
          ["zero_quantized_gradients_bits", "set zero_quantized_gradients true"]),
+        ('{"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2, "zero_quantized_weight_deltas": true, '
+         '"zero_quantized_weight_deltas_bits": 3}}', ["zero_quantized_weight_deltas_bits", "must be 4 (the default) or 2"]),
     ])
     def test_bad_json(self, corpus, tmp_path, capsys, config, names):
         (tmp_path / "ds.json").write_text(config)

@@ -567,33 +567,68 @@ def test_block_sizes_must_be_powers_of_two(key, value):
 
 
 # --------------------------------------------------------------------------------------
-# qwZ: evaluation computes with the exact weights, those a checkpoint saves
+# qwZ: evaluation computes with the exact weights, those a checkpoint saves; with hpZ it
+# crosses nodes once per weight and evaluation, and the next training forward reuses them
 # --------------------------------------------------------------------------------------
-def eval_after_training(rank, world_size, zero):
-    engine = make_engine(gpt(), world_size, zero)
-    for step in range(3):
+def train_steps(engine, rank, steps):
+    for step in steps:
         x = tokens(rank, step)
         engine.backward(engine(x[:, :-1], x[:, 1:]))
         engine.step()
+
+
+def inter_node_bytes(engine, fn):
+    engine.comm.reset_stats()
+    out = fn()
+    return out, engine.comm.stats.inter_node_bytes
+
+
+def eval_after_training(rank, world_size, zero):
+    engine = make_engine(gpt(), world_size, zero)
+    train_steps(engine, rank, range(3))
     probe = tokens(0, 99)[:, :-1]
     engine.eval()
     with torch.no_grad():
-        evaluated = engine(probe)
+        evaluated, first = inter_node_bytes(engine, lambda: engine(probe))
+        again, second = inter_node_bytes(engine, lambda: engine(probe))
     engine.train()
-    train_mode = engine(probe).detach()   # a training-mode forward: qwZ's INT8 weights
-    return evaluated, train_mode, engine.module_state_dict()
+    # a training-mode forward: with hpZ the exact weights the evaluation kept, else qwZ's INT8
+    train_mode, third = inter_node_bytes(engine, lambda: engine(probe).detach())
+    weights = engine.module_state_dict()
+    engine.backward(engine(probe[:, :-1], probe[:, 1:]))
+    engine.step()
+    after_step = engine(probe).detach()   # quantized weights again, whatever came before
+    return dict(evaluated=evaluated, again=again, train_mode=train_mode, weights=weights,
+                bytes=(first, second, third), after_step=after_step, after_weights=engine.module_state_dict())
+
+
+def reference_logits(weights):
+    ref = gpt()
+    ref.load_state_dict(weights)
+    ref.eval()
+    with torch.no_grad():
+        return ref(tokens(0, 99)[:, :-1])
 
 
 @pytest.mark.parametrize("zero", [QWZ, ALL3], ids=["qwz", "all3"])
 def test_qwz_evaluates_with_exact_weights(zero):
-    for evaluated, train_mode, weights in run_distributed(eval_after_training, 4, args=(zero,)):
-        ref = gpt()
-        ref.load_state_dict(weights)
-        ref.eval()
-        with torch.no_grad():
-            expect = ref(tokens(0, 99)[:, :-1])
+    runs = run_distributed(eval_after_training, 4, args=(zero,))
+    first, second, third = (sum(r["bytes"][i] for r in runs) for i in range(3))   # over ranks
+    assert first > 0
+    if zero is ALL3:   # hpZ keeps the exact weights: later batches and training stay inside the node
+        assert second == third == 0, (first, second, third)
+    else:              # without hpZ every batch gathers across nodes, and so does training
+        assert second == first and third > 0, (first, second, third)
+    for r in runs:
+        expect = reference_logits(r["weights"])
         # The same fp32 weights and computation: equal up to a few ulps of the logits. INT8
         # weights (a step of 1/127 of each block's largest weight) move them far more.
         bound = 64 * torch.finfo(torch.float32).eps * expect.abs().max().item()
-        assert (evaluated - expect).abs().max().item() <= bound
-        assert (train_mode - expect).abs().max().item() > 100 * bound
+        assert (r["evaluated"] - expect).abs().max().item() <= bound
+        assert torch.equal(r["again"], r["evaluated"])
+        after = reference_logits(r["after_weights"])
+        assert (r["after_step"] - after).abs().max().item() > 100 * bound
+        if zero is ALL3:   # training computes with the exact weights the evaluation kept
+            assert (r["train_mode"] - expect).abs().max().item() <= bound
+        else:              # with qwZ's INT8 weights
+            assert (r["train_mode"] - expect).abs().max().item() > 100 * bound

@@ -1,4 +1,4 @@
-"""INT4 weight deltas (`zero_quantized_weight_deltas`, zeropp/techniques/deltas.py): the
+"""INT4 and INT2 weight deltas (`zero_quantized_weight_deltas`, zeropp/techniques/deltas.py): the
 configuration, the refresh rule, the error bound of every gathered weight over many
 steps, the bytes across nodes, memory, evaluation, training and checkpoints."""
 from types import SimpleNamespace
@@ -14,9 +14,11 @@ from tests.test_zeropp import ARGS, HPZ, QGZ, QWZ, gpt, make_engine, mean_over_r
 from zeropp.memory import memory_report
 from zeropp.kernels.format import wire_nbytes
 from zeropp.techniques import deltas as weight_deltas
-from zeropp.techniques.deltas import BLOCK_SIZE, WeightDeltas
+from zeropp.kernels.format import QMAX
+from zeropp.techniques.deltas import BLOCK_SIZE, BOUND_BITS, WeightDeltas
 
 DELTAS = {**HPZ, "zero_quantized_weight_deltas": True}
+INT2 = {"zero_quantized_weight_deltas_bits": 2}
 BF16 = {"bf16": {"enabled": True}}
 
 
@@ -31,12 +33,16 @@ def test_keys_parsed_with_their_defaults():
     z = _zero(**DELTAS)
     assert z.zero_quantized_weight_deltas is True and z.zero_quantized_weight_deltas_refresh_interval == 100
     assert _zero(**DELTAS, zero_quantized_weight_deltas_refresh_interval=7).zero_quantized_weight_deltas_refresh_interval == 7
+    assert z.zero_quantized_weight_deltas_bits == 4 and _zero(**DELTAS, **INT2).zero_quantized_weight_deltas_bits == 2
 
 
 @pytest.mark.parametrize("zero, message", [
     ({"zero_quantized_weight_deltas": True}, "set zero_hpz_partition_size"),
     ({**DELTAS, "zero_quantized_weight_deltas_refresh_interval": 0}, "refresh_interval must be >= 1"),
     ({**DELTAS, "zero_quantized_weight_delta": True}, "did you mean 'zero_quantized_weight_deltas'"),
+    ({**DELTAS, "zero_quantized_weight_deltas_bits": 3}, "must be 4 \\(the default\\) or 2"),
+    ({**DELTAS, "zero_quantized_weight_deltas_bits": True}, "zero_quantized_weight_deltas_bits must be a number"),
+    ({**HPZ, **INT2}, "set zero_quantized_weight_deltas true"),
 ])
 def test_refused_with_a_reason(zero, message):
     with pytest.raises(ConfigError, match=message):
@@ -61,7 +67,10 @@ def test_flag(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     z = parse_args(ARGS + ["--zero-stage", "3", "--zero-hpz-size", "2", "--zero-quantized-weight-deltas"]
                    ).ds_config.zero_optimization
-    assert z.zero_quantized_weight_deltas is True
+    assert z.zero_quantized_weight_deltas is True and z.zero_quantized_weight_deltas_bits == 4
+    z = parse_args(ARGS + ["--zero-stage", "3", "--zero-hpz-size", "2", "--zero-quantized-weight-deltas",
+                           "--zero-quantized-weight-deltas-bits", "2"]).ds_config.zero_optimization
+    assert z.zero_quantized_weight_deltas_bits == 2
     with pytest.raises(ConfigError, match="needs hpZ|set zero_hpz_partition_size"):
         parse_args(ARGS + ["--zero-stage", "3", "--zero-quantized-weight-deltas"])
 
@@ -74,12 +83,12 @@ class _NoComm:
         pass
 
 
-def _one_weight(new: torch.Tensor, recon: torch.Tensor, interval=100):
+def _one_weight(new: torch.Tensor, recon: torch.Tensor, interval=100, bits=4):
     flat = new.clone()
     s = SimpleNamespace(index=0, chunk=new.numel(), numel=new.numel(), valid=new.numel(), lo=0, hi=new.numel(),
                         shard=flat)
     one = SimpleNamespace(size=1, group=None)
-    d = WeightDeltas(one, _NoComm(), [s], flat, None, interval, one, one)
+    d = WeightDeltas(one, _NoComm(), [s], flat, None, interval, one, one, bits)
     d._recon[0].copy_(recon)
     d._based.add(0)
     return d, s
@@ -106,6 +115,30 @@ def test_a_delta_goes_while_its_int4_step_is_within_int8s_and_not_beyond(dtype):
     assert not d.holds(s)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_int2_delta_goes_while_its_step_is_within_int4s(dtype):
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(300, generator=g) * 0.02).to(dtype)
+    amax = w.float().abs().max()   # INT2's error is at most a step, half the block's largest |delta|
+    small = (torch.rand(300, generator=g) - 0.5) * 2 * 0.05 * amax / 7
+    d, s = _one_weight(w, (w.float() - small).to(dtype), bits=2)
+    d.prepare()
+    assert d.holds(s)
+    # INT4's rule would refuse this one (its INT4 step, 0.5 amax / 7 / 7, is over INT8's amax / 127);
+    # INT2's error, up to 0.5 amax / 7 / 2, is within max|w| / 14
+    d4, s4 = _one_weight(w, (w.float() - 10 * small).to(dtype))
+    d4.prepare()
+    assert not d4.holds(s4)
+    d, s = _one_weight(w, (w.float() - 10 * small).to(dtype), bits=2)
+    d.prepare()
+    assert d.holds(s)
+    big = torch.zeros(300)
+    big[5] = 0.2 * amax   # an error of up to 0.1 amax: over amax / 14
+    d, s = _one_weight(w, (w.float() - big).to(dtype), bits=2)
+    d.prepare()
+    assert not d.holds(s)
+
+
 def test_every_weight_is_refreshed_each_interval_and_after_a_load():
     w = torch.randn(256) * 0.02
     d, s = _one_weight(w, w, interval=3)
@@ -122,15 +155,15 @@ def test_every_weight_is_refreshed_each_interval_and_after_a_load():
 # --------------------------------------------------------------------------------------
 # the error of every gathered weight, step after step
 # --------------------------------------------------------------------------------------
-def gathered_errors(rank, world_size, interval, steps, dequant_elements=None):
+def gathered_errors(rank, world_size, interval, steps, dequant_elements=None, bits=4):
     """Train in bf16 with deltas; at each step compare every weight gathered as a delta with
     the exact one (the fp32 master rounded to bf16) against the bound of techniques/deltas.py:
-    max|w|/254 over its block (member j's chunk of the weight, in blocks of 128 from its
-    start) plus half a bf16 ulp of the value and an fp32 rounding of the sum."""
+    max|w|/254 over its block (INT2 deltas: max|w|/14; member j's chunk of the weight, in blocks
+    of 128 from its start) plus half a bf16 ulp of the value and an fp32 rounding of the sum."""
     if dequant_elements is not None:   # receivers dequantize a weight's members a few at a time
         weight_deltas.DEQUANT_ELEMENTS = dequant_elements   # this rank's process only
-    engine = make_engine(gpt(), world_size, {**DELTAS, "zero_quantized_weight_deltas_refresh_interval": interval},
-                         lr=1e-3, **BF16)
+    engine = make_engine(gpt(), world_size, {**DELTAS, "zero_quantized_weight_deltas_refresh_interval": interval,
+                                             "zero_quantized_weight_deltas_bits": bits}, lr=1e-3, **BF16)
     deltas = engine.weights.sources.deltas
     arrived = []
     plain_arrived = deltas.arrived
@@ -149,7 +182,7 @@ def gathered_errors(rank, world_size, interval, steps, dequant_elements=None):
             for lo in range(0, s.numel, s.chunk):           # member j's chunk
                 for b in range(lo, min(lo + s.chunk, s.numel), BLOCK_SIZE):
                     e = min(b + BLOCK_SIZE, lo + s.chunk, s.numel)
-                    bound[b:e] = want[b:e].abs().max() / 254
+                    bound[b:e] = want[b:e].abs().max() / (2 * QMAX[BOUND_BITS[bits]])
             bound += want.abs() * 2.0 ** -8 + want.abs().max() * 2.0 ** -22
             err = (got.view(-1) - want).abs()
             worst = max(worst, float((err / bound).max()))
@@ -167,6 +200,13 @@ def test_every_gathered_weight_is_within_the_bound_and_errors_do_not_pile_up():
         assert r["nonzero"] > 0, r              # lossy: not the exact gather under another name
         assert r["per_step"][0] == 0            # nothing to take a delta against yet
         assert sum(r["per_step"][-10:]) > 0.5 * 10 * r["weights"], r   # most weights go as deltas
+
+
+def test_int2_deltas_keep_int4s_bound_and_their_errors_do_not_pile_up():
+    for r in run_distributed(gathered_errors, 4, args=(1000, 30, None, 2)):
+        assert r["worst"] <= 1.0 and r["pools"], r
+        assert r["nonzero"] > 0, r
+        assert sum(r["per_step"][-10:]) > 0.5 * 10 * r["weights"], r
 
 
 def test_a_full_gather_every_interval():
@@ -204,43 +244,57 @@ def train(rank, world_size, zero, steps=16):
         # across nodes: the first hop only, among the ranks at my index in their node (hpZ 2)
         across = list(range(rank % 2, world_size, 2))
         ring = wire_bytes("all_gather", across, rank, 1, lambda r: r // 2)[1]   # inter bytes per byte of input
-        out["expected_fwd_inter"] = ring * sum(s.chunk * 2 if s.index in refresh else wire_nbytes(s.chunk, 4, 128)
+        bits = zero.get("zero_quantized_weight_deltas_bits", 4)
+        out["expected_fwd_inter"] = ring * sum(s.chunk * 2 if s.index in refresh else wire_nbytes(s.chunk, bits, 128)
                                                for s in part)
         out["delta_state_bytes"] = engine.weights.sources.deltas.recon.numel() * 2 + engine.weights.sources.deltas.flat.numel()
         out["refresh_last"] = refresh
+        deltas = engine.weights.sources.deltas
+
+        def base_is_exact():
+            return all(torch.equal(deltas._recon[s.index][:s.valid], s.shard[:s.valid]) for s in part)
+        out["base_exact_before_eval"] = base_is_exact()   # the last step moved the weights
         engine.eval()
-        recon = engine.weights.sources.deltas.recon.clone()
+        x = tokens(rank, 99)
         with torch.no_grad():
-            x = tokens(rank, 99)
             engine(x[:, :-1], x[:, 1:])
-        out["eval_left_recon_alone"] = torch.equal(recon, engine.weights.sources.deltas.recon)
+        # evaluation gathered the exact weights: they are the next base, and hpZ's copy holds them
+        out["base_exact_after_eval"] = base_is_exact()
+        engine.train()
+        engine.comm.reset_stats()
+        engine.backward(engine(x[:, :-1], x[:, 1:]))
+        out["train_inter_after_eval"] = engine.comm.stats.by_phase["forward_gather"][1]
     return out
 
 
 def train_all(rank, world_size):
     small = {"stage3_param_persistence_threshold": 200}   # biases and norms whole: the matrices go as deltas
     return {name: train(rank, world_size, {**small, **zero}) for name, zero in
-            (("zero3", {}), ("zeropp", {**QWZ, **HPZ, **QGZ}), ("deltas", {**QWZ, **DELTAS, **QGZ}))}
+            (("zero3", {}), ("zeropp", {**QWZ, **HPZ, **QGZ}), ("deltas", {**QWZ, **DELTAS, **QGZ}),
+             ("deltas2", {**QWZ, **DELTAS, **QGZ, **INT2}))}
 
 
-def test_deltas_train_like_zero3_send_int4_across_nodes_and_count_their_memory():
+@pytest.mark.parametrize("name", ["deltas", "deltas2"])
+def test_deltas_train_like_zero3_send_int4_or_int2_across_nodes_and_count_their_memory(name):
     runs = run_distributed(train_all, 4)
-    base, zpp, dl = (runs[0][k]["losses"] for k in ("zero3", "zeropp", "deltas"))
+    base, zpp, dl = (runs[0][k]["losses"] for k in ("zero3", "zeropp", name))
     for a, b in zip(dl, base):   # as tests/test_zeropp.py's qwZ/qgZ check
         assert abs(a - b) <= 0.02 * b, (dl, base)
     assert abs(sum(dl[-4:]) - sum(base[-4:])) <= 0.005 * sum(base[-4:]), (dl, base)
     for r in runs:
-        d, z = r["deltas"], r["zeropp"]
+        d, z = r[name], r["zeropp"]
         assert d["refresh_last"] == set()
         assert d["fwd_inter"] == d["expected_fwd_inter"], (d["fwd_inter"], d["expected_fwd_inter"])
         assert d["measured"] - z["measured"] == d["delta_state_bytes"]
         assert d["predicted"] > z["predicted"]
         assert d["measured"] / d["predicted"] == pytest.approx(z["measured"] / z["predicted"], rel=0.1)
         assert all(d["within"].values()), d["within"]
-        assert d["eval_left_recon_alone"]
-    mean_inter = sum(r["deltas"]["fwd_inter"] for r in runs)
+        assert not d["base_exact_before_eval"] and d["base_exact_after_eval"]
+        assert d["train_inter_after_eval"] == 0
+    mean_inter = sum(r[name]["fwd_inter"] for r in runs)
     mean_zpp = sum(r["zeropp"]["fwd_inter"] for r in runs)
-    assert mean_inter < 0.6 * mean_zpp    # INT4 (0.53 B/element) against qwZ's INT8 (1.02)
+    # INT4 (0.53 B/element) or INT2 (0.28) against qwZ's INT8 (1.02)
+    assert mean_inter < (0.6 if name == "deltas" else 0.32) * mean_zpp
 
 
 # --------------------------------------------------------------------------------------

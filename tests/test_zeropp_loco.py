@@ -33,6 +33,10 @@ def test_loco_param_parsed_with_deepspeeds_keys_and_defaults():
     z = _zero(**QGZ, zeropp_loco_param={}).zero_optimization
     assert (z.zeropp_loco_param.err_beta, z.zeropp_loco_param.reset_T) == (0.8, 1024)
     assert _zero(**QGZ, zeropp_loco_param=None).zero_optimization.zeropp_loco_param is None
+    # INT2 across nodes: an unset err_beta averages longer (bench/results/convergence_int2.md); a set one stays
+    int2 = {**QGZ, "zero_quantized_gradients_bits": 2}
+    assert _zero(**int2, zeropp_loco_param={}).zero_optimization.zeropp_loco_param.err_beta == 0.95
+    assert _zero(**int2, zeropp_loco_param={"err_beta": 0.8}).zero_optimization.zeropp_loco_param.err_beta == 0.8
 
 
 @pytest.mark.parametrize("zero, message", [
@@ -55,6 +59,9 @@ def test_zero_loco_flag(monkeypatch):
     loco = parse_args(ARGS + ["--zero-stage", "3", "--zero-quantized-gradients", "--zero-loco"]
                       ).ds_config.zero_optimization.zeropp_loco_param
     assert loco is not None and (loco.err_beta, loco.reset_T) == (0.8, 1024)
+    loco = parse_args(ARGS + ["--zero-stage", "3", "--zero-quantized-gradients", "--zero-loco",
+                              "--zero-quantized-gradients-bits", "2"]).ds_config.zero_optimization.zeropp_loco_param
+    assert (loco.err_beta, loco.reset_T) == (0.95, 1024)
     with pytest.raises(ConfigError, match="zero_quantized_gradients"):
         parse_args(ARGS + ["--zero-stage", "3", "--zero-loco"])
 

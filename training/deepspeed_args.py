@@ -55,8 +55,8 @@ def merge_deepspeed_config(args, explicit: set[str]) -> DeepSpeedConfig:
     merge("zero_quantized_weight_deltas", "zero_optimization.zero_quantized_weight_deltas", zero,
           "zero_quantized_weight_deltas")
     merge("zero_hadamard_gradients", "zero_optimization.zero_hadamard_gradients", zero, "zero_hadamard_gradients")
-    merge("zero_quantized_gradients_bits", "zero_optimization.zero_quantized_gradients_bits", zero,
-          "zero_quantized_gradients_bits")
+    for key in ("zero_quantized_gradients_bits", "zero_quantized_weight_deltas_bits"):
+        merge(key, f"zero_optimization.{key}", zero, key)
     if args.zero_loco and zero.zeropp_loco_param is None:   # the JSON's own parameters, if any, stay
         zero.zeropp_loco_param = LocoConfig()
     merge("fp16", "fp16.enabled", ds.fp16, "enabled")

@@ -185,10 +185,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bits of qgZ's gradients across nodes (zero_quantized_gradients_bits; default 4; "
                         "needs --zero-quantized-gradients)")
     g.add_argument("--zero-loco", action="store_true", default=None,
-                   help="qgZ with error feedback (zeropp_loco_param with err_beta 0.8, reset_T 1024)")
+                   help="qgZ with error feedback (zeropp_loco_param with err_beta 0.8, 0.95 with "
+                        "--zero-quantized-gradients-bits 2, reset_T 1024)")
     g.add_argument("--zero-quantized-weight-deltas", action="store_true", default=None,
                    help="send weights across nodes as INT4 differences from the copy hpZ keeps in each node "
                         "(zero_quantized_weight_deltas; needs --zero-hpz-size)")
+    g.add_argument("--zero-quantized-weight-deltas-bits", type=whole, choices=[4, 2], default=None,
+                   help="bits of the weight deltas across nodes (zero_quantized_weight_deltas_bits; default 4; "
+                        "needs --zero-quantized-weight-deltas)")
     g.add_argument("--zero-hadamard-gradients", action="store_true", default=None,
                    help="rotate qgZ's INT4 gradient blocks by a Walsh-Hadamard transform before quantizing "
                         "(zero_hadamard_gradients; needs --zero-quantized-gradients)")

@@ -141,12 +141,13 @@ def _carried(ctx, reduction) -> dict:
 
 def _sources(ctx, exact: ShardGather, world: Partition) -> WeightSources:
     """The primary partition gathers with the weight-gather technique's collective (or exactly)
-    and hands what arrives to the deltas or hpZ's partition to keep; evaluation gathers exactly."""
+    and hands what arrives to the deltas or hpZ's partition to keep; evaluation gathers exactly,
+    and keeps what arrives there too (marked exact: its later batches read it inside the node)."""
     keeper = ctx.weight_deltas or ctx.secondary
-    primary = PrimaryWeights(world, ctx.flat, ctx.weight_gather or exact, keeper)
+    primary = PrimaryWeights(world, ctx.flat, ctx.weight_gather or exact, keeper, exact=ctx.weight_gather is None)
     quantized = ctx.weight_gather is not None or ctx.weight_deltas is not None
     zero = ctx.zero   # any quantized path on: its kernels' scratch (the largest block)
     block = (max(zero.zero_quantized_weights_block_size, zero.zero_quantized_gradients_block_size)
              if quantized or ctx.gradient_reduction is not None else 0)
-    return WeightSources(primary, PrimaryWeights(world, ctx.flat, exact) if quantized else None,
+    return WeightSources(primary, PrimaryWeights(world, ctx.flat, exact, keeper) if quantized else None,
                          ctx.secondary, ctx.weight_deltas, block)

@@ -52,7 +52,7 @@ PREFETCH = 2   # units whose forward gathers a unit issues ahead (CPU: FSDP2 has
 def apply_zeropp(model: torch.nn.Module, topology: Topology | int | None = None, *, quantized_weights: bool = True,
                  hpz: bool = True, quantized_gradients: bool = True, loco: bool = False, hadamard: bool = False,
                  weight_block_size: int = 256, gradient_block_size: int = 128, gradient_bits: int = 4,
-                 loco_beta: float = 0.8,
+                 loco_beta: float | None = None,
                  loco_reset_every: int = 1024, overlap: bool = True, max_inflight_reductions: int = 2,
                  communicator: Communicator | None = None) -> ZeroPP:
     """Install ZeRO++ on `model`, the root a `fully_shard` returned (collective: every rank

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from common import ConfigError, parse_int, parse_number, refuse_value
+from zeropp.config.bits import validate_bits
 from zeropp.config.keys import BUCKET_DEFAULTS, UNSUPPORTED
 from zeropp.config.optim import OptimizerConfig, OptimizerSettings, SchedulerConfig
 from zeropp.config.precision import BF16Config, DataTypesConfig, FP16Config, normalize_dtype
@@ -33,6 +34,7 @@ __all__ = ["AUTO", "AUTO_KEYS", "ConfigError", "DeepSpeedConfig", "LocoConfig", 
 # the fp32 scales of the next row of a wire buffer start unaligned (zeropp/kernels/format.py, to_bytes).
 _MIN_BLOCK = {"zero_quantized_weights_block_size": 4, "zero_quantized_gradients_block_size": 8}
 _DEFAULT_REFRESH = 100   # ZeroConfig.zero_quantized_weight_deltas_refresh_interval
+LOCO_ERR_BETA = {4: 0.8, 2: 0.95}   # unset err_beta by the bits across nodes (bench/results/convergence_int2.md)
 
 
 @dataclass
@@ -40,8 +42,8 @@ class LocoConfig:
     """`zeropp_loco_param` (DeepSpeed's spelling): error feedback for qgZ's INT4 hop
     (zeropp/techniques/qgz.py). The error carried to the next reduction is
     err_beta x the old one + (1 - err_beta) x this quantization's; every reset_T
-    reductions of a bucket it starts again from zero."""
-    err_beta: float = 0.8
+    reductions of a bucket it starts again from zero (unset err_beta: LOCO_ERR_BETA)."""
+    err_beta: float | None = None
     reset_T: int = 1024
 
     def validate(self, where: str):
@@ -73,9 +75,11 @@ class ZeroConfig:
     # qgZ with error feedback (--zero-loco); None = off.
     zeropp_loco_param: LocoConfig | None = None
     # INT4 weight deltas across nodes (--zero-quantized-weight-deltas, zeropp/techniques/deltas.py;
-    # needs hpZ), with a full gather of every weight each refresh_interval optimizer steps.
+    # needs hpZ), with a full gather of every weight each refresh_interval optimizer steps; their
+    # bits (--zero-quantized-weight-deltas-bits): 4, or 2 (zeropp/config/bits.py).
     zero_quantized_weight_deltas: bool = False
     zero_quantized_weight_deltas_refresh_interval: int = _DEFAULT_REFRESH
+    zero_quantized_weight_deltas_bits: int = 4
     # qgZ rotates each gradient block by a Walsh-Hadamard transform before INT4 quantization
     # (--zero-hadamard-gradients, zeropp/techniques/hadamard.py; block = zero_quantized_gradients_block_size).
     zero_hadamard_gradients: bool = False
@@ -128,6 +132,8 @@ class ZeroConfig:
         if self.zero_hpz_partition_size != AUTO and self.zero_hpz_partition_size > 1:
             zpp.append("zero_hpz_partition_size")
         if self.zeropp_loco_param is not None:
+            if self.zeropp_loco_param.err_beta is None:
+                self.zeropp_loco_param.err_beta = LOCO_ERR_BETA.get(self.zero_quantized_gradients_bits, 0.8)
             self.zeropp_loco_param.validate(f"{where}.zeropp_loco_param")
         if self.zero_hadamard_gradients is True:
             zpp.append("zero_hadamard_gradients")
@@ -139,7 +145,7 @@ class ZeroConfig:
             if on and self.zero_quantized_gradients is not True:
                 raise ConfigError(f"{where}.{key} ({flag}) {what}: set zero_quantized_gradients true "
                                   f"(--zero-quantized-gradients), got {self.zero_quantized_gradients!r}")
-        self._validate_gradient_bits(where)
+        validate_bits(self, where)
         if self.zero_quantized_weight_deltas is True:
             zpp.append("zero_quantized_weight_deltas")
             if self.zero_hpz_partition_size != AUTO and self.zero_hpz_partition_size <= 1:
@@ -156,26 +162,6 @@ class ZeroConfig:
         if zpp and self.stage != 3:
             raise ConfigError(f"{where}: {', '.join(zpp)} (ZeRO++) need stage 3, "
                               f"but stage is {self.stage}")
-
-    def _validate_gradient_bits(self, where: str):
-        bits, key = self.zero_quantized_gradients_bits, f"{where}.zero_quantized_gradients_bits"
-        if bits not in (4, 2) or isinstance(bits, bool):
-            raise ConfigError(f"{key} (--zero-quantized-gradients-bits) must be 4 (the default) or 2 (INT2 "
-                              f"across nodes), got {bits!r}")
-        if bits == 4:
-            return
-        if self.zero_quantized_gradients is not True:
-            raise ConfigError(f"{key} (--zero-quantized-gradients-bits) {bits} sets the bits of qgZ's gradients "
-                              f"across nodes: set zero_quantized_gradients true (--zero-quantized-gradients), "
-                              f"got {self.zero_quantized_gradients!r}")
-        if self.zeropp_loco_param is None:   # measured: bench/results/convergence_int2_without_loco_1234.json
-            raise ConfigError(f"{key} (--zero-quantized-gradients-bits) 2 without error feedback does not train "
-                              f"as ZeRO-3 does (ternary gradients lose what they do not send): add "
-                              f"zeropp_loco_param (--zero-loco)")
-        if self.zero_quantized_gradients_block_size < 16:   # a block's INT2 data: whole 4-byte words
-            raise ConfigError(f"{key} (--zero-quantized-gradients-bits) 2 needs "
-                              f"zero_quantized_gradients_block_size >= 16 (the scales stay 4-byte aligned on "
-                              f"the wire), got {self.zero_quantized_gradients_block_size}")
 
     def validate_topology(self, ranks_per_node: int, world_size: int):
         """Checks that need the job's shape (called when the engine starts)."""

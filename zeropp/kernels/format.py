@@ -11,7 +11,13 @@ from typing import Optional, Sequence
 
 import torch
 
-QMAX = {8: 127, 4: 7, 2: 1}
+QMAX = {8: 127, 4: 7, 2: 1}         # the largest code
+# The step is max|x| over the block / SCALE_DIV: QMAX, but 2 for INT2, whose ternary codes then
+# cut at a quarter of max|x| and stand for half of it (clipping above), near the least squared
+# error for bell-shaped blocks; the largest error is still a step, max|x| / 2.
+SCALE_DIV = {8: 127, 4: 7, 2: 2}
+# The largest |x - x'| of a finite element, in steps: half a step, but a whole one for INT2 (clipped).
+ERROR_STEPS = {8: 0.5, 4: 0.5, 2: 1.0}
 DEFAULT_BLOCK_SIZE = {8: 256, 4: 128, 2: 128}
 
 

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from zeropp.kernels.format import QMAX, Quantized, num_blocks
+from zeropp.kernels.format import QMAX, SCALE_DIV, Quantized, num_blocks
 
 _CHUNK = 1 << 18   # 1 MB of fp32: per-op overhead amortized, temporaries still in cache
 _STACKED_CHUNK = 4 * _CHUNK   # elements of a chunk over all the rows of a stacked tensor
@@ -65,7 +65,7 @@ def _quantize_blocks(xb: torch.Tensor, bits: int, data_out: torch.Tensor, scales
     qmax = QMAX[bits]
     # max|x| without an |x| temporary (amax and amin propagate NaN; aminmax is slower on CPU)
     scales = torch.maximum(xb.amax(dim=-1), xb.amin(dim=-1).neg_(), out=scales_out)
-    scales.div_(qmax)
+    scales.div_(SCALE_DIV[bits])
     finite = torch.isfinite(scales)
     safe = torch.where((scales == 0) | ~finite, torch.ones_like(scales), scales)
     y = torch.div(xb, safe.unsqueeze(-1), out=_scratch("quotient", xb.shape, torch.float32, xb.device))

@@ -3,7 +3,7 @@
 Every kernel works on tiles of ROWS blocks of BLOCK (a power of two) elements, one block
 per row; INT4 bytes are split into (even, odd) nibbles and joined back in element order, INT2
 bytes into their four 2-bit fields likewise.
-Rounding: clamp to [-qmax, qmax], then
+Scale: max|x| / SCALE_DIV (zeropp/kernels/format.py). Rounding: clamp to [-qmax, qmax], then
 ``(y + 1.5 * 2**23) - 1.5 * 2**23`` which is round-to-nearest-even for |y| < 2**22, the
 same arithmetic as the torch path (libdevice.rint is not available under
 TRITON_INTERPRET=1).  Division is ``tl.math.div_rn`` (IEEE round to nearest), as torch.
@@ -41,8 +41,8 @@ def _quant_vals(x, scale, QMAX_: tl.constexpr):
 
 
 @triton.jit
-def _block_scale(amax, nan_count, QMAX_: tl.constexpr):
-    scale = tl.math.div_rn(amax, QMAX_ * 1.0)  # IEEE division: '/' is approximate on GPU
+def _block_scale(amax, nan_count, DIV_: tl.constexpr):
+    scale = tl.math.div_rn(amax, DIV_ * 1.0)  # IEEE division: '/' is approximate on GPU
     # tl.max may drop NaNs on GPU (max.f32); make a NaN input give a NaN scale explicitly.
     return tl.where(nan_count > 0, float("nan"), scale)
 
@@ -54,7 +54,10 @@ def _store_quantized(v, row, live, data_ptr, scale_ptr,
     data and scales; rows where `live` is false are not stored."""
     amax = tl.max(tl.abs(v), axis=1)
     nan_count = tl.sum((v != v).to(tl.int32), axis=1)
-    scale = _block_scale(amax, nan_count, QMAX_)
+    if BITS == 2:   # format.py SCALE_DIV
+        scale = _block_scale(amax, nan_count, 2)
+    else:
+        scale = _block_scale(amax, nan_count, QMAX_)
     q = _quant_vals(v, scale[:, None], QMAX_)
     if BITS == 8:
         offs = row[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]

@@ -153,12 +153,15 @@ class PrimaryWeights:
     """The primary partition as a weight source: each rank's shard of every
     partitioned weight, gathered over all ranks with `gather` (exact, or qwZ's
     INT8 gather). Every weight that arrives is handed to `keeper.keep` when given:
-    hpZ's secondary partition, or the weight deltas (which keep it there too)."""
+    hpZ's secondary partition, or the weight deltas (which keep it there too), with
+    whether its values are `exact`."""
 
     writes_weights = False
 
-    def __init__(self, partition: Partition, flat: torch.Tensor, gather: ShardGather, keeper=None):
+    def __init__(self, partition: Partition, flat: torch.Tensor, gather: ShardGather, keeper=None,
+                 exact: bool = True):
         self.partition, self.flat, self.gather, self.keeper = partition, flat, gather, keeper
+        self.exact = exact
         self.delivers_rows = gather.delivers_rows
 
     def holds(self, s: Stage3Param) -> bool:
@@ -187,7 +190,7 @@ class PrimaryWeights:
 
     def arrived(self, s: Stage3Param, full: torch.Tensor):
         if self.keeper is not None:
-            self.keeper.keep(s, full)
+            self.keeper.keep(s, full, exact=self.exact)
 
 
 class BucketGather:

@@ -7,8 +7,9 @@ weight sources (zeropp/collectives/protocols.py `WeightSource`) a gather may rea
 - the primary partition over all ranks (`PrimaryWeights`: exact, or qwZ's INT8 gather);
 - hpZ's secondary partition inside the node (zeropp/techniques/hpz.py), for the weights it holds;
 - the INT4 weight deltas (zeropp/techniques/deltas.py), for those that may go as deltas;
-- evaluation (`engine.eval()`) gathers the exact primary weights (those a checkpoint saves),
-  leaving hpZ's copy, which holds the quantized ones training computes with, alone.
+- evaluation (`engine.eval()`) computes with the exact primary weights (those a checkpoint
+  saves): from the primary partition, or from hpZ's copy where it holds them exactly (an
+  evaluation's first batch keeps them there; zeropp/techniques/hpz.py).
 """
 from __future__ import annotations
 
@@ -81,13 +82,15 @@ class PartitionedWeights:
         return s.param.data.view(-1)[s.lo:s.hi] if s.persistent else s.shard[:s.valid]
 
     def plan(self, todo: list[Stage3Param], training: bool) -> list[tuple[object, list[Stage3Param]]]:
-        """(source, weights) to gather `todo` from, in issue order: in evaluation the exact primary
-        partition; in training hpZ's partition for the weights it holds, the deltas for those that
-        may go so, the primary partition for the rest (issued primary, deltas, secondary)."""
+        """(source, weights) to gather `todo` from, in issue order: hpZ's partition for the weights
+        it holds (exactly, in evaluation), the deltas for those that may go so (in training), the
+        primary partition for the rest, exactly in evaluation (issued primary, deltas, secondary)."""
         src = self.sources
-        if src.exact is not None and not training:
-            return [(src.exact, todo)]
-        secondary = [s for s in todo if src.secondary is not None and src.secondary.holds(s)]
+        exact_only = src.exact is not None and not training
+        secondary = [s for s in todo if src.secondary is not None and src.secondary.holds(s, exact=exact_only)]
+        if exact_only:
+            rest = [s for s in todo if s not in secondary]
+            return [(source, ws) for source, ws in ((src.exact, rest), (src.secondary, secondary)) if ws]
         as_delta = [s for s in todo if src.deltas is not None and src.deltas.holds(s) and s not in secondary]
         primary = [s for s in todo if s not in secondary and s not in as_delta]
         return [(source, ws) for source, ws in ((src.primary, primary), (src.deltas, as_delta),

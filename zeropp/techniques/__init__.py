@@ -49,6 +49,7 @@ class Technique:
     build: Callable[[BuildContext], object]       # its part (None: nothing to add on this job)
     detail: Callable[[ZeroConfig], str] | None = None   # the name with its setting
     memory_key: str | None = None                 # its MemoryLine's name in memory_report()
+    bits: Callable[[ZeroConfig], int] | None = None   # of what it sends, when a setting: "INT{bits} name"
 
 
 REGISTRY = (
@@ -59,8 +60,8 @@ REGISTRY = (
     Technique("LoCo", "gradient_reduction", lambda z: z.zeropp_loco_param is not None, loco.build,
               memory_key=loco.MEMORY_KEY),
     Technique("Hadamard", "rotation", lambda z: bool(z.zero_hadamard_gradients), hadamard.build),
-    Technique("INT4 weight deltas", "weight_deltas", lambda z: bool(z.zero_quantized_weight_deltas), deltas.build,
-              memory_key=deltas.MEMORY_KEY),
+    Technique("weight deltas", "weight_deltas", lambda z: bool(z.zero_quantized_weight_deltas), deltas.build,
+              memory_key=deltas.MEMORY_KEY, bits=lambda z: z.zero_quantized_weight_deltas_bits),
 )
 
 MEMORY_KEYS = tuple(t.memory_key for t in REGISTRY if t.memory_key)   # 0 in a report when off
@@ -72,5 +73,7 @@ def enabled(zero: ZeroConfig) -> list[Technique]:
 
 
 def names(zero: ZeroConfig, detailed: bool = False) -> list[str]:
-    """Their names for a run label; `detailed`: with their settings (hpZ's group size)."""
-    return [t.detail(zero) if detailed and t.detail else t.name for t in enabled(zero)]
+    """Their names for a run label (with the bits they send where those are a setting); `detailed`:
+    with their settings (hpZ's group size)."""
+    return [t.detail(zero) if detailed and t.detail else f"INT{t.bits(zero)} {t.name}" if t.bits else t.name
+            for t in enabled(zero)]

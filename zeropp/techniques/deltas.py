@@ -1,15 +1,16 @@
-"""INT4 weight deltas (`zero_quantized_weight_deltas`, needs hpZ): the cross-node
-part of stage 3's forward gather carries only what changed since the weights
-every node already holds.
+"""INT4 (or INT2) weight deltas (`zero_quantized_weight_deltas`, needs hpZ): the
+cross-node part of stage 3's forward gather carries only what changed since the
+weights every node already holds.
 
 With hpZ, each node keeps in its secondary partition (zeropp/techniques/hpz.py) the weights
 of the last gather from the primary partition, spread over the node's ranks.
 Each rank keeps `recon`: its own primary chunk as every rank reconstructed it
 at that gather. After each optimizer step (`prepare`), each rank quantizes
 delta = new chunk - recon to INT4 (blocks of 128 aligned to the chunk, one fp32
-scale each: 0.53 bytes per element, against qwZ's 1.02 and bf16's 2). The next
-primary gather of a weight then
-  1. all-gathers the INT4 deltas across nodes, among the ranks at my index in
+scale each: 0.53 bytes per element, against qwZ's 1.02 and bf16's 2), or with
+`zero_quantized_weight_deltas_bits` 2 to INT2 (ternary, the same blocks: 0.28 bytes).
+The next primary gather of a weight then
+  1. all-gathers the deltas across nodes, among the ranks at my index in
      their hpZ group (one per node when h = ranks per node): each delta crosses
      to each other node once, (N-1) S bytes per rank, where a ring over the
      world sends N (W-1) S / W on average (S: one rank's deltas; ~2x for two nodes),
@@ -29,14 +30,22 @@ over its block. A weight is sent as a delta only while, in every block, that
 step is at most the INT8 step of its new values (max|w|/127, qwZ's), so a
 gathered weight is within max|w|/254 of the exact one plus half an ulp of the
 compute dtype (the rounding of the sum): qwZ's bound, whatever the history.
+INT2 deltas (step = max|delta|/2, an error of up to a step: they clip) are held
+to a step of max|w|/14: a gathered weight is within max|w|/14 of the exact one
+plus half an ulp, the bound of INT4 weights. Every delta is taken against what the receivers
+hold, so what one step did not send goes with the next (error feedback without
+a buffer of its own): at 2 emulated nodes x 2, bf16, 1000 iterations, every switch
+with INT2 deltas and INT2 gradients ended +0.42% / +0.32% of ZeRO-3's validation loss
+on two seeds (bench/results/convergence_int2_deltas_{1234,1235}.json).
 
 Refresh: a full gather (qwZ's INT8, or exact) instead of the delta, for a weight
   - without a base: its first gather, and every gather after a load (`forget`);
   - every `refresh_interval` optimizer steps (all weights);
-  - whose delta is not small: in some block the INT4 step exceeds the INT8 step
-    of its new values, or is not finite. Each owner checks its chunk and one
+  - whose delta is not small: in some block its step exceeds the step allowed
+    above (BOUND_BITS), or is not finite. Each owner checks its chunk and one
     all-reduce (MAX) of a flag per weight after the step makes it agreed.
-Evaluation gathers exact weights and leaves all of this alone (zeropp/stages/stage3_weights.py).
+Evaluation gathers the exact weights; they arrive here like any full gather (`keep`), so they
+are the next base, and the next training forward reads them from hpZ's copy (zeropp/techniques/hpz.py).
 
 Carried state (ARCHITECTURE.md): `prepare` runs only after an applied step
 (`end_step`); a skipped step leaves the deltas, `recon` and the count alone.
@@ -60,9 +69,11 @@ from zeropp.collectives.two_hop import TwoHops
 from zeropp.collectives.partition import FlatState
 from zeropp.techniques.hpz import SecondaryPartition
 from zeropp.collectives.partition import Partition
+from zeropp.kernels.format import ERROR_STEPS
 from zeropp.kernels.quant import DEFAULT_BLOCK_SIZE, QMAX, Quantized, dequantize_add, quantize, wire_nbytes
 
-BLOCK_SIZE = DEFAULT_BLOCK_SIZE[4]
+BLOCK_SIZE = DEFAULT_BLOCK_SIZE[4]   # INT2's is the same
+BOUND_BITS = {4: 8, 2: 4}   # a delta's error is held to half the step of these bits over the new values
 DEQUANT_ELEMENTS = 1 << 22   # fp32 elements dequantized at once (16 MB): a weight's members in groups
 KEY = "weight_deltas.recon."   # checkpoint keys: KEY + weight name
 MEMORY_KEY = "weight_deltas_bytes"
@@ -70,24 +81,24 @@ MEMORY_KEY = "weight_deltas_bytes"
 
 class WeightDeltas:
     """A weight source for `zeropp.stages.stage3_param.BucketGather` (the primary partition's
-    weights, sent as INT4 deltas), and the state it needs: `recon`, the INT4 deltas
+    weights, sent as INT4 or INT2 deltas: `bits`), and the state it needs: `recon`, the deltas
     prepared after each step, and which weights may go as deltas."""
 
     writes_weights = True   # BucketGather: start() writes the gathered values into the weights
     delivers_rows = False
 
-    def __init__(self, partition: Partition, comm, weights: list, param_flat: torch.Tensor,
-                 secondary: SecondaryPartition, refresh_interval: int, across: Partition, within: Partition):
+    def __init__(self, partition: Partition, comm, weights: list, param_flat: torch.Tensor, secondary: SecondaryPartition,
+                 refresh_interval: int, across: Partition, within: Partition, bits: int = 4):
         """`weights`: the partitioned Stage3Params, bound to `param_flat`. `across`: the ranks at my
         index in their hpZ groups (the first hop); `within`: my hpZ group (the second), groups
         of their own."""
-        self.partition, self.comm, self.secondary = partition, comm, secondary
+        self.partition, self.comm, self.secondary, self.bits = partition, comm, secondary, bits
         self.across, self.within = across, within
         self.refresh_interval = refresh_interval
         self.weights = weights
         self.recon = torch.zeros_like(param_flat)
         self._recon: dict[int, torch.Tensor] = {}
-        self._wire_bytes = {s.index: wire_nbytes(s.chunk, 4, BLOCK_SIZE) for s in weights}
+        self._wire_bytes = {s.index: wire_nbytes(s.chunk, bits, BLOCK_SIZE) for s in weights}
         self.flat = torch.zeros(sum(self._wire_bytes.values()), dtype=torch.uint8, device=param_flat.device)
         self._wire: dict[int, torch.Tensor] = {}
         off = 0
@@ -119,7 +130,7 @@ class WeightDeltas:
         everything = self.steps % self.refresh_interval == 0
         full = torch.ones((), dtype=torch.bool, device=self.flat.device)
         flags = torch.stack([full if everything or s.index not in self._based
-                             else ~small_delta(s.shard, self._recon[s.index], self._wire[s.index])
+                             else ~small_delta(s.shard, self._recon[s.index], self._wire[s.index], self.bits)
                              for s in self.weights]).to(torch.int32)
         if not everything and self._based:
             self.comm.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, phase="optimizer")
@@ -134,10 +145,10 @@ class WeightDeltas:
         """`s` can be gathered as a delta (the same answer on every rank)."""
         return s.index in self._based and s.index not in self._refresh
 
-    def keep(self, s, full: torch.Tensor):
-        """`s` arrived whole from the primary partition (in full or as a delta): the node keeps
-        it as hpZ does, and my chunk of it is what the next delta is taken against."""
-        self.secondary.keep(s, full)
+    def keep(self, s, full: torch.Tensor, exact: bool = False):
+        """`s` arrived whole from the primary partition (in full, `exact` or not, or as a delta): the
+        node keeps it as hpZ does, and my chunk of it is what the next delta is taken against."""
+        self.secondary.keep(s, full, exact)
         self.arrivals += 1
         self._recon[s.index][:s.valid].copy_(full.view(-1)[s.lo:s.hi])
         self._based.add(s.index)
@@ -161,7 +172,7 @@ class WeightDeltas:
             self.forget()
             why = (f"saved in {saved.get('dtype')}, now {self.recon.dtype}" if saved
                    else "saved without zero_quantized_weight_deltas")
-            return (f"INT4 weight deltas start without reference weights ({why}): each weight's first "
+            return (f"INT{self.bits} weight deltas start without reference weights ({why}): each weight's first "
                     f"gather after the load is a full one")
         self.steps = saved["steps"]
         names = set(saved["based"])
@@ -182,12 +193,12 @@ class WeightDeltas:
         return self._wire[s.index]
 
     def start(self, weights: list, inp: torch.Tensor, phase: str, out, pool: BufferPool) -> Work:
-        """`inp`: my INT4 deltas of `weights`, end to end. Hop 1 gathers them over `across`; hop 2,
+        """`inp`: my deltas of `weights`, end to end. Hop 1 gathers them over `across`; hop 2,
         over my hpZ group, what hop 1 brought with my slices of the previous weights beside it."""
         sec, h, w = self.secondary, self.within.size, self.across.size
         base = [sec.slice(s) for s in weights]   # my slices of the previous weights: hop 2 carries them
         base_bytes = sum(b.numel() for b in base) * sec.flat.element_size()
-        first = w * inp.numel()   # bytes (a multiple of 4: whole INT4 wires)
+        first = w * inp.numel()   # bytes (a multiple of 4: whole wires)
         width = first + -(-base_bytes // 4) * 4   # rows stay 4-byte aligned
         send = pool.take(width, torch.uint8)
         torch.cat([b.view(torch.uint8) for b in base], out=send[first:first + base_bytes])
@@ -211,7 +222,7 @@ class WeightDeltas:
             row = pool.take(dequant_elements(weights, self.partition.size), torch.float32)   # scratch off the CPU path
             off = 0
             for s in weights:
-                add_deltas(s, deltas[..., off:off + self._wire_bytes[s.index]], row, h, self.partition.size)
+                add_deltas(s, deltas[..., off:off + self._wire_bytes[s.index]], row, h, self.partition.size, self.bits)
                 off += self._wire_bytes[s.index]
             pool.give(row)
             pool.give(send)
@@ -223,7 +234,7 @@ class WeightDeltas:
         """The fp32 buffer a gather dequantizes into (one gather finishes at a time)."""
         return 4 * dequant_elements(self.weights, self.partition.size) if self.weights else 0
 
-    def arrived(self, s, full: torch.Tensor):
+    def arrived(self, s, full: torch.Tensor):   # as a delta: a reconstruction
         self.keep(s, full)
 
     def carried_parts(self) -> dict:
@@ -235,33 +246,33 @@ class WeightDeltas:
     def summary(self) -> str | None:
         if not self.arrivals:
             return None
-        return (f"INT4 weight deltas: {self.sent} of {self.arrivals} weight gathers from the primary partition went "
-                f"as deltas ({100 * self.sent / self.arrivals:.1f}%); the others in full (first gathers, every "
-                f"{self.refresh_interval} steps, after a load, large deltas)")
+        return (f"INT{self.bits} weight deltas: {self.sent} of {self.arrivals} weight gathers from the primary partition went "
+                f"as deltas ({100 * self.sent / self.arrivals:.1f}%); the others in full (first gathers, "
+                f"evaluations, every {self.refresh_interval} steps, after a load, large deltas)")
 
     def plan(self, weights: list, phase: str) -> list[PlannedCollective]:
-        """INT4 deltas across the ranks at my index in their hpZ groups, then those rows and the
+        """The deltas across the ranks at my index in their hpZ groups, then those rows and the
         previous weights' secondary slices inside the group (rows padded to 4 bytes)."""
         wire = sum(self._wire_bytes[s.index] for s in weights)
         world, h = self.partition.size, self.secondary.size
         base = sum(s.secondary_slice.chunk for s in weights) * self.secondary.flat.element_size()
         return [PlannedCollective(phase, "all_gather", "strided", wire,
-                                  quant_elements=world * sum(s.chunk for s in weights), quant_bits=4),
+                                  quant_elements=world * sum(s.chunk for s in weights), quant_bits=self.bits),
                 PlannedCollective(phase, "all_gather", "secondary", wire * world // h + -(-base // 4) * 4)]
 
     def plan_step(self) -> list[PlannedCollective]:
         """After a step each owner quantizes its deltas; one int32 flag per weight says which go in full."""
         return [PlannedCollective("optimizer", "all_reduce", "world", 4 * len(self.weights),
-                                  quant_elements=sum(s.chunk for s in self.weights), quant_bits=4)]
+                                  quant_elements=sum(s.chunk for s in self.weights), quant_bits=self.bits)]
 
     def memory(self) -> MemoryLine:
-        """`recon` (w/N bytes a parameter) and the INT4 deltas (about 0.53/N)."""
-        per = (self.recon.element_size() + wire_nbytes(1 << 20, 4, BLOCK_SIZE) / (1 << 20)) / self.partition.size
+        """`recon` (w/N bytes a parameter) and the deltas (about 0.53/N in INT4, 0.28/N in INT2)."""
+        per = (self.recon.element_size() + wire_nbytes(1 << 20, self.bits, BLOCK_SIZE) / (1 << 20)) / self.partition.size
         return MemoryLine(MEMORY_KEY, "parameters", [self.recon, self.flat], per)
 
     def bytes_per_element(self, elem_bytes: int) -> float:
         """Gather-pool bytes per gathered element: the previous weights sent (b/h) and received
-        (b), the INT4 wire (per element: the most of any weight, a small chunk pads to a whole
+        (b), the deltas' wire (per element: the most of any weight, a small chunk pads to a whole
         block) sent (1/W), received by the first hop (1/h) and the second (1), and copied a
         group of members at a time (at most 1), besides `fixed_bytes` (and up to 3
         bytes of padding a row, in the bound's constant)."""
@@ -270,15 +281,17 @@ class WeightDeltas:
         return elem_bytes * (1 + 1 / h) + wire * (2 + 1 / h + 1 / w)
 
 
-def small_delta(shard: torch.Tensor, recon: torch.Tensor, wire: torch.Tensor) -> torch.Tensor:
-    """Quantize my chunk's delta (`shard` - `recon`) into `wire`; whether it is small (a bool on the
-    device): in every block the INT4 step at most the INT8 step of the new values."""
+def small_delta(shard: torch.Tensor, recon: torch.Tensor, wire: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """Quantize my chunk's delta (`shard` - `recon`) into `wire` in `bits`; whether it is small (a
+    bool on the device): in every block its largest error at most half the BOUND_BITS step of the new values."""
     new = shard.float()
-    q = quantize(new - recon.float(), 4, BLOCK_SIZE, out=Quantized.from_bytes(wire, new.numel(), 4, BLOCK_SIZE))
+    q = quantize(new - recon.float(), bits, BLOCK_SIZE,
+                 out=Quantized.from_bytes(wire, new.numel(), bits, BLOCK_SIZE))
     nb = q.scales.numel()
     amax = torch.nn.functional.pad(new, (0, nb * BLOCK_SIZE - new.numel())).view(nb, -1).abs().amax(1)
     # NaN compares False; an infinite scale would pass as inf <= inf: not small either way
-    return torch.isfinite(q.scales).all() & (q.scales <= amax / QMAX[8]).all()
+    error = q.scales * ERROR_STEPS[bits]
+    return torch.isfinite(q.scales).all() & (error <= amax / (2 * QMAX[BOUND_BITS[bits]])).all()
 
 
 def copy_previous(weights, chunks: list[int], previous: torch.Tensor):
@@ -304,9 +317,9 @@ def dequant_elements(weights, world: int) -> int:
     return max(members_at_once(s, world) * s.chunk for s in weights)
 
 
-def add_deltas(s, wires: torch.Tensor, scratch: torch.Tensor, h: int, world: int):
+def add_deltas(s, wires: torch.Tensor, scratch: torch.Tensor, h: int, world: int, bits: int = 4):
     """Add every member's dequantized delta to `s.full` (which holds the previous weights).
-    `wires`: [h, W/h, bytes], member g h + i's INT4 at [i, g]; for each index i, members
+    `wires`: [h, W/h, bytes], member g h + i's deltas (in `bits`) at [i, g]; for each index i, members
     0 .. R h - 1 (R whole rounds of h chunks) are strided rows of both, a group at a time."""
     c, flat = s.chunk, s.full.view(-1)
     rounds = s.numel // c // h
@@ -314,11 +327,11 @@ def add_deltas(s, wires: torch.Tensor, scratch: torch.Tensor, h: int, world: int
     group = members_at_once(s, world)
     for i in range(h):
         for g in range(0, rounds, group):
-            q = Quantized.from_bytes(wires[i, g:g + group], c, 4, BLOCK_SIZE)
+            q = Quantized.from_bytes(wires[i, g:g + group], c, bits, BLOCK_SIZE)
             dequantize_add(q, by_index[g:g + group, i], scratch=scratch)
     for m in range(rounds * h, -(-s.numel // c)):   # the rest, one member at a time (the last may be short)
         piece = flat[m * c:min((m + 1) * c, s.numel)]
-        dequantize_add(Quantized.from_bytes(wires[m % h, m // h], c, 4, BLOCK_SIZE).row(0, piece.numel()),
+        dequantize_add(Quantized.from_bytes(wires[m % h, m // h], c, bits, BLOCK_SIZE).row(0, piece.numel()),
                        piece, scratch=scratch)
 
 
@@ -328,4 +341,4 @@ def build(ctx) -> WeightDeltas | None:
         return None
     return WeightDeltas(ctx.groups.world, ctx.comm, ctx.weights, ctx.flat, ctx.secondary,
                         ctx.zero.zero_quantized_weight_deltas_refresh_interval, ctx.groups.deltas_across,
-                        ctx.groups.deltas_within)
+                        ctx.groups.deltas_within, ctx.zero.zero_quantized_weight_deltas_bits)

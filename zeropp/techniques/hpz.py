@@ -9,6 +9,14 @@ place of a gather over the world. The slices hold exactly the values the
 primary gather produced, so results are bit-identical to plain ZeRO-3. They go
 stale after each optimizer step and each load of weights (`invalidate`).
 
+With qwZ or the weight deltas, training's copies hold a reconstruction, which
+evaluation must not read: it computes with the exact weights. So each slice also
+records whether its values are exact. An evaluation's first gather of a weight
+after a step brings the exact values from the primary partition and keeps them
+here; its later batches gather inside the node, and so does the next training
+forward, with the exact values (within any quantization bound). An evaluation
+of B batches then crosses nodes once per weight instead of B times.
+
 `SecondaryPartition` is a weight source for `zeropp.stages.stage3_param.BucketGather`,
 like the primary partition, and counts its own bytes: each gather charges the
 communicator with the world gather it replaces (the plain equivalent,
@@ -63,6 +71,7 @@ class SecondaryPartition:
             self._slices[s.index] = self.flat[off:off + s.secondary_slice.chunk]
             off += s.secondary_slice.chunk
         self._fresh: set[int] = set()        # weights whose slice holds the current values
+        self._exact: set[int] = set()        # ... the exact ones, not a reconstruction (a subset)
 
     @property
     def group(self):
@@ -73,22 +82,30 @@ class SecondaryPartition:
         return self.partition.size
 
     # -- freshness -----------------------------------------------------------------
-    def holds(self, s) -> bool:
-        """True when the next gather of `s` can come from this partition."""
-        return s.index in self._fresh
+    def holds(self, s, exact: bool = False) -> bool:
+        """True when the next gather of `s` can come from this partition (`exact`: only if it holds
+        the exact values, as evaluation needs)."""
+        return s.index in (self._exact if exact else self._fresh)
 
-    def keep(self, s, full: torch.Tensor):
-        """`s` arrived whole from the primary partition: keep my slice of it."""
+    def keep(self, s, full: torch.Tensor, exact: bool = False):
+        """`s` arrived whole from the primary partition (`exact`: its exact values, not qwZ's or
+        the deltas' reconstruction): keep my slice of it."""
         sl = s.secondary_slice
         self._slices[s.index][:sl.hi - sl.lo].copy_(full.view(-1)[sl.lo:sl.hi])
         self._fresh.add(s.index)
+        if exact:
+            self._exact.add(s.index)
+        else:
+            self._exact.discard(s.index)
 
     def invalidate(self, s=None):
         """The weights (or weight `s`) changed: the next gather goes to the primary partition."""
         if s is None:
             self._fresh.clear()
+            self._exact.clear()
         else:
             self._fresh.discard(s.index)
+            self._exact.discard(s.index)
 
     # -- a weight source (zeropp.stages.stage3_param.BucketGather) ------------------------------
     def bytes_per_element(self, elem_bytes: int) -> float:

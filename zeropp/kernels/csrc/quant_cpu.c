@@ -7,7 +7,7 @@
  * fp32 buffer, so the loops that do the arithmetic see plain fp32 arrays and vectorize.
  *
  * Bit for bit the torch path's results:
- *   scale = max|x| / qmax (NaN if any x is NaN), y = x / safe_scale, clamped to +-qmax,
+ *   scale = max|x| / div (qmax, but 2 for INT2; NaN if any x is NaN), y = x / safe_scale, clamped to +-qmax,
  *   rounded half to even with (y + 1.5 * 2^23) - 1.5 * 2^23 (|y| <= 127 < 2^22);
  *   non-finite scale: data 0; dequantized = q * scale in fp32, then one rounding to the
  *   output dtype; sums of parts in part order, each product rounded before the add.
@@ -57,6 +57,7 @@ static void store_values(const float *buf, int dtype, int64_t count, void *dst, 
  * x is scratch: it is overwritten with the rounded values. */
 static void quantize_block(float *x, int64_t bs, int bits, void *data, float *scale_out) {
     const float qmax = bits == 8 ? 127.0f : bits == 4 ? 7.0f : 1.0f;
+    const float div = bits == 2 ? 2.0f : qmax;   /* format.py SCALE_DIV */
     /* max|x| on the bit patterns: for non-NaN floats the order of |x|'s bits is the order of
      * |x|, and any NaN's bits exceed +inf's (an integer max vectorizes; a float one may not) */
     const uint32_t *u = (const uint32_t *)x;
@@ -67,7 +68,7 @@ static void quantize_block(float *x, int64_t bs, int bits, void *data, float *sc
     }
     float amax;
     memcpy(&amax, &top, 4);
-    float scale = top > 0x7F800000u ? NAN : amax / qmax;
+    float scale = top > 0x7F800000u ? NAN : amax / div;
     *scale_out = scale;
     int8_t q[MAX_BLOCK];
     if (!isfinite(scale)) {             /* inf or NaN in the block: data 0, the scale says why */
