@@ -13,7 +13,7 @@ from parallel.launch import die_with_launcher, print_rank0
 from parallel.topology import Topology
 from zeropp.collectives.partition import Partition
 from parallel.membership import TorchftGroups
-from zeropp.diloco import KEY, PHASE, WARMUP, OuterSettings, attach
+from zeropp.diloco import KEY, PHASE, WARMUP, OuterSettings, attach, saved_layout
 from zeropp.diloco_edges import final_sync as synchronize_groups
 from zeropp.diloco_edges import heal, join, outer_state, with_global_weights
 
@@ -51,6 +51,9 @@ def check_outer_args(args, flag):
     if args.outer_sync_delay == 0 and "outer_merge_alpha" in args.explicit:   # nothing to mix: the merge is at once
         raise ConfigError(f"{flag(args, 'outer_merge_alpha', args.outer_merge_alpha)} has no effect with "
                           f"--outer-sync-delay 0 (the exchange is merged at once); drop it or pass a delay")
+    if args.outer_quantization == "topk2" and "outer_merge_alpha" in args.explicit:
+        raise ConfigError(f"{flag(args, 'outer_merge_alpha', args.outer_merge_alpha)} has no effect with "
+                          f"--outer-quantization topk2 (each group keeps what it did not send); drop it")
     if args.outer_fragments > args.outer_sync_interval:
         raise ConfigError(f"{flag(args, 'outer_fragments', args.outer_fragments)} exceeds {H} (each fragment is "
                           f"exchanged at its own inner step); pass at most {args.outer_sync_interval}")
@@ -145,7 +148,8 @@ def attach_outer(args, engine):
                 f"{settings.quantization} outer gradients"
                 + (f" (top {settings.topk_fraction:g} of each chunk)" if settings.quantization == "topk2" else "")
                 + f", merged {settings.delay} inner step(s) after issue"
-                + (f" keeping {settings.merge_alpha:g} of the local values" if settings.delay else "")
+                + (", each group keeping in its weights what it did not send" if settings.quantization == "topk2"
+                   else f" keeping {settings.merge_alpha:g} of the local values" if settings.delay else "")
                 + (f"; the first {settings.warmup} iterations as one synchronous job (gradients averaged across "
                    f"the groups)" if settings.warmup else ""))
     if args.train_iters is not None and settings.interval >= args.train_iters:   # (the benches build no schedule)
@@ -159,7 +163,7 @@ def attach_outer(args, engine):
     if fault_tolerant(args):   # what a group that is behind takes from a peer; the groups must agree on the shapes
         cross.register(lambda: outer_state(sync), lambda state: heal(sync, state),
                        f"{args.num_groups}/{group.world_size}/{sum(s.numel for s in engine.shards)}/"
-                       f"{sum(g.numel() for g in sync.glob)}/{sync._layout()}")
+                       f"{sum(g.numel() for g in sync.glob)}/{saved_layout(sync.s)}")
     return sync
 
 

@@ -13,12 +13,15 @@ exactly the mean of the locals (one group: exactly its own, bit for bit). Exact 
 an all-reduce of the locals. INT4 (`quantization="int4"`): each rank sends its own D_i plus
 its error e_i, block-quantized by zeropp/kernels/quant.py, all-gathered, dequantized and
 averaged; e_i <- (D_i + e_i) - Q(D_i + e_i), committed only when the outer step is applied.
-Top-k (`quantization="topk2"`): the same, with Q the sparse 2-bit code of zeropp/kernels/sparse.py
-(per chunk of 2048 elements the `topk_fraction` largest in magnitude, 2 bits each, compact
-indices): what a group drops stays in its error until it is sent. A delayed merge keeps alpha of
-the local's distance from the new global values l - g', which the next outer gradient sends
-again, so top-k commits e_i - alpha (g' - l_i) (l_i the local at the issue): the unsent part is
-counted once (INT4, whose error is a rounding, keeps the plain rule).
+Top-k (`quantization="topk2"`, after SparseLoCo, arXiv 2508.15706): each rank sends the sparse
+2-bit code of its D_i (zeropp/kernels/sparse.py: per chunk of 2048 elements the `topk_fraction`
+largest in magnitude, 2 bits each, compact indices), and what it did not send stays in its own
+masters instead of an error buffer: the merge moves them by the global values' step plus what
+this rank sent, l_i <- l_i + (g' - g) + sent_i, so l_i = g' - (D_i - sent_i) and the next D_i
+sends the rest again (error feedback in the weights: nothing of a group's training is dropped,
+and the group trains on from it). Most of a sparse exchange is unsent, so a group that dropped
+it from its weights until it was sent would train for many exchanges from stale values; the
+final synchronization averages the groups' masters exactly and so takes every unsent rest.
 
 Streaming (arXiv 2501.18512): each rank's shard is cut into F fragments of equal bytes (the
 paper cuts by layers, strided; a cut by bytes keeps the largest exchange, which the link
@@ -90,6 +93,28 @@ def outer_wire_nbytes(numel: int, s: OuterSettings) -> int:
     if s.quantization == "topk2":
         return sparse.wire_nbytes(numel, s.topk_fraction)
     return wire_nbytes(numel, 4, s.block_size)
+
+
+def saved_layout(s: OuterSettings) -> list:
+    """What a saved outer state's shape and schedule depend on."""
+    topk = [s.topk_fraction] if s.quantization == "topk2" else []   # what the masters hold unsent
+    return [s.interval, s.fragments, s.quantization, bool(s.momentum), s.delay] + topk
+
+
+def encode_outer(send: torch.Tensor, s: OuterSettings) -> tuple[torch.Tensor, torch.Tensor]:
+    """A quantized outer gradient: (its wire, what the wire decodes to)."""
+    if s.quantization == "topk2":
+        q = sparse.encode(send, s.topk_fraction)
+        return q.to_bytes(), sparse.decode(q)
+    q = quantize(send, 4, s.block_size)
+    return q.to_bytes(), dequantize(q)
+
+
+def decode_mean(buf: torch.Tensor, numel: int, groups: int, s: OuterSettings) -> torch.Tensor:
+    """The mean of the gathered wires `buf` [groups, bytes], fp32 [numel]."""
+    if s.quantization == "topk2":
+        return sparse.decode_reduce(sparse.SparseTopK.from_bytes(buf, numel, s.topk_fraction), 1.0 / groups)
+    return dequantize_reduce(Quantized.from_bytes(buf, numel, 4, s.block_size), torch.float32, 1.0 / groups)
 
 
 def exchange_per_step(owned: int, s: OuterSettings) -> PlannedCollective:
@@ -212,16 +237,11 @@ class OuterSync:
             x.buf = local if opened.scale is None else local.mul_(opened.scale)
             x.work = self.cross.all_reduce(x.buf, PHASE)
             return x
-        send = mine + self.err[f]
-        if self.s.quantization == "topk2":
-            q = sparse.encode(send, self.s.topk_fraction)
-            wire, sent = q.to_bytes(), sparse.decode(q)
-        else:
-            q = quantize(send, 4, self.s.block_size)
-            wire, sent = q.to_bytes(), None
+        send = mine + self.err[f]   # topk2: err is 0 between exchanges (the rest is in my masters)
+        wire, sent = encode_outer(send, self.s)
         x.buf, x.wire = torch.empty(opened.size, wire.numel(), dtype=torch.uint8, device=wire.device), wire
         x.work = self.cross.all_gather(x.buf, wire, PHASE)
-        x.error = send.sub_(dequantize(q) if sent is None else sent)
+        x.error = send.sub_(sent)
         return x
 
     def _outer_step(self, x: Exchange):
@@ -238,13 +258,8 @@ class OuterSync:
         if x.error is None:
             mean = x.buf.div_(n) if n > 1 and not x.weighted else x.buf
             outer = g - mean
-        elif self.s.quantization == "topk2":
-            parts = sparse.SparseTopK.from_bytes(x.buf, g.numel(), self.s.topk_fraction)
-            outer = sparse.decode_reduce(parts, 1.0 / n)
-            mean = g - outer
         else:
-            parts = Quantized.from_bytes(x.buf, g.numel(), 4, self.s.block_size)
-            outer = dequantize_reduce(parts, torch.float32, 1.0 / n)
+            outer = decode_mean(x.buf, g.numel(), n, self.s)
             mean = g - outer
         x.work = x.buf = x.wire = None
         finite, x.reseed, x.drift = group_check(self.comm, outer, x.mine)
@@ -256,13 +271,9 @@ class OuterSync:
         if self.mom is not None:
             self.mom[f].mul_(self.s.momentum).add_(outer)
             new.add_(self.mom[f], alpha=-self.s.lr * self.s.momentum)
-        if x.error is not None:
-            keep = self.s.merge_alpha if self.s.delay else 0.0
-            if keep and self.s.quantization == "topk2":
-                # The merge keeps `keep` of my local's distance from the new global values, which my
-                # next outer gradient sends again: the error must not (most of a sparse exchange is
-                # unsent, so counting it twice would double the step of every coordinate sent late).
-                x.error.sub_(new.sub(g).add_(x.mine), alpha=keep)
+        if self.s.quantization == "topk2":   # the merge's move of my masters: the global values' and what I sent
+            self.err[f].copy_(new.sub(g).add_(x.mine).sub_(x.error))
+        elif x.error is not None:
             self.err[f].copy_(x.error)
         g.copy_(new)
         x.mine = x.error = None
@@ -277,8 +288,12 @@ class OuterSync:
                 self._set_masters(x.fragment, 0.0, self.glob[x.fragment])
                 self.engine.masters_changed()
             return x.note
-        keep = self.s.merge_alpha if self.s.delay else 0.0   # delay 0: nothing trained it meanwhile
-        self._set_masters(x.fragment, keep, self.glob[x.fragment])
+        f = x.fragment
+        if self.s.quantization == "topk2":   # what I did not send stays in my masters
+            self._set_masters(f, 0.0, self.local(f).add_(self.err[f]))
+            self.err[f].zero_()
+        else:   # delay 0: nothing trained it meanwhile
+            self._set_masters(f, self.s.merge_alpha if self.s.delay else 0.0, self.glob[f])
         self.engine.masters_changed()
         self.drift = x.drift
         return None
@@ -296,18 +311,13 @@ class OuterSync:
         """With the merges to come: taken after checkpoint_state(), which steps them."""
         return {"steps": self.steps, "outer_steps": self.outer_steps, "groups": self.cross.layout_key(),
                 "since": self.since, "membership": self.cross.state_dict(),
-                "settings": self._layout(),
+                "settings": saved_layout(self.s),
                 "merges": [[x.fragment, x.merge_at, x.drift, x.note, x.reseed]
                            for x in self.pending if x.stepped or x.note]}
 
-    def _layout(self) -> list:
-        """What the saved outer state's shape and schedule depend on."""
-        topk = [self.s.topk_fraction] if self.s.quantization == "topk2" else []   # what the error holds
-        return [self.s.interval, self.s.fragments, self.s.quantization, self.mom is not None, self.s.delay] + topk
-
     def carried(self, saved: dict | None) -> bool:
         return (saved is not None and saved.get("groups") == self.cross.layout_key()
-                and saved.get("settings") == self._layout())
+                and saved.get("settings") == saved_layout(self.s))
 
     def load_scalar_state(self, saved: dict | None) -> str | None:
         self.drain()

@@ -50,15 +50,14 @@ def _check_chunk(chunk: int):
         raise ValueError(f"CPU top-k kernels take chunks of at most {_LIB.zs_max_chunk()} elements, got {chunk}")
 
 
-def encode(x: torch.Tensor, k: int, chunk: int):
-    from zeropp.kernels.sparse import SparseTopK, num_chunks
+def encode(x: torch.Tensor, k: int, chunk: int, nc: int):
+    """(scales [nc], index int32 [nc, k], codes uint8 [nc, k]): sparse.py wraps them."""
     _check_chunk(chunk)
-    nc = num_chunks(x.numel(), chunk)
     scales = torch.empty(nc, dtype=torch.float32)
     index = torch.empty(nc, k, dtype=torch.int32)
     codes = torch.empty(nc, k, dtype=torch.uint8)
     _LIB.zs_encode(x.data_ptr(), x.numel(), chunk, k, scales.data_ptr(), index.data_ptr(), codes.data_ptr())
-    return SparseTopK(scales, index, codes, x.numel(), chunk)
+    return scales, index, codes
 
 
 def decode_reduce(parts, factor, out: torch.Tensor) -> torch.Tensor:

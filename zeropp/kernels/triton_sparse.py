@@ -39,12 +39,20 @@ def _encode_kernel(x_ptr, numel, scales_ptr, index_ptr, codes_ptr, k, CHUNK: tl.
         if tl.sum((key >= cand).to(tl.int32), axis=0) >= k:
             t = cand
     kept = key >= t
+    # the scale: the median of the kept nonzero magnitudes, the (nz // 2 + 1)-th largest key
+    nz = tl.sum((kept & (key >= (2 << 32))).to(tl.int32), axis=0)
+    m = tl.zeros([], dtype=tl.int64)
+    for b in range(62, -1, -1):
+        cand = m | (one << b)
+        if tl.sum((key >= cand).to(tl.int32), axis=0) >= nz // 2 + 1:
+            m = cand
+    median = tl.where(nz > 0, ((m >> 32) - 1).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
+    s = tl.where((amax == amax) & (amax != float("inf")), median, amax)
     slot = tl.cumsum(kept.to(tl.int32), axis=0) - 1
-    half = amax * 0.5
-    code = ((mag > half).to(tl.int32) << 1) | (x < 0.0).to(tl.int32)
+    code = ((mag > s * 2.0).to(tl.int32) << 1) | (x < 0.0).to(tl.int32)
     tl.store(index_ptr + c * k + slot, i.to(tl.int32), mask=kept)
     tl.store(codes_ptr + c * k + slot, code.to(tl.uint8), mask=kept)
-    tl.store(scales_ptr + c, amax * 0.25)
+    tl.store(scales_ptr + c, s)
 
 
 @triton.jit
@@ -73,14 +81,13 @@ def _decode_kernel(scales_ptr, index_ptr, codes_ptr, parts, nc, k, numel, out_pt
         tl.store(out_ptr + c * CHUNK + i, v * factor, mask=mine)
 
 
-def encode(x: torch.Tensor, k: int, chunk: int):
-    from zeropp.kernels.sparse import SparseTopK, num_chunks
-    nc = num_chunks(x.numel(), chunk)
+def encode(x: torch.Tensor, k: int, chunk: int, nc: int):
+    """(scales [nc], index int32 [nc, k], codes uint8 [nc, k]): sparse.py wraps them."""
     scales = torch.empty(nc, dtype=torch.float32, device=x.device)
     index = torch.empty(nc, k, dtype=torch.int32, device=x.device)
     codes = torch.empty(nc, k, dtype=torch.uint8, device=x.device)
     _encode_kernel[(nc,)](x, x.numel(), scales, index, codes, k, CHUNK=chunk, **_EXACT)
-    return SparseTopK(scales, index, codes, x.numel(), chunk)
+    return scales, index, codes
 
 
 def decode_reduce(parts, factor, out: torch.Tensor) -> torch.Tensor:

@@ -59,8 +59,17 @@ void zs_encode(const float *x, int64_t numel, int64_t chunk, int64_t k, float *s
         if (nan) amax = NAN;   /* torch's amax propagates a NaN */
         memcpy(work, keys, chunk * sizeof(uint64_t));
         uint64_t t = kth_largest(work, chunk, k);
-        float half = amax * 0.5f;
-        scales[c] = amax * 0.25f;
+        /* the scale: the median of the kept nonzero magnitudes, the (nz/2 + 1)-th largest key */
+        int64_t nz = 0;
+        for (int64_t i = 0; i < chunk; i++) nz += keys[i] >= t && keys[i] >= (2ULL << 32);
+        float median = 0.0f;
+        if (nz > 0) {
+            uint32_t b = (uint32_t)((kth_largest(work, chunk, nz / 2 + 1) >> 32) - 1);
+            memcpy(&median, &b, 4);
+        }
+        float s = isfinite(amax) ? median : amax;
+        float half = s * 2.0f;   /* the upper level's threshold */
+        scales[c] = s;
         int32_t *ic = index + c * k;
         uint8_t *cc = codes + c * k;
         int64_t j = 0;
