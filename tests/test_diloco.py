@@ -14,7 +14,7 @@
   the exact mean, the error feedback what quantization left;
 - the streaming schedule: fragments at staggered steps (equal parts of each shard), applied one
   step later, the groups' global copies identical;
-- a non-finite fragment in one group: one outer step skipped everywhere, that group takes the
+- a non-finite fragment in one group (INT4 and topk2 outer gradients): one outer step skipped everywhere, that group takes the
   global values, the next exchange is everyone's;
 - fp16 with groups whose loss scalers differ: each group's scalar state comes back to it, and
   the resume is exact.
@@ -89,6 +89,7 @@ def scenarios(rank, world, tmp):
     out["delayed_resume"] = delayed_resume(rank, world, tmp)
     out["warmup_resume"] = warmup_resume(rank, world, tmp)
     out["nonfinite_runs"] = nonfinite_runs(rank, world)
+    out["nonfinite_topk2"] = nonfinite_runs(rank, world, "topk2")
     out["fp16_resume"] = fp16_resume(rank, world, tmp)
     out["final_runs"] = final_runs(rank, world, tmp)
     return out
@@ -297,10 +298,10 @@ def test_int4_outer_gradients_within_the_block_bound(runs):
         assert (err.double().abs() <= halves[me] + slack).all()
 
 
-def nonfinite_runs(rank, world):
+def nonfinite_runs(rank, world, quantization="int4"):
     import warnings
     job = topology_from_env(2)
-    engine, sync, _ = diloco(job, 1, OuterSettings(1, quantization="int4", delay=0))
+    engine, sync, _ = diloco(job, 1, OuterSettings(1, quantization=quantization, delay=0, topk_fraction=0.05))
     data = batches(3, world)
     train(engine, data[:1], rank)
     before = sync.glob[0].clone(), sync.err[0].clone(), sync.mom[0].clone()
@@ -321,8 +322,9 @@ def nonfinite_runs(rank, world):
             [str(w.message) for w in later], sync.glob[0].clone())
 
 
-def test_a_non_finite_fragment_skips_one_outer_step_and_the_bad_group_takes_the_global_values(runs):
-    results = runs["nonfinite_runs"]
+@pytest.mark.parametrize("case", ["nonfinite_runs", "nonfinite_topk2"])
+def test_a_non_finite_fragment_skips_one_outer_step_and_the_bad_group_takes_the_global_values(runs, case):
+    results = runs[case]
     for rank, (unchanged, finite, caught, reseeded, steps, later, glob) in enumerate(results):
         assert finite
         # ranks 0 and 2 hold the bad shard; every rank skips the fragment's outer step with them
