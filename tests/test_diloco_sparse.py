@@ -136,6 +136,25 @@ def test_wire_bytes_per_kept_value():
     # 2048 and 2%: 41 kept, 11-bit indices (57 bytes), 2-bit codes (11 bytes), a 4-byte scale
     assert sparse.wire_nbytes(2048, 0.02) == 4 + 57 + 11 and sparse.wire_nbytes(2049, 0.02) == 2 * 72
     assert sparse.wire_nbytes(10 ** 6, 0.02) < 10 ** 6 * 4 / 100   # under 1% of fp32
+    # above 1/11 kept, the positions go as a bitmap of the chunk: 2048 bits instead of k x 11
+    assert not sparse.bitmap(186, 2048) and sparse.bitmap(187, 2048)
+    assert sparse.wire_nbytes(2048, 0.25) == 4 + 256 + 128 and sparse.wire_nbytes(2048, 0.5) == 4 + 256 + 256
+
+
+@pytest.mark.parametrize("n, fraction", [(2048, 0.1), (5000, 0.25), (70, 0.5)])
+def test_bitmap_positions_round_trip(n, fraction):
+    x = sample(n, 5)
+    sp = sparse.encode(x, fraction)
+    assert sparse.bitmap(sp.k, sp.chunk)
+    wire = sp.to_bytes()
+    assert wire.numel() == sparse.wire_nbytes(n, fraction)
+    same(SparseTopK.from_bytes(wire, n, fraction), sp)
+    two = SparseTopK.from_bytes(torch.stack([wire, sparse.encode(-2 * x, fraction).to_bytes()]), n, fraction)
+    assert torch.equal(two.index[0], sp.index) and torch.equal(two.index[1], sp.index)   # the same magnitudes' order
+    bad = wire.clone()
+    bad[4 * sparse.num_chunks(n, sp.chunk)] ^= 1   # one position more or less in the first chunk
+    with pytest.raises(ValueError, match="bitmap"):
+        SparseTopK.from_bytes(bad, n, fraction)
 
 
 # -- the outer step on 4 ranks as 2 groups x 2 -----------------------------------------------------

@@ -74,9 +74,15 @@ def check_chunk(chunk: int) -> int:
     return chunk
 
 
+def bitmap(k: int, chunk: int) -> bool:
+    """Whether a chunk's kept positions go as a bitmap of the chunk (1 bit per element) rather
+    than as k indices of log2(chunk) bits: whichever is smaller (above 1/11 kept at 2048)."""
+    return chunk < k * index_bits(chunk)
+
+
 def _sizes(k: int, chunk: int) -> tuple[int, int]:
-    """Bytes of one chunk's packed indices and of its packed codes."""
-    return -(-k * index_bits(chunk) // 8), -(-k * 2 // 8)
+    """Bytes of one chunk's packed positions and of its packed codes."""
+    return -(-(chunk if bitmap(k, chunk) else k * index_bits(chunk)) // 8), -(-k * 2 // 8)
 
 
 def wire_nbytes(numel: int, fraction: float, chunk: int = DEFAULT_CHUNK) -> int:
@@ -109,7 +115,11 @@ class SparseTopK:
     def to_bytes(self) -> torch.Tensor:
         lead = self.scales.shape[:-1]
         s = self.scales.contiguous().view(torch.uint8).reshape(*lead, -1)
-        i = _pack(self.index.to(torch.int64), index_bits(self.chunk)).reshape(*lead, -1)
+        if bitmap(self.k, self.chunk):
+            mask = torch.zeros(*self.index.shape[:-1], self.chunk, dtype=torch.int64, device=self.index.device)
+            i = _pack(mask.scatter_(-1, self.index.to(torch.int64), 1), 1).reshape(*lead, -1)
+        else:
+            i = _pack(self.index.to(torch.int64), index_bits(self.chunk)).reshape(*lead, -1)
         c = _pack(self.codes.to(torch.int64), 2).reshape(*lead, -1)
         return torch.cat([s, i, c], dim=-1)
 
@@ -126,8 +136,14 @@ class SparseTopK:
         scales = buf[..., :4 * nc].contiguous().view(torch.float32)
         i = buf[..., 4 * nc:4 * nc + nc * ib].reshape(*lead, nc, ib)
         c = buf[..., 4 * nc + nc * ib:].reshape(*lead, nc, cb)
-        return SparseTopK(scales, _unpack(i, index_bits(chunk), k).to(torch.int32), _unpack(c, 2, k).to(torch.uint8),
-                          numel, chunk)
+        if bitmap(k, chunk):   # the set bits' positions, ascending: exactly k per chunk
+            mask = _unpack(i, 1, chunk).bool()
+            if not (mask.sum(-1) == k).all():
+                raise ValueError(f"a chunk's bitmap does not hold {k} positions")
+            index = mask.nonzero()[:, -1].reshape(*lead, nc, k)
+        else:
+            index = _unpack(i, index_bits(chunk), k)
+        return SparseTopK(scales, index.to(torch.int32), _unpack(c, 2, k).to(torch.uint8), numel, chunk)
 
 
 _WEIGHTS = {}
