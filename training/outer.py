@@ -51,9 +51,6 @@ def check_outer_args(args, flag):
     if args.outer_sync_delay == 0 and "outer_merge_alpha" in args.explicit:   # nothing to mix: the merge is at once
         raise ConfigError(f"{flag(args, 'outer_merge_alpha', args.outer_merge_alpha)} has no effect with "
                           f"--outer-sync-delay 0 (the exchange is merged at once); drop it or pass a delay")
-    if args.outer_quantization == "topk2" and "outer_merge_alpha" in args.explicit:
-        raise ConfigError(f"{flag(args, 'outer_merge_alpha', args.outer_merge_alpha)} has no effect with "
-                          f"--outer-quantization topk2 (each group keeps what it did not send); drop it")
     if args.outer_fragments > args.outer_sync_interval:
         raise ConfigError(f"{flag(args, 'outer_fragments', args.outer_fragments)} exceeds {H} (each fragment is "
                           f"exchanged at its own inner step); pass at most {args.outer_sync_interval}")
@@ -148,8 +145,8 @@ def attach_outer(args, engine):
                 f"{settings.quantization} outer gradients"
                 + (f" (top {settings.topk_fraction:g} of each chunk)" if settings.quantization == "topk2" else "")
                 + f", merged {settings.delay} inner step(s) after issue"
-                + (", each group keeping in its weights what it did not send" if settings.quantization == "topk2"
-                   else f" keeping {settings.merge_alpha:g} of the local values" if settings.delay else "")
+                + (f" keeping {settings.merge_alpha:g} of the local values" if settings.delay else "")
+                + ("; what a group does not send stays in its weights" if settings.quantization == "topk2" else "")
                 + (f"; the first {settings.warmup} iterations as one synchronous job (gradients averaged across "
                    f"the groups)" if settings.warmup else ""))
     if args.train_iters is not None and settings.interval >= args.train_iters:   # (the benches build no schedule)
