@@ -8,7 +8,8 @@ the "DiLoCo job" table; tests/test_diloco_job.py asserts each on a tiny corpus).
   exits 0 and the checkpoint the tracker names is complete and loadable.
 - diverge-one-group: fp32 SGD at a learning rate that diverges, one group first. Every rank
   stops after the same iteration and saves the last good weights there; what every rank says
-  it saved is the tracker's latest, complete and loadable.
+  it saved is the tracker's latest, complete and loadable. diverge-one-group-topk2: the same with
+  sparse outer gradients (`--outer-quantization topk2`).
 - short-export: a run shorter than H (H = 100, 6 iterations, saved at 3 and 6): the run says
   the final synchronization is its only one, and the exported model of the last checkpoint is
   not the one of iteration 3 (no exchange before the end: then, the initialization).
@@ -27,7 +28,8 @@ from bench import ROOT
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
 GROUPS = ["--global-batch-size", "8", "--zero-stage", "3", "--ranks-per-node", "2", "--group-size", "1"]
-FAULTS = ("signal-one-group", "diverge-one-group", "short-export")
+FAULTS = ("signal-one-group", "diverge-one-group", "diverge-one-group-topk2", "short-export")
+TOPK2 = ["--outer-quantization", "topk2"]
 
 
 # -- train.py under torchrun ------------------------------------------------------------------------
@@ -128,8 +130,9 @@ def signal_one_group(base: list[str], save: Path) -> str:
     return bad or ("" if said in out else problem(out, f"no line '{said}'"))
 
 
-def diverge_one_group(base: list[str], save: Path) -> str:
-    proc = launch(4, [*base, *GROUPS, "--train-iters", "30", "--outer-sync-interval", "4", "--optimizer", "sgd",
+def diverge_one_group(base: list[str], save: Path, outer: tuple = ()) -> str:
+    """`outer`: more outer flags (the topk2 cell: sparse outer gradients, the unsent rest in the weights)."""
+    proc = launch(4, [*base, *GROUPS, *outer, "--train-iters", "30", "--outer-sync-interval", "4", "--optimizer", "sgd",
                       "--lr", "6", "--lr-decay-style", "constant", "--lr-warmup-iters", "0", "--clip-grad", "0",
                       "--log-interval", "1", "--save-interval", "2", "--eval-interval", "1000"])
     out, hung = finish(proc, 300)   # its start included, on 2 busy cores
@@ -185,7 +188,8 @@ def run_cells(base, tmp: Path, faults=FAULTS) -> dict:
             _, out, rc = short_run(base(out_dir))
             why = short_export(out, rc, out_dir / "ckpt")
         else:
-            why = {"signal-one-group": signal_one_group, "diverge-one-group": diverge_one_group}[fault](
+            why = {"signal-one-group": signal_one_group, "diverge-one-group": diverge_one_group,
+                   "diverge-one-group-topk2": lambda b, c: diverge_one_group(b, c, TOPK2)}[fault](
                 base(out_dir), out_dir / "ckpt")
         row[fault] = {"ok": not why, "why": why, "seconds": time.perf_counter() - start}
     return row

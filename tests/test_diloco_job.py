@@ -13,7 +13,7 @@ node (`--ranks-per-node 2 --group-size 1`), a 2-layer GPT on a tiny corpus.
 import pytest
 import torch
 
-from bench.diloco_job import GROUPS, diverge_one_group, finish, launch, short_export, short_run, signal_one_group
+from bench.diloco_job import GROUPS, TOPK2, diverge_one_group, finish, launch, short_export, short_run, signal_one_group
 from tests.test_cli_errors import fails, good
 from tests.test_cli_errors import corpus as cli_corpus   # noqa: F401 (a fixture)
 from tests.test_train import corpus, flags   # noqa: F401 (corpus: the fixture)
@@ -35,11 +35,13 @@ def test_sigterm_to_one_group_stops_every_group_and_saves(corpus, tmp_path):  # 
     assert signal_one_group(base(corpus, tmp_path), tmp_path / "ckpt") == ""
 
 
-def test_a_loss_diverging_in_one_group_stops_every_group_with_a_loadable_checkpoint(corpus, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("outer", [(), TOPK2], ids=["exact", "topk2"])
+def test_a_loss_diverging_in_one_group_stops_every_group_with_a_loadable_checkpoint(corpus, tmp_path, outer):  # noqa: F811
     """fp32 SGD at a learning rate that diverges, one group first (each group stopping alone,
     the other reported a save that never completed). Every rank stops after the same iteration
-    and saves it, the last good weights, and it is the latest and loadable."""
-    assert diverge_one_group(base(corpus, tmp_path), tmp_path / "ckpt") == ""
+    and saves it, the last good weights, and it is the latest and loadable; with sparse outer
+    gradients too (the unsent rest lives in the weights)."""
+    assert diverge_one_group(base(corpus, tmp_path), tmp_path / "ckpt", tuple(outer)) == ""
 
 
 # -- the end of training and what is evaluated ---------------------------------------------------------

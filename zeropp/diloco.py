@@ -21,8 +21,8 @@ this rank sent, l_i <- l_i + (1 - alpha)((g' - g) + sent_i) (alpha the streaming
 below, 0 without a delay), so the unsent rest D_i - sent_i stays in l_i and the next D_i sends
 it again (error feedback in the weights). Most of a sparse exchange is unsent: a group that
 dropped it from its weights until it was sent would train for many exchanges from stale values
-(+13% final validation loss at 2% in bench/results/convergence_diloco_h16_topk2_1234.md, against
-+1.85% this way). The final synchronization averages the groups' masters exactly, so the
+(at 2%, H = 16: +13% of ZeRO-3's final validation loss, bench/results/
+convergence_diloco_h16_topk2_errorbuffer_1234.md; this way +1.85%, convergence_diloco_h16_topk2_1234.md). The final synchronization averages the groups' masters exactly, so the
 global parameters take every unsent rest.
 
 Streaming (arXiv 2501.18512): each rank's shard is cut into F fragments of equal bytes (the
