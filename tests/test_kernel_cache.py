@@ -171,7 +171,7 @@ def test_a_cache_directory_others_can_write_is_refused_with_one_line(compiler, t
 
 def _load(cache, monkeypatch):
     monkeypatch.setenv("ZEROPP_CACHE_DIR", str(cache))
-    return kernel_cache.load("quant_cpu", quant_cpu._SOURCE, quant_cpu._FLAGS, os.environ.get("CC", "cc"),
+    return kernel_cache.load("quant_cpu", quant_cpu._KERNELS.source, kernel_cache.Kernels.FLAGS, os.environ.get("CC", "cc"),
                              libs=["-lm"])
 
 

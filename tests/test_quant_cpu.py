@@ -201,11 +201,11 @@ def test_ranks_building_at_once_build_one_library(tmp_path):
 
 
 def test_the_cache_key_follows_the_source_the_flags_and_the_processor(monkeypatch, tmp_path):
-    def key(source=cpu_quant._SOURCE, flags=cpu_quant._FLAGS):
+    def key(source=cpu_quant._KERNELS.source, flags=cache.Kernels.FLAGS):
         return cache.key_of(cache.key_inputs(source, flags, "true"))
     a = key()
     edited = tmp_path / "quant_cpu.c"
-    edited.write_bytes(cpu_quant._SOURCE.read_bytes() + b"\n")
-    assert key(source=edited) != a and key(flags=cpu_quant._FLAGS[1:]) != a and key() == a
+    edited.write_bytes(cpu_quant._KERNELS.source.read_bytes() + b"\n")
+    assert key(source=edited) != a and key(flags=cache.Kernels.FLAGS[1:]) != a and key() == a
     monkeypatch.setattr(cache, "cpu_features", lambda: "flags: another processor")
     assert key() != a

@@ -223,3 +223,26 @@ def load(name: str, source: Path, flags: Sequence[str], compiler: str, libs: Seq
     if lib is None:
         raise RuntimeError(f"{so} {problem or 'is missing'} right after it was built")
     return lib
+
+
+class Kernels:
+    """A C source of ours, built, cached (`load`) and loaded on first use. `available()` is False,
+    and `why_not()` says why, when no compiler or a failed build leaves the caller its torch path;
+    a ConfigError (a cache others can write) is the user's to fix: it propagates."""
+    FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11"]
+
+    def __init__(self, name: str, source: Path, what: str, declare):
+        self.name, self.source, self.what, self.declare = name, source, what, declare   # declare(lib): argtypes
+        self.lib, self.why = None, ""   # lib: False once a build failed
+
+    def available(self) -> bool:
+        if self.lib is None:
+            try:
+                self.lib = load(self.name, self.source, self.FLAGS, os.environ.get("CC", "cc"), libs=["-lm"])
+                self.declare(self.lib)
+            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+                self.lib, self.why = False, f"the CPU {self.what} kernels could not be built ({e})"
+        return self.lib is not False
+
+    def why_not(self) -> str:
+        return self.why

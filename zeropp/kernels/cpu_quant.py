@@ -14,8 +14,6 @@ False and zeropp.kernels.quant says why once, then uses the torch path.
 from __future__ import annotations
 
 import ctypes
-import os
-import subprocess
 import warnings
 from pathlib import Path
 from typing import Optional
@@ -25,47 +23,28 @@ import torch
 from zeropp.kernels import cache
 from zeropp.kernels.format import Quantized
 
-_SOURCE = Path(__file__).with_name("csrc") / "quant_cpu.c"
-_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_LIB = None          # ctypes library, False once a build failed
-_WHY_NOT = ""        # why the library is not available
 
 
-def _load():
-    global _WHY_NOT
-    try:   # a ConfigError (a cache others can write) is the user's to fix: it propagates
-        lib = cache.load("quant_cpu", _SOURCE, _FLAGS, os.environ.get("CC", "cc"), libs=["-lm"])
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        _WHY_NOT = f"the CPU quantization kernels could not be built ({e})"
-        return False
+def _declare(lib):
     i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
     lib.zq_quantize.argtypes = [ptr, i32, i64, i32, i64, ptr, ptr]
     lib.zq_dequantize.argtypes = [ptr, i64, ptr, i64, i64, i64, i32, i64, i32, f32, ptr, i32, i64, i32, i32,
                                   ptr, ptr]
     lib.zq_max_block.restype = i32
-    return lib
 
 
-def available() -> bool:
-    """True once the kernels are built and loaded (builds them on the first call)."""
-    global _LIB
-    if _LIB is None:
-        _LIB = _load()
-    return _LIB is not False
-
-
-def why_not() -> str:
-    return _WHY_NOT
+_KERNELS = cache.Kernels("quant_cpu", Path(__file__).with_name("csrc") / "quant_cpu.c", "quantization", _declare)
+available, why_not = _KERNELS.available, _KERNELS.why_not   # built on the first call to available()
 
 
 def supports(block_size: int) -> bool:
-    return available() and block_size <= _LIB.zq_max_block()
+    return available() and block_size <= _KERNELS.lib.zq_max_block()
 
 
 def _check_block(block_size: int):
-    if block_size > _LIB.zq_max_block():
-        raise ValueError(f"CPU quantization kernels take blocks of at most {_LIB.zq_max_block()} elements, "
+    if block_size > _KERNELS.lib.zq_max_block():
+        raise ValueError(f"CPU quantization kernels take blocks of at most {_KERNELS.lib.zq_max_block()} elements, "
                          f"got {block_size}")
 
 
@@ -79,7 +58,7 @@ def quantize(x: torch.Tensor, bits: int, block_size: int, out: Optional[Quantize
     _check_block(block_size)
     x = x.reshape(-1).contiguous()
     out = out if out is not None else Quantized.empty(x.numel(), bits, block_size, x.device)
-    _LIB.zq_quantize(x.data_ptr(), _dtype_code(x), x.numel(), bits, block_size, out.data.data_ptr(),
+    _KERNELS.lib.zq_quantize(x.data_ptr(), _dtype_code(x), x.numel(), bits, block_size, out.data.data_ptr(),
                      out.scales.data_ptr())
     return out
 
@@ -93,7 +72,7 @@ def _run(st: Quantized, reduce: bool, factor: float, out: Optional[torch.Tensor]
     if data.stride(-1) != 1 or scales.stride(-1) != 1 or (out is not None and out.stride(-1) != 1):
         raise ValueError("each part's data and scales, and each row of out, must be contiguous")
     out_stride = out.stride(0) if out is not None and out.dim() == 2 else st.numel
-    _LIB.zq_dequantize(data.data_ptr(), data.stride(0) * data.element_size(), scales.data_ptr(), scales.stride(0),
+    _KERNELS.lib.zq_dequantize(data.data_ptr(), data.stride(0) * data.element_size(), scales.data_ptr(), scales.stride(0),
                        len(st), st.numel, st.bits, st.block_size, int(reduce), factor,
                        out.data_ptr() if out is not None else None, _dtype_code(out) if out is not None else 0,
                        out_stride, int(accumulate), requant.bits if requant is not None else 0,
@@ -129,4 +108,4 @@ def dequantize_reduce(st: Quantized, dtype: torch.dtype, scale: float, out: torc
 
 
 def warn_unavailable():
-    warnings.warn(f"zeropp.kernels.quant: {_WHY_NOT}; using the torch path (slower on CPU)", RuntimeWarning, stacklevel=4)
+    warnings.warn(f"zeropp.kernels.quant: {why_not()}; using the torch path (slower on CPU)", RuntimeWarning, stacklevel=4)

@@ -6,48 +6,27 @@ zeropp.kernels.sparse uses the torch path."""
 from __future__ import annotations
 
 import ctypes
-import os
-import subprocess
 from pathlib import Path
 
 import torch
 
 from zeropp.kernels import cache
-from zeropp.kernels.cpu_quant import _FLAGS
-
-_SOURCE = Path(__file__).with_name("csrc") / "sparse_cpu.c"
-_LIB = None          # ctypes library, False once a build failed
-_WHY_NOT = ""
 
 
-def _load():
-    global _WHY_NOT
-    try:   # a ConfigError (a cache others can write) propagates, as in cpu_quant
-        lib = cache.load("sparse_cpu", _SOURCE, _FLAGS, os.environ.get("CC", "cc"), libs=["-lm"])
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        _WHY_NOT = f"the CPU top-k kernels could not be built ({e})"
-        return False
+def _declare(lib):
     i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
     lib.zs_encode.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr]
     lib.zs_decode_reduce.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i32, f32, ptr]
     lib.zs_max_chunk.restype = i32
-    return lib
 
 
-def available() -> bool:
-    global _LIB
-    if _LIB is None:
-        _LIB = _load()
-    return _LIB is not False
-
-
-def why_not() -> str:
-    return _WHY_NOT
+_KERNELS = cache.Kernels("sparse_cpu", Path(__file__).with_name("csrc") / "sparse_cpu.c", "top-k", _declare)
+available, why_not = _KERNELS.available, _KERNELS.why_not
 
 
 def _check_chunk(chunk: int):
-    if chunk > _LIB.zs_max_chunk():
-        raise ValueError(f"CPU top-k kernels take chunks of at most {_LIB.zs_max_chunk()} elements, got {chunk}")
+    if chunk > _KERNELS.lib.zs_max_chunk():
+        raise ValueError(f"CPU top-k kernels take chunks of at most {_KERNELS.lib.zs_max_chunk()} elements, got {chunk}")
 
 
 def encode(x: torch.Tensor, k: int, chunk: int, nc: int):
@@ -56,7 +35,7 @@ def encode(x: torch.Tensor, k: int, chunk: int, nc: int):
     scales = torch.empty(nc, dtype=torch.float32)
     index = torch.empty(nc, k, dtype=torch.int32)
     codes = torch.empty(nc, k, dtype=torch.uint8)
-    _LIB.zs_encode(x.data_ptr(), x.numel(), chunk, k, scales.data_ptr(), index.data_ptr(), codes.data_ptr())
+    _KERNELS.lib.zs_encode(x.data_ptr(), x.numel(), chunk, k, scales.data_ptr(), index.data_ptr(), codes.data_ptr())
     return scales, index, codes
 
 
@@ -65,7 +44,7 @@ def decode_reduce(parts, factor, out: torch.Tensor) -> torch.Tensor:
     _check_chunk(parts.chunk)
     scales, index, codes = parts.scales.contiguous(), parts.index.contiguous(), parts.codes.contiguous()
     nc, k = scales.shape[-1], parts.k
-    _LIB.zs_decode_reduce(scales.data_ptr(), nc, index.data_ptr(), codes.data_ptr(), nc * k, scales.shape[0],
+    _KERNELS.lib.zs_decode_reduce(scales.data_ptr(), nc, index.data_ptr(), codes.data_ptr(), nc * k, scales.shape[0],
                           parts.numel, parts.chunk, k, int(factor is not None),
                           1.0 if factor is None else factor, out.data_ptr())
     return out
