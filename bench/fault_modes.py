@@ -5,7 +5,7 @@ cell's verdict is every rank's (the groups of DiLoCo hold different states).
 
 DiLoCo: 4 ranks in 2 groups (2 nodes x 2, a group a node, ZeRO-3 inside; or 4 nodes x 1,
 a group of 2 nodes, qwZ + qgZ inside), H = 2, 2 fragments (an exchange after every inner
-step), exact or INT4 outer gradients, merged at once or one step after issue. After every step
+step), exact, INT4 or sparse top-k (topk2) outer gradients, merged at once or one step after issue. After every step
 the ranks of a group agree on the engine's scalar state (the outer schedule's with it), the
 groups' global copies of each shard are identical, and every rank counts the same inner steps.
 
@@ -22,7 +22,7 @@ groups' global copies of each shard are identical, and every rank counts the sam
   qwZ's recorded orders decide its bits), bit for bit. The plain engine's checkpoint then
   loads into 2 groups: one line names the outer state's reset, every group starts from it
   and its global copies are its weights.
-- toggle: the checkpoint loaded by 2 groups with other outer settings (INT4 flipped, the
+- toggle: the checkpoint loaded by 2 groups with other outer settings (INT4 flipped, topk2 to INT4, the
   delay flipped, one fragment): one line names the outer state's reset, nothing else; the
   global copies are the mean of the groups' loaded weights (the same in every group), and the
   run goes on (the groups' copies agreeing after every step).
@@ -51,7 +51,7 @@ from parallel.topology import topology_from_env
 from zeropp.collectives.partition import Partition
 from zeropp.diloco import OuterSettings, attach
 
-QUANTIZATIONS, DELAYS = ("none", "int4"), (0, 1)
+QUANTIZATIONS, DELAYS = ("none", "int4", "topk2"), (0, 1)
 # (ranks per node, nodes per group, the engine inside each group)
 DILOCO_LAYOUTS = {"2x2": (2, 1, {"stage": 3}),
                   "4x1": (1, 2, {"stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True})}
@@ -265,8 +265,8 @@ def goes_on(run: Grouped) -> str:
 
 
 def other_settings(s: OuterSettings) -> list[OuterSettings]:
-    """`s` with INT4 flipped, with the delay flipped, with one fragment."""
-    flip = {"none": "int4", "int4": "none"}[s.quantization]
+    """`s` with the outer gradients' code changed, with the delay flipped, with one fragment."""
+    flip = {"none": "int4", "int4": "none", "topk2": "int4"}[s.quantization]
     return [OuterSettings(s.interval, fragments=s.fragments, quantization=flip, delay=s.delay),
             OuterSettings(s.interval, fragments=s.fragments, quantization=s.quantization, delay=1 - s.delay),
             OuterSettings(s.interval, fragments=1, quantization=s.quantization, delay=s.delay)]

@@ -120,7 +120,7 @@ def test_the_median_scale_beats_the_largest_on_heavy_tails():
     torch.manual_seed(3)   # torch.distributions draws from the global generator
     heavy = torch.distributions.StudentT(3.0).sample((200 * 2048,))
     gauss = torch.randn(200 * 2048, generator=g)
-    for x, most in ((heavy, 0.35), (gauss, 0.06)):
+    for x, most, old_least in ((heavy, 0.2, 0.6), (gauss, 0.06, 0.0)):   # measured: 0.15 vs 0.77 on heavy
         sp = sparse.encode(x, 0.1)
         kept = sp.index.long() + torch.arange(200).unsqueeze(1) * 2048
         xk, dk = x[kept], sparse.decode(sp)[kept]
@@ -128,8 +128,8 @@ def test_the_median_scale_beats_the_largest_on_heavy_tails():
         m = x.view(200, 2048).abs().amax(1, keepdim=True)   # the M/4 code of the same kept values
         old = torch.where(xk.abs() > m / 2, 0.75 * m, 0.25 * m) * xk.sign()
         rel_old = ((xk - old) ** 2).sum() / (xk ** 2).sum()
-        assert rel <= most and rel < rel_old
-    assert rel_old < 0.15   # on Gaussian chunks M/4 is fair; on Student-t(3) above (checked in the loop)
+        assert rel <= most and rel < rel_old and rel_old >= old_least
+    assert rel_old < 0.15   # on Gaussian chunks M/4 is fair
 
 
 def test_wire_bytes_per_kept_value():
