@@ -85,7 +85,7 @@ def test_fsdp2_combinations_are_what_both_validators_accept():
         assert "\n" not in str(e.value) and str(e.value)
     assert not accepted({"stage": 3, "reduce_bucket_size": 1000}, 4, 2, "fsdp2")
     assert {settings_name(s) for s in outer_settings()} == {
-        f"H2F2+{q}+delay{d}" for q in ("none", "int4") for d in (0, 1)}
+        f"H2F2+{q}+delay{d}" for q in ("none", "int4", "topk2") for d in (0, 1)}
 
 
 def assert_rows(table: dict, rows: list[str], faults):
