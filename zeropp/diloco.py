@@ -21,9 +21,10 @@ this rank sent, l_i <- l_i + (1 - alpha)((g' - g) + sent_i) (alpha the streaming
 below, 0 without a delay), so the unsent rest D_i - sent_i stays in l_i and the next D_i sends
 it again (error feedback in the weights). Most of a sparse exchange is unsent: a group that
 dropped it from its weights until it was sent would train for many exchanges from stale values
-(at 2%, H = 16: +13% of ZeRO-3's final validation loss, bench/results/
-convergence_diloco_h16_topk2_errorbuffer_1234.md; this way +1.85%, convergence_diloco_h16_topk2_1234.md). The final synchronization averages the groups' masters exactly, so the
-global parameters take every unsent rest.
+(at 2%, H = 16, seed 1234: +13% of ZeRO-3's final validation loss, bench/results/
+convergence_diloco_h16_topk2_errorbuffer_1234.md; this way +1.85%, ..._topk2_1234.md). The
+final synchronization averages the groups' masters exactly, so the global parameters take every
+unsent rest.
 
 Streaming (arXiv 2501.18512): each rank's shard is cut into F fragments of equal bytes (the
 paper cuts by layers, strided; a cut by bytes keeps the largest exchange, which the link
@@ -135,7 +136,7 @@ class Exchange:
     work: object = None           # parallel.comm.Work; None once the outer step is taken
     buf: torch.Tensor | None = None     # exact: the summed locals; int4, topk2: the gathered wire rows
     mine: torch.Tensor | None = None    # my outer gradient g - l_i (the drift from the mean)
-    error: torch.Tensor | None = None   # int4: the error this exchange leaves
+    error: torch.Tensor | None = None   # int4: the error this exchange leaves; topk2: my unsent rest
     stepped: bool = False         # the outer step is taken: the global values are the new ones
     drift: float = float("nan")   # the group's RMS of l_i - mean(l), once stepped
     note: str | None = None       # why the outer step was skipped, if it was
