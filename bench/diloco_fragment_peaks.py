@@ -1,6 +1,6 @@
 """Each rank's largest streaming-DiLoCo fragment (elements, and INT4 bytes on the wire per
 exchange; 2 ranks a group, ZeRO-3): the earlier cut by runs of layers (its layer_fragments,
-kept here) against the cut by bytes (zeropp/diloco_fragments.py). The link passes one
+kept here) against the cut by bytes (zeropp/outer/fragments.py). The link passes one
 fragment's exchange at a time, so the largest one decides how long it is busy.
 
     .venv/bin/python -m bench.diloco_fragment_peaks   # bench/results/diloco_fragment_peaks.json
@@ -15,7 +15,7 @@ import torch
 from bench import RESULTS
 from model import GPTConfig
 from planner.trace import shard_layout, trace_model
-from zeropp.diloco_fragments import fragment_bounds
+from zeropp.outer.fragments import fragment_bounds
 from zeropp.kernels.format import wire_nbytes
 
 _LAYER = re.compile(r"\.(\d+)\.")

@@ -44,7 +44,7 @@ FAULTS = ("overflow", "nan", "resume", "reshard", "world", "toggle", "auto")
 def accepted(zero: dict, world: int, ranks_per_node: int, sharding: str = "zero") -> bool:
     """Whether the config validator (and with `sharding` "fsdp2", FSDP2's) takes this
     zero_optimization section on this layout."""
-    from zeropp.fsdp_engine import check_fsdp2_config
+    from zeropp.fsdp.engine import check_fsdp2_config
     try:
         cfg = zeropp.DeepSpeedConfig.from_dict({"zero_optimization": zero})
         cfg.zero_optimization.validate_topology(ranks_per_node, world)

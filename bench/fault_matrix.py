@@ -30,7 +30,7 @@ carried state's scalars, replicated tensors) must be the same.
 
 Then the two modes beside the engine's switches, a table each (bench/fault_modes.py says
 what each column means there):
-- streaming DiLoCo (zeropp/diloco.py), 2 groups on 2 nodes x 2 (ZeRO-3 inside) and on 4 nodes
+- streaming DiLoCo (zeropp/outer/diloco.py), 2 groups on 2 nodes x 2 (ZeRO-3 inside) and on 4 nodes
   x 1 (qwZ + qgZ inside), a row per outer setting (exact or INT4, merged at once or a step
   late): overflow and nan (one group skips, the other goes on), resume, reshard (into one
   group and back), toggle (other outer settings), an fp16 resume with groups whose loss scales
@@ -40,7 +40,7 @@ what each column means there):
   killed mid-exchange and restarted, a Lighthouse restart, a late start and a clean stop, the
   one-job model bit for bit, groups of different models, a 60 s link outage between one of three
   groups on emulated sites and the others;
-- FSDP2 + the ZeRO++ plug-in (zeropp/fsdp_engine.py), a row per switch combination FSDP2
+- FSDP2 + the ZeRO++ plug-in (zeropp/fsdp/engine.py), a row per switch combination FSDP2
   accepts on 2 nodes x 2: overflow, nan, resume, engine (its checkpoint into the engine's
   ZeRO-3 and back).
 """

@@ -1,5 +1,5 @@
 """The fault matrix's rows for the two modes beside the engine's switches (bench/fault_matrix.py):
-streaming DiLoCo (zeropp/diloco.py) and FSDP2 + the ZeRO++ plug-in (zeropp/fsdp_engine.py).
+streaming DiLoCo (zeropp/outer/diloco.py) and FSDP2 + the ZeRO++ plug-in (zeropp/fsdp/engine.py).
 A cell returns "" when it holds, else what went wrong; every rank runs every check, and a
 cell's verdict is every rank's (the groups of DiLoCo hold different states).
 
@@ -49,7 +49,7 @@ from bench.fault_cells import (FAULT_AT, STEPS, accepted, batch, build, check_re
 from parallel.spawn import run_distributed
 from parallel.topology import topology_from_env
 from zeropp.collectives.partition import Partition
-from zeropp.diloco import OuterSettings, attach
+from zeropp.outer.diloco import OuterSettings, attach
 
 QUANTIZATIONS, DELAYS = ("none", "int4", "topk2"), (0, 1)
 # (ranks per node, nodes per group, the engine inside each group)

@@ -92,7 +92,7 @@ def plugin_reduce_dtype(system: str) -> torch.dtype:
     bf16 (half the bytes of an fp32 reduction on the wire). Rows with qgZ: fp32, INT4 on the
     wire either way, and an fp32 result is what FSDP2 views as the fp32 masters' gradient
     without a cast, which lets the plug-in complete the reduction later, under backward
-    (zeropp/fsdp_comms.py UnitReduce); a bf16 one it must complete at once."""
+    (zeropp/fsdp/comms.py UnitReduce); a bf16 one it must complete at once."""
     quantized = FSDP2_PLUGIN.get(system, {}).get("quantized_gradients")
     return torch.float32 if quantized else torch.bfloat16
 

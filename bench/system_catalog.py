@@ -18,7 +18,7 @@ ZEROPP = {"zeropp-qwz": ("qwz",), "zeropp-hpz": ("hpz",), "zeropp-qgz": ("qgz",)
           "zeropp-loco-deltas": ("qwz", "hpz", "qgz", "loco", "deltas"),
           "zeropp-loco-deltas-int2": ("qwz", "hpz", "qgz", "loco", "deltas", "int2"),
           "zeropp-loco-deltas-int2-all": ("qwz", "hpz", "qgz", "loco", "deltas", "int2", "deltas2")}
-# Streaming DiLoCo rows (zeropp/diloco.py), "diloco-h<H>": a group per node, each running the "zero3"
+# Streaming DiLoCo rows (zeropp/outer/diloco.py), "diloco-h<H>": a group per node, each running the "zero3"
 # row's engine, exchanging every H inner steps; fragments and quantization from a["outer_fragments"]
 # (default 1), a["outer_quantization"] (default int4) and a["outer_sync_delay"] (default 1). Built as
 # train.py builds it (training/outer.py).
@@ -30,7 +30,7 @@ OURS = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "zero3-reuse0": 3,
 DEEPSPEED = {"deepspeed-z1": 1, "deepspeed-z2": 2, "deepspeed-z3": 3, "deepspeed-z3-reuse0": 3,
              "deepspeed-z3-hpz": 3}
 FSDP2_PLAIN = ("fsdp2", "fsdp2-hpz")
-# FSDP2 + our plug-in (zeropp/fsdp.py apply_zeropp): its switches per row; each row's
+# FSDP2 + our plug-in (zeropp/fsdp/apply.py apply_zeropp): its switches per row; each row's
 # MixedPrecisionPolicy in bf16 is FSDP2_PLUGIN_REDUCE_DTYPE's (bench/peer_systems.py).
 _OFF = dict(quantized_weights=False, hpz=False, quantized_gradients=False, loco=False)
 FSDP2_PLUGIN = {"fsdp2+overlap": dict(_OFF), "fsdp2+qwz": {**_OFF, "quantized_weights": True}, "fsdp2+hpz": {**_OFF, "hpz": True},

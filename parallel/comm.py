@@ -285,7 +285,7 @@ class Communicator:
         return len(self.group_ranks(group))
 
     def _pg(self, group):
-        """The process group to issue on: group=None is the topology's world (zeropp/diloco.py's
+        """The process group to issue on: group=None is the topology's world (zeropp/outer/diloco.py's
         engines run over a group of the job's ranks)."""
         return self.topology.world_group if group is None else group
 

@@ -1,4 +1,4 @@
-"""Who takes part in an exchange across groups of nodes (zeropp/diloco.py's outer step).
+"""Who takes part in an exchange across groups of nodes (zeropp/outer/diloco.py's outer step).
 
 Two memberships with one interface (`open`, `all_reduce`, `commit`, `size`):
 - `FixedGroups`: the groups of one torch job, the same rank of each in a process group that

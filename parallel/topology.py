@@ -3,7 +3,7 @@
 Ranks are laid out node-major, as torchrun does: global rank = node * L + local,
 for L ranks per node. A topology may also describe one of several equal groups of
 consecutive nodes that each run an engine of their own (`group_topology`, for the
-outer synchronization of zeropp/diloco.py): its world is the group's ranks, `rank` is
+outer synchronization of zeropp/outer/diloco.py): its world is the group's ranks, `rank` is
 the index in the group, and every rank list it gives (node_ranks, peer_ranks, ...)
 holds global ranks, so byte accounting sees the real nodes. `ranks_per_node` normally comes from torchrun's
 LOCAL_WORLD_SIZE; overriding it (``--ranks-per-node``) lets one machine emulate

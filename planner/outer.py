@@ -1,4 +1,4 @@
-"""`train.py --dry-run` with --outer-sync-interval (zeropp/diloco.py): the plan of one group's
+"""`train.py --dry-run` with --outer-sync-interval (zeropp/outer/diloco.py): the plan of one group's
 engine on its nodes, then what crosses between the groups: the bytes each rank sends per inner
 step, against ZeRO-3 over the whole job, each fragment's exchange at the cluster's link and the
 inner step with the part of the exchanges its --outer-sync-delay steps do not hide."""
@@ -11,7 +11,7 @@ from planner.cluster import load_cluster
 from planner.comm import PHASES, rank_bytes
 from planner.plan import companion, format_plan, job_from_args, label, plan_config
 from planner.trace import shard_layout, trace_model
-from zeropp.diloco import OuterSettings, exchange_per_step, fragment_bounds
+from zeropp.outer.diloco import OuterSettings, exchange_per_step, fragment_bounds
 from zeropp.stages.engine import compute_dtype
 
 
@@ -39,7 +39,7 @@ def format_outer_plan(args) -> str:
     across = tuple(g * group_job.world for g in range(groups))   # rank 0 and its peers in the other groups
     inter = sum(rank_bytes(c.op, across, 0, c.nbytes, rpn))
     zero3_inter = sum(base.mean_bytes(ph)[1] for ph in PHASES)
-    # Each fragment's exchange, cut by bytes as the training's (zeropp/diloco.py): every rank of a
+    # Each fragment's exchange, cut by bytes as the training's (zeropp/outer/diloco.py): every rank of a
     # node sends at once through its link.
     bounds = fragment_bounds(sum(s.valid for s in shards), settings.fragments)
     owned = [b - a for a, b in zip(bounds, bounds[1:])]

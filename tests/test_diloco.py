@@ -1,4 +1,4 @@
-"""Streaming DiLoCo across groups of nodes (zeropp/diloco.py) on 4 gloo ranks as 2 nodes x 2
+"""Streaming DiLoCo across groups of nodes (zeropp/outer/diloco.py) on 4 gloo ranks as 2 nodes x 2
 (and 4 nodes x 1 for ZeRO++ across the nodes of a group), ZeRO-3 inside each group.
 
 - an engine over a group of ranks trains as the same engine run alone on those ranks' data,
@@ -32,8 +32,8 @@ from tests.numerics import EPS32, assert_state_within_roundoff, fp64_reference
 from tests.test_train_faults import torchrun
 from zeropp.collectives.partition import Partition
 from planner.comm import rank_bytes
-from zeropp.diloco import PHASE, WARMUP, OuterSettings, attach, exchange_per_step
-from zeropp.diloco_edges import final_sync
+from zeropp.outer.diloco import PHASE, WARMUP, OuterSettings, attach, exchange_per_step
+from zeropp.outer.edges import final_sync
 from zeropp.kernels.format import QMAX
 
 CFG = dict(vocab_size=96, num_layers=2, hidden_size=32, num_attention_heads=4,

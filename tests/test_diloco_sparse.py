@@ -23,7 +23,7 @@ from planner.comm import rank_bytes  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 from tests.test_diloco import META, batches, diloco, train  # noqa: E402
 from parallel.topology import topology_from_env  # noqa: E402
-from zeropp.diloco import PHASE, OuterSettings, exchange_per_step, in_flight_bound  # noqa: E402
+from zeropp.outer.diloco import PHASE, OuterSettings, exchange_per_step, in_flight_bound  # noqa: E402
 from zeropp.kernels import cpu_sparse, quant, sparse  # noqa: E402
 from zeropp.kernels.sparse import SparseTopK, topk_count  # noqa: E402
 

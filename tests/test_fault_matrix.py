@@ -18,7 +18,7 @@ from bench.fault_matrix import FAULTS, SWITCH_VALUES, accepted, combinations, na
 from bench.fault_modes import (DILOCO_FAULTS, DILOCO_LAYOUTS, FSDP2_FAULTS, outer_settings, quick_settings, run_diloco,
                                run_fsdp2, settings_name)
 from common import ConfigError
-from zeropp.fsdp_engine import check_fsdp2_config
+from zeropp.fsdp.engine import check_fsdp2_config
 
 
 def test_combinations_are_what_the_validator_accepts():

@@ -1,4 +1,4 @@
-"""The FSDP2 plug-in (zeropp/fsdp.py) on 4 ranks as 2 emulated nodes x 2: hpZ alone is FSDP2
+"""The FSDP2 plug-in (zeropp/fsdp/apply.py) on 4 ranks as 2 emulated nodes x 2: hpZ alone is FSDP2
 bit for bit, the quantized collectives stay within the bounds the engine's tests state, a
 model trains like plain FSDP2, cross-node bytes are the engine's, LoCo's error resumes exactly,
 and a misuse is one clear error."""

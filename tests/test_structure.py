@@ -27,8 +27,9 @@ ALLOWED = {
 }
 MAX_LINES = 400
 # Inside zeropp/, a folder imports only the folders before it here ("" is zeropp/'s own modules:
-# initialize, the build of the parts, the memory report).
-ZEROPP_LAYERS = ("config", "kernels", "collectives", "techniques", "stages", "")
+# initialize, the build of the parts, the memory report; fsdp/ the FSDP2 plug-in, outer/ streaming
+# DiLoCo across groups).
+ZEROPP_LAYERS = ("config", "kernels", "collectives", "techniques", "stages", "fsdp", "outer", "")
 
 
 def source_files() -> dict[str, Path]:

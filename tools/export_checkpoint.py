@@ -26,7 +26,7 @@ from data.tokenizer import build_tokenizer
 from training.checkpoint_files import CheckpointError, damaged, read_meta, resolve_checkpoint, verify_checksums
 from training.checkpoint_state import single_process_quiet
 from training.preflight import check_load_path, check_writable_dir
-from zeropp.diloco import GLOBAL
+from zeropp.outer.diloco import GLOBAL
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -46,7 +46,7 @@ def open_checkpoint(load: str) -> tuple[str, dict]:
 
 def model_tensors(path: str, meta: dict, dtype: torch.dtype = torch.float32, average_groups: bool = False):
     """(name, tensor) for every model weight, one at a time, in the model's shapes. Saved by
-    several groups (zeropp/diloco.py): the global parameters they share (what training
+    several groups (zeropp/outer/diloco.py): the global parameters they share (what training
     validated), or with `average_groups` the mean of the groups' own parameters, which hold their
     steps since each fragment's last exchange (what the final synchronization makes of them)."""
     groups = meta.get("groups", 1)

@@ -245,7 +245,7 @@ def _derive(args):
 
 
 def _check_fsdp2(args, ranks_per_node: int, world: int):
-    from zeropp.fsdp_engine import check_fsdp2_config
+    from zeropp.fsdp.engine import check_fsdp2_config
     if args.dry_run:
         raise ConfigError("--dry-run plans this application's engine; drop --sharding fsdp2 to plan it")
     zero = args.ds_config.zero_optimization

@@ -50,7 +50,7 @@ from training.checkpoint_files import (CHECKSUMS, FORMAT_VERSION, META, TRACKER,
 from training.checkpoint_state import engine_device, rng_state, set_rng_state, single_process_quiet
 from training.preflight import check_writable_dir
 from zeropp.collectives.partition import as_dcp
-from zeropp.diloco import GLOBAL
+from zeropp.outer.diloco import GLOBAL
 
 # GPTConfig fields that must match to load weights (dropout, recomputation may change)
 ARCHITECTURE = ("vocab_size", "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
@@ -137,7 +137,7 @@ def save_checkpoint(save_dir: str, iteration: int, engine, consumed_train_sample
     _raise_save_error(save_dir, iteration, _broadcast(error))
 
     # The tensors first: taking them may complete what the scalar state then records (an outer
-    # exchange in flight, zeropp/diloco.py). The metadata is taken now: training may go on
+    # exchange in flight, zeropp/outer/diloco.py). The metadata is taken now: training may go on
     # while the files are written.
     state = engine.checkpoint_state()
     scalars = engine.scalar_state()   # rank 0's is meta.json's "engine"; with groups, each group's too
@@ -344,7 +344,7 @@ def load_checkpoint(load: str, engine, load_optim: bool = True, load_rng: bool =
 
     topology = engine.comm.topology
     groups, saved_groups = topology.groups, meta.get("groups", 1)
-    grouped = saved_groups == groups > 1   # each group's own state end to end (zeropp/diloco.py)
+    grouped = saved_groups == groups > 1   # each group's own state end to end (zeropp/outer/diloco.py)
     # Saved by another number of groups: start from the global parameters they shared, optimizers anew.
     regroup = saved_groups > 1 and saved_groups != groups
     scalars = meta["engine"]   # a group's own (loss scale, skipped steps, ...) where it saved them

@@ -167,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: nccl with GPUs, gloo on CPU")
     g.add_argument("--sharding", choices=["zero", "fsdp2"], default="zero",
                    help="zero: this application's ZeRO engine; fsdp2: torch's fully_shard with ZeRO++ as "
-                        "its plug-in (zeropp/fsdp.py), stage 3 only")
+                        "its plug-in (zeropp/fsdp/apply.py), stage 3 only")
     g.add_argument("--ranks-per-node", type=_int, default=None,
                    help="emulate nodes of this many ranks (default: torchrun's LOCAL_WORLD_SIZE)")
     g.add_argument("--local_rank", "--local-rank", type=_count, default=None,

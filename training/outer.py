@@ -1,6 +1,6 @@
 """The outer synchronization's command line (--outer-*, --group-size) and its wiring: the
 engine of each group runs over its own ranks (parallel/topology.py `group_topology`) and
-synchronizes across the groups (zeropp/diloco.py)."""
+synchronizes across the groups (zeropp/outer/diloco.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -13,9 +13,9 @@ from parallel.launch import die_with_launcher, print_rank0
 from parallel.topology import Topology
 from zeropp.collectives.partition import Partition
 from parallel.membership import TorchftGroups
-from zeropp.diloco import KEY, PHASE, WARMUP, OuterSettings, attach, saved_layout
-from zeropp.diloco_edges import final_sync as synchronize_groups
-from zeropp.diloco_edges import heal, join, outer_state, with_global_weights
+from zeropp.outer.diloco import KEY, PHASE, WARMUP, OuterSettings, attach, saved_layout
+from zeropp.outer.edges import final_sync as synchronize_groups
+from zeropp.outer.edges import heal, join, outer_state, with_global_weights
 
 OUTER_FLAGS = ("outer_lr", "outer_momentum", "outer_fragments", "outer_quantization", "outer_sync_delay",
                "outer_merge_alpha", "outer_warmup_iters", "outer_topk_fraction", "group_size", "lighthouse",
@@ -202,7 +202,7 @@ def outer_fields(engine, stats, iterations: int) -> dict:
 
 
 def outer_sync(engine):
-    """The engine's outer synchronization (zeropp/diloco.py OuterSync), None when the mode is off."""
+    """The engine's outer synchronization (zeropp/outer/diloco.py OuterSync), None when the mode is off."""
     return engine.parts.carried.get(KEY) if hasattr(engine, "parts") else None
 
 

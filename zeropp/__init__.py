@@ -19,7 +19,7 @@ def initialize(module, config: DeepSpeedConfig, comm, device, optim: OptimizerSe
     be resolved first (planner.auto.resolve). At world size 1 every stage
     takes the short path (DDPEngine without DDP): the shard is the weight,
     and ZeRO++ has nothing to send. Stages 1-3 are composed by zeropp/build.py.
-    `sharding="fsdp2"`: torch's FSDP2 with ZeRO++ as its plug-in (zeropp/fsdp_engine.py).
+    `sharding="fsdp2"`: torch's FSDP2 with ZeRO++ as its plug-in (zeropp/fsdp/engine.py).
     """
     zero = config.zero_optimization
     if zero.auto_switches():
@@ -30,7 +30,7 @@ def initialize(module, config: DeepSpeedConfig, comm, device, optim: OptimizerSe
     if sharding == "fsdp2":
         if comm.topology.world_size > 1:
             zero.validate_topology(comm.topology.ranks_per_node, comm.topology.world_size)
-        from zeropp.fsdp_engine import FSDP2Engine
+        from zeropp.fsdp.engine import FSDP2Engine
         return FSDP2Engine(module, config, comm, device, optim, gradient_accumulation_steps, param_init)
     zero = bucket_sizes(zero, sum(p.numel() for p in module.parameters()))   # those not set
     config = dataclasses.replace(config, zero_optimization=zero)

@@ -73,7 +73,7 @@ def build_sharded_engine(module, config, comm, device, optim, gradient_accumulat
     if stage3:
         flat = place_weights(shards, zero.stage3_param_persistence_threshold, groups.hpz, dtype, device, gathered)
         ctx.weights, ctx.flat = [s for s in shards if not s.persistent], flat
-    fill_slots(ctx)
+    techniques.fill_slots(ctx)
     if stage3:
         weights = PartitionedWeights(shards, ctx.flat, _sources(ctx, exact, groups.world), exact, groups.world,
                                      zero.allgather_bucket_size, zero.stage3_prefetch_bucket_size)
@@ -119,19 +119,10 @@ def plan_parts(zero, topology, shards: list, dtype) -> tuple[WeightSources | Non
         ctx.flat = place_weights(shards, zero.stage3_param_persistence_threshold, groups.hpz, dtype, "meta",
                                  GatheredWeights())
         ctx.weights = [s for s in shards if not s.persistent]
-    fill_slots(ctx)
+    techniques.fill_slots(ctx)
     reduction = ctx.gradient_reduction or ShardReduce(comm)
     sources = _sources(ctx, ShardGather(comm), groups.world) if zero.stage == 3 else None
     return sources, reduction, _carried(ctx, reduction)
-
-
-def fill_slots(ctx):
-    """Each technique on builds its part into its slot, slot by slot (techniques.SLOTS)."""
-    on = techniques.enabled(ctx.zero)
-    for slot in techniques.SLOTS:
-        for t in on:
-            if t.slot == slot:
-                setattr(ctx, slot, t.build(ctx))
 
 
 def _carried(ctx, reduction) -> dict:

@@ -34,7 +34,7 @@ class FlatState:
     local: torch.Tensor
     numel: int
     sharded: bool
-    # Several groups of nodes, each its own engine (zeropp/diloco.py): each group holds its own
+    # Several groups of nodes, each its own engine (zeropp/outer/diloco.py): each group holds its own
     # value (False: the same value in every group, saved once).
     per_group: bool = True
 
@@ -42,7 +42,7 @@ class FlatState:
 def as_dcp(state: dict[str, FlatState], device: torch.device, group=None, topology=None) -> dict:
     """FlatStates as DCP (torch.distributed.checkpoint) sees them: a sharded one is a DTensor
     over all ranks, Shard(0) of its flat global tensor (the partition layout is torch.chunk's).
-    With the engine's `topology` one of several groups (zeropp/diloco.py), each group holds its
+    With the engine's `topology` one of several groups (zeropp/outer/diloco.py), each group holds its
     own state: the global tensor is the groups' tensors end to end, Shard(0) over the groups,
     then Shard(0) over each group's ranks (what all groups share: replicated over them)."""
     import torch.distributed as dist

@@ -1,4 +1,4 @@
-"""Sparse 2-bit top-k ("topk2"): streaming DiLoCo's outer gradients (zeropp/diloco.py), one API
+"""Sparse 2-bit top-k ("topk2"): streaming DiLoCo's outer gradients (zeropp/outer/diloco.py), one API
 over three backends giving the same bits: the torch reference here, C for CPU tensors
 (zeropp/kernels/cpu_sparse.py, csrc/sparse_cpu.c, built and loaded as cpu_quant.py is) and
 Triton for CUDA tensors (zeropp/kernels/triton_sparse.py), chosen as zeropp/kernels/quant.py

@@ -77,3 +77,12 @@ def names(zero: ZeroConfig, detailed: bool = False) -> list[str]:
     with their settings (hpZ's group size)."""
     return [t.detail(zero) if detailed and t.detail else f"INT{t.bits(zero)} {t.name}" if t.bits else t.name
             for t in enabled(zero)]
+
+
+def fill_slots(ctx):
+    """Each technique on builds its part into its slot, slot by slot (SLOTS)."""
+    on = enabled(ctx.zero)
+    for slot in SLOTS:
+        for t in on:
+            if t.slot == slot:
+                setattr(ctx, slot, t.build(ctx))

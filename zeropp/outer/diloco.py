@@ -64,7 +64,7 @@ from parallel.membership import JOINING, FixedGroups
 from zeropp.collectives.partition import FlatState, Partition
 from zeropp.collectives.protocols import MemoryLine, PlannedCollective
 from zeropp.config import ConfigError
-from zeropp.diloco_fragments import FragmentLayout, fragment_bounds
+from zeropp.outer.fragments import FragmentLayout, fragment_bounds
 from zeropp.kernels.format import DEFAULT_BLOCK_SIZE, Quantized, wire_nbytes
 from zeropp.kernels import sparse
 from zeropp.kernels.quant import dequantize, dequantize_reduce, quantize

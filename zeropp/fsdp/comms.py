@@ -1,4 +1,4 @@
-"""The collectives the FSDP2 plug-in (zeropp/fsdp.py) gives FSDP2 through its public comm hooks:
+"""The collectives the FSDP2 plug-in (zeropp/fsdp/apply.py) gives FSDP2 through its public comm hooks:
 `NodeAwareGather` for `set_custom_all_gather`, one `UnitReduce` per FSDP unit for
 `set_custom_reduce_scatter`."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ from common.torch_private import (divide_factor, group_params, in_backward, read
                                   sharded_param, unsharded_param)
 from zeropp.collectives.exact import ShardGather
 from zeropp.collectives.partition import Partition
-from zeropp.fsdp_plugin import Issued, PluginError
+from zeropp.fsdp.plugin import Issued, PluginError
 
 
 class NodeAwareGather:

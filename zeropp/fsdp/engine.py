@@ -1,5 +1,5 @@
 """`--sharding fsdp2`: the same training loop on torch's FSDP2 (`fully_shard` per unit, then the
-root) with ZeRO++ as the plug-in (zeropp/fsdp.py), behind the engine's interface
+root) with ZeRO++ as the plug-in (zeropp/fsdp/apply.py), behind the engine's interface
 (zeropp/stages/engine.py): loss scaling, accumulation, clipping, checkpoints.
 
 - Units: each element of the model's `nn.ModuleList`s (GPT's blocks), then the root.
@@ -23,7 +23,7 @@ from common.errors import ConfigError
 from zeropp.collectives.partition import FlatState
 from zeropp.collectives.protocols import uncarried_state
 from zeropp.config import ZeroConfig
-from zeropp.fsdp import apply_zeropp
+from zeropp.fsdp.apply import apply_zeropp
 from zeropp.stages.engine import Engine, compute_dtype, split_decay
 from zeropp.stages.init import ParamInit, full_value
 

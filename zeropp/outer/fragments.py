@@ -1,4 +1,4 @@
-"""Where streaming DiLoCo's fragments (zeropp/diloco.py) lie in a rank's fp32 masters: the
+"""Where streaming DiLoCo's fragments (zeropp/outer/diloco.py) lie in a rank's fp32 masters: the
 rank's shard (its owned masters, in order) cut into F runs of equal bytes. A run may start or
 end inside a parameter; the rank that holds the same shard in every other group cuts it the same."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The outer loop's edges (zeropp/diloco.py): the evaluation on the global parameters, the
+"""The outer loop's edges (zeropp/outer/diloco.py): the evaluation on the global parameters, the
 final synchronization at the end of training, and, with a fault-tolerant membership
 (parallel/membership.py TorchftGroups), the join at the start and the heal of a group that is
 behind from a healthy peer's outer state."""
@@ -9,7 +9,7 @@ import contextlib
 import torch
 
 from parallel.membership import JOINING
-from zeropp.diloco import DRIFT, PHASE, OuterSync, group_check
+from zeropp.outer.diloco import DRIFT, PHASE, OuterSync, group_check
 
 @contextlib.contextmanager
 def with_global_weights(sync: OuterSync):

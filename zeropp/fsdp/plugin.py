@@ -1,4 +1,4 @@
-"""What `apply_zeropp` (zeropp/fsdp.py) installed: the communicator and its byte counts, the
+"""What `apply_zeropp` (zeropp/fsdp/apply.py) installed: the communicator and its byte counts, the
 reduction and its carried state (LoCo's error), the reductions in flight, the commit of the
 carried state with the optimizer step, and its checkpoint."""
 from __future__ import annotations
@@ -14,7 +14,6 @@ from common.torch_private import in_backward, queue_backward_callback
 from parallel.comm import Communicator
 from parallel.topology import Topology
 from zeropp import techniques
-from zeropp.build import fill_slots
 from zeropp.collectives.exact import ShardGather
 from zeropp.collectives.partition import Partition, as_dcp
 from zeropp.config import ZeroConfig
@@ -35,12 +34,12 @@ class ZeroPP:
         self.exact_gathers = False      # True: every gather exact (evaluation, as the engine's)
         self.partition = Partition(topology.gradient_group, topology.world_size, topology.rank)
         ctx = techniques.BuildContext(zero, self.comm, None, None, device, weights=[], flat=None)
-        fill_slots(ctx)
+        techniques.fill_slots(ctx)
         self.gather = ctx.weight_gather or ShardGather(self.comm)
         self.reduction = ctx.gradient_reduction   # None: FSDP2's reduce-scatter (counted)
         self.carried = self.reduction.carried_parts() if self.reduction else {}
         self.committed = not self.carried   # whether something commits the carried state each step
-        self.units: list = []           # the installed reductions, one per FSDP unit (fsdp_comms.UnitReduce)
+        self.units: list = []           # the installed reductions, one per FSDP unit (comms.UnitReduce)
         self.inflight: list = []        # (work, output, divisor)
         self._callback_queued = False
         self._inside: dict = {}

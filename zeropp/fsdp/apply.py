@@ -10,7 +10,7 @@ torch's `fully_shard` (torch.distributed.fsdp), one call after it:
 
 What it does, through FSDP2's public hooks (torch 2.13, `FSDPModule`), and what it leaves to
 FSDP2 (everything it promises: hooks, frozen and unused parameters, evaluation, checkpoints):
-- `set_custom_all_gather`: the weight all-gather (zeropp/fsdp_comms.py). Across nodes qwZ's
+- `set_custom_all_gather`: the weight all-gather (zeropp/fsdp/comms.py). Across nodes qwZ's
   INT8 blocks; inside a node (hpZ's backward gather), in evaluation (`eval()`) and for packed
   bytes exact. Bytes are booked by pass (forward or backward).
 - `set_custom_reduce_scatter`, one per FSDP unit: qgZ's hierarchical INT4 reduction, with LoCo's
@@ -41,8 +41,8 @@ from common.torch_private import (CHECKED_TORCH, has_forward_prefetch, missing_f
 from parallel.comm import Communicator
 from parallel.topology import Topology, TopologyError
 from zeropp.config import LocoConfig, ZeroConfig
-from zeropp.fsdp_comms import NodeAwareGather, UnitReduce
-from zeropp.fsdp_plugin import PluginError, ZeroPP
+from zeropp.fsdp.comms import NodeAwareGather, UnitReduce
+from zeropp.fsdp.plugin import PluginError, ZeroPP
 
 __all__ = ["apply_zeropp", "PluginError", "ZeroPP", "NodeAwareGather", "UnitReduce"]
 
