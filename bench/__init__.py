@@ -33,3 +33,28 @@ def checkout_name(root: Path) -> str:
     except (OSError, subprocess.CalledProcessError):
         commit = (root / "COMMIT").read_text().strip() if (root / "COMMIT").is_file() else ""
     return f"{root} ({commit})" if commit else str(root)
+
+
+def provenance() -> dict:
+    """Where a result came from, stamped into every JSON a benchmark writes: the command as typed
+    (`python -m bench.NAME ...`), the commit, and the machine (CPU, torch's CPU capability, the
+    1-minute load average when it was written)."""
+    import os
+    import shlex
+    import sys
+
+    import torch
+    module = sys.modules["__main__"].__spec__.name if getattr(sys.modules["__main__"], "__spec__", None) else sys.argv[0]
+    return {"command": shlex.join(["python", "-m", module, *sys.argv[1:]]),
+            "commit": checkout_name(ROOT).rpartition("(")[2].rstrip(")"),
+            "machine": {"cpu": cpu_model(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                        "torch": torch.__version__, "loadavg_1min": round(os.getloadavg()[0], 2)}}
+
+
+def write_result(path, payload: dict) -> Path:
+    """Write a benchmark's JSON with its provenance() (bench.report renders pages from these)."""
+    import json
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**payload, "provenance": provenance()}, indent=1, default=str) + "\n")
+    return path
