@@ -44,8 +44,9 @@ def provenance() -> dict:
     import sys
 
     import torch
-    module = sys.modules["__main__"].__spec__.name if getattr(sys.modules["__main__"], "__spec__", None) else sys.argv[0]
-    return {"command": shlex.join(["python", "-m", module, *sys.argv[1:]]),
+    spec = getattr(sys.modules["__main__"], "__spec__", None)
+    program = ["-m", spec.name] if spec else [sys.argv[0]]
+    return {"command": shlex.join(["python", *program, *sys.argv[1:]]),
             "commit": checkout_name(ROOT).rpartition("(")[2].rstrip(")"),
             "machine": {"cpu": cpu_model(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                         "torch": torch.__version__, "loadavg_1min": round(os.getloadavg()[0], 2)}}
