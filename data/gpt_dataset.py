@@ -74,8 +74,8 @@ def build_blending_indices(weights, size):
     """Megatron's greedy blend: each sample goes to the dataset lagging its weight the most.
 
     Sequential by nature (each choice depends on the previous ones), so it is a
-    loop; plain Python floats are ~4x faster than numpy on a few datasets
-    (about 1.5 s per million samples), and the result is cached.
+    loop; plain Python floats are faster than numpy on a few datasets, and the
+    result is cached.
     """
     weights = [float(w) for w in weights]
     counts = [0] * len(weights)
@@ -274,7 +274,7 @@ def build_train_valid_test_datasets(data_path, split, seq_length, num_samples, s
     if len(prefixes) == 1:
         return tuple(single(prefixes[0], num_samples))
 
-    # Ask each dataset for 0.5% more than its share so the greedy blend never runs out.
+    # Ask each dataset for a little (1/200) more than its share so the greedy blend never runs out.
     per_dataset = [single(prefix, [math.ceil(n * w * 1.005) for n in num_samples])
                    for prefix, w in zip(prefixes, weights)]
     return tuple(

@@ -288,8 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="int4: outer gradients in INT4 blocks with error feedback; topk2: the largest of each "
                         "chunk of 2048 in 2 bits with their indices, the rest carried by error feedback")
     g.add_argument("--outer-topk-fraction", type=_topk_fraction, default=0.02, metavar="F",
-                   help="topk2: the share of each chunk sent (SparseLoCo sends 1-3%%; at H = 16 0.1 stayed within 2%% "
-                        "of ZeRO-3's loss, 0.02 within 2.3%%: bench/results/convergence_diloco_h16_topk2_*)")
+                   help="topk2: the share of each chunk sent, in (0, 0.1] (SparseLoCo sends a few percent; "
+                        "convergence: docs/results.md)")
     g.add_argument("--outer-sync-delay", type=_count, default=1, metavar="TAU",
                    help="inner steps an exchange overlaps before it is merged (below H; 0: wait for it at once)")
     g.add_argument("--outer-merge-alpha", type=_below_one, default=0.5, metavar="ALPHA",

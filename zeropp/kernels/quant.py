@@ -52,11 +52,11 @@ tests/test_quant.py checks the bound for every format.
 
 Default block sizes (``DEFAULT_BLOCK_SIZE``)
 --------------------------------------------
-* INT8 (qwZ weights): 256.  The fp32 scale costs 4/256 = 1.6% on top of the 1-byte data
+* INT8 (qwZ weights): 256.  The fp32 scale costs 4/256 of the 1-byte data
   (M -> 0.508M instead of 0.5M); 127 levels make the error small even with wider blocks.
 * INT4 (qgZ gradients): 128.  Only 7 levels per sign, so one outlier degrades the whole
-  block: smaller blocks keep the error of gradient reduction small.  Overhead 4/64 bytes =
-  6.25% (0.25M -> 0.266M).
+  block: smaller blocks keep the error of gradient reduction small.  Overhead 4/64 of the
+  data bytes (0.25M -> 0.266M).
 Both are powers of two (required by the Triton kernels; the torch path accepts any
 positive size, even for INT4) and multiples of 8, so the wire buffer of ``to_bytes`` is
 4-byte aligned.

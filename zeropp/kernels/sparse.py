@@ -18,8 +18,8 @@ so every backend finds the same fp32 value with no arithmetic. Each kept value i
 never expected to be zero (it is among the largest; a chunk with fewer than k nonzero elements
 keeps zeros, which decode to +scale and error feedback sends back). Why the median, not the
 largest magnitude M with levels M/4 and 3M/4: kept values sit mostly near the k-th largest, far
-below M when the chunk is heavy-tailed; on 200 Student-t(3) chunks at 10% the M/4 levels left
-a squared error of 0.77x the kept values' energy, the median's 0.15x (tests/test_diloco_sparse.py).
+below M when the chunk is heavy-tailed; on Student-t(3) chunks the M/4 levels leave a several
+times larger squared error than the median's (tests/test_diloco_sparse.py compares them).
 
 Wire (``SparseTopK.to_bytes``, a fixed size per tensor so the groups can all-gather it): the
 fp32 scales of every chunk, then each chunk's positions: its k indices (ascending, ``log2(chunk)``

@@ -23,9 +23,8 @@ _LITTLE_ENDIAN = sys.byteorder == "little"   # INT4 (un)packing reads a pair of 
 def _scratch(slot: str, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A reusable temporary for one chunk (contents undefined). The same few slots serve every
     call, so a chunk's temporaries are not allocated and freed each time (on CPU a freed MB
-    can go back to the OS and page-fault in again: one INT8 quantization of 327,680 bf16
-    elements took 0.55-1.5 ms in a loop here, a steady 0.36 with the slots). At most
-    `scratch_bound` bytes per thread (about 11 MB)."""
+    can go back to the OS and page-fault in again, which made a quantization's time in a
+    loop vary several-fold). At most `scratch_bound` bytes per thread."""
     numel = 1
     for d in shape:
         numel *= d

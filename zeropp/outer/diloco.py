@@ -21,8 +21,7 @@ this rank sent, l_i <- l_i + (1 - alpha)((g' - g) + sent_i) (alpha the streaming
 below, 0 without a delay), so the unsent rest D_i - sent_i stays in l_i and the next D_i sends
 it again (error feedback in the weights). Most of a sparse exchange is unsent: a group that
 dropped it from its weights until it was sent would train for many exchanges from stale values
-(at 2%, H = 16, seed 1234: +13% of ZeRO-3's final validation loss, bench/results/
-convergence_diloco_h16_topk2_errorbuffer_1234.md; this way +1.85%, ..._topk2_1234.md). The
+(bench.convergence compares the two ways: docs/results.md, "Convergence"). The
 final synchronization averages the groups' masters exactly, so the global parameters take every
 unsent rest.
 

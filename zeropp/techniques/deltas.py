@@ -34,9 +34,8 @@ INT2 deltas (step = max|delta|/2, an error of up to a step: they clip) are held
 to a step of max|w|/14: a gathered weight is within max|w|/14 of the exact one
 plus half an ulp, the bound of INT4 weights. Every delta is taken against what the receivers
 hold, so what one step did not send goes with the next (error feedback without
-a buffer of its own): at 2 emulated nodes x 2, bf16, 1000 iterations, every switch
-with INT2 deltas and INT2 gradients ended +0.42% / +0.32% of ZeRO-3's validation loss
-on two seeds (bench/results/convergence_int2_deltas_{1234,1235}.json).
+a buffer of its own; the convergence of every switch with INT2 deltas and INT2 gradients
+against ZeRO-3 is in docs/results.md, "Convergence").
 
 Refresh: a full gather (qwZ's INT8, or exact) instead of the delta, for a weight
   - without a base: its first gather, and every gather after a load (`forget`);

@@ -16,8 +16,8 @@ most half an INT8 step per element, max|e over its block| / 254, on top of what
 the fp32 error kept (tests/test_zeropp_loco.py checks the bound). Without error
 feedback each step's INT4 error is lost; with it what was not sent is sent later,
 so the sum of what the optimizer receives over steps tracks the sum of the true
-gradients (tests/test_zeropp_loco.py: over 20 reductions of the same rows, 0.1 x a
-step's error against 20 x).
+gradients (tests/test_zeropp_loco.py: over 20 reductions of the same rows, the drift stays
+about one step's error instead of growing twentyfold).
 
 With Hadamard smoothing (`zero_hadamard_gradients`) the rows are sent rotated
 (zeropp/techniques/hadamard.py), each padded to whole blocks of B, so the buffers are [N, P
