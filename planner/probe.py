@@ -141,7 +141,7 @@ def _quant_rates(dtype, device, qw_block: int, qg_block: int, topology: Topology
 
     out = []
     for run, elements in ((qwz, (1 + world) * chunk), (qgz, (2 * world + nodes) * chunk)):
-        run()   # warm-up: Triton compiles, the first touch of the buffers' pages (2-6x slower on CPU)
+        run()   # warm-up: Triton compiles, the first touch of the buffers' pages (several times slower on CPU)
         times = []
         for _ in range(REPEATS):
             _sync(device)

@@ -162,7 +162,7 @@ def all_to_all_sum(comm, rows: torch.Tensor, out: torch.Tensor, group, phase: st
         acc = flat if flat.dtype == torch.float32 else take(flat.numel(), torch.float32)
         acc.copy_(recv[0])
         for part in recv[1:]:
-            acc.add_(part)   # (torch.sum(dtype=float32) of 16-bit rows is ~5x slower on CPU)
+            acc.add_(part)   # (torch.sum(dtype=float32) of 16-bit rows is several times slower on CPU)
         if acc is not flat:
             flat.copy_(acc)
         if pool is not None:

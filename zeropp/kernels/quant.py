@@ -179,7 +179,7 @@ def dequantize(q: Quantized, dtype: torch.dtype = torch.float32, backend: str = 
 def dequantize_add(q: Quantized, out: torch.Tensor, backend: str = "auto",
                    scratch: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``out += dequantize(q)``: the sum in fp32, rounded once to ``out``'s dtype (a 16-bit
-    ``out.add_(fp32)`` gives the same bits, ~15x slower on CPU). ``out``: ``[numel]``, or
+    ``out.add_(fp32)`` gives the same bits, an order of magnitude slower on CPU). ``out``: ``[numel]``, or
     ``[k, numel]`` for a stacked ``q`` with rows that may be strided. One pass on CPU;
     elsewhere a dequantization into ``scratch`` (fp32, at least ``out.numel()``) then the add."""
     if out.shape != (*q.data.shape[:-1], q.numel) or out.stride(-1) != 1:

@@ -89,7 +89,7 @@ def _quantize_blocks(xb: torch.Tensor, bits: int, data_out: torch.Tensor, scales
         if not _LITTLE_ENDIAN:
             torch.bitwise_or(q[0::2] & 0xF, q[1::2] << 4, out=data_out.view(torch.int8))
             return
-        # Each pair as one int16 (q[2i] the low byte): contiguous ops, ~3x faster on CPU
+        # Each pair as one int16 (q[2i] the low byte): contiguous ops, faster on CPU
         # than the strided q[0::2], q[1::2].
         pair = q.view(torch.int16)
         byte = _scratch("pack", pair.shape, torch.int16, y.device)
@@ -102,7 +102,7 @@ def _quantize_blocks(xb: torch.Tensor, bits: int, data_out: torch.Tensor, scales
 def _unpack4(b: torch.Tensor) -> torch.Tensor:
     """uint8 [..., m] -> int8 [..., 2m]: arithmetic shifts sign-extend each nibble (4-bit
     two's complement). Built as one int16 per byte, the low nibble in the low byte, so
-    every op is contiguous (~3x faster on CPU than writing out[..., 0] and out[..., 1])."""
+    every op is contiguous (faster on CPU than writing out[..., 0] and out[..., 1])."""
     if not _LITTLE_ENDIAN:
         out = _scratch("unpacked", (*b.shape[:-1], b.shape[-1], 2), torch.int8, b.device)
         torch.bitwise_right_shift((b << 4).view(torch.int8), 4, out=out[..., 0])
@@ -147,7 +147,7 @@ def _write(out: torch.Tensor, lo: int, hi: int, blocks: torch.Tensor):
 def dequantize(q: Quantized, dtype: torch.dtype, out: torch.Tensor) -> torch.Tensor:
     """q * scale computed in fp32 and rounded once into `out` ([..., numel], any float
     dtype): for fp32, one multiply straight into `out` for whole blocks; for 16-bit, an
-    fp32 chunk then a cast (a mixed int8 x fp32 -> bf16 multiply is ~7x slower on CPU)."""
+    fp32 chunk then a cast (a mixed int8 x fp32 -> bf16 multiply is several times slower on CPU)."""
     bs, n = q.block_size, q.numel
     lead = q.data.shape[:-1]
     for b0, b1 in _chunks(q.num_blocks, bs, lead.numel()):
