@@ -22,8 +22,8 @@ SECTIONS = ("Slow link", "Convergence", "Memory", "Faults", "Communication", "Ke
 CONV = "python -m bench.convergence --iters 1000 --seed S"
 
 # figure -> section, title, renderer, JSON files (bench/results/), documented command (the fallback
-# when a file records none) and the renderer's options. Update the commands here when an entry
-# point is renamed.
+# when a file records none; `commands` per file where a file recorded none or an incomplete one) and
+# the renderer's options. Update the commands here when an entry point is renamed.
 FIGURES = {
     "slow_link_bf16": dict(section="Slow link", title="ZeRO-3, ZeRO++ and the peers on an emulated link, bf16",
                            render="slow_link", files=["slow_link.json"],
@@ -98,7 +98,7 @@ FIGURES = {
     "train_memory": dict(section="Memory", title="train.py's own peak at 411 M parameters, 8 ranks", render="train_memory",
                          files=["train_memory.json"], command="python -m bench.train_memory"),
     "memory_bound": dict(section="Memory", title="Peak RSS against model states and the pools' bounds, 8 ranks as 2 x 4",
-                         render="memory_bound", files=["large_model_bound.json"],
+                         render="memory_bound", files=["large_model_bound.json", "large_model_bound_deltas.json"],
                          command="python -m bench.large_model --systems zero3,zeropp"),
     "memory_matrix": dict(section="Memory", title="Every precision, optimizer and budget", render="memory_matrix",
                           files=["large_model_bound_matrix.json", "large_model_bound_matrix_sgd_small.json",
@@ -111,11 +111,21 @@ FIGURES = {
                        files=["groups_job.json"], command="python -m bench.groups_job"),
     "zeropp_comm": dict(section="Communication", title="Cross-node MiB per iteration per rank, counted as NCCL rings",
                         render="zeropp_comm", files=["zeropp_comm.json"], command="python -m bench.zeropp_comm"),
+    "fsdp2_time_split": dict(section="Communication", title="Where plain FSDP2's step goes on CPU ranks, the quickstart's model",
+                             render="fsdp2_time_split", files=["fsdp2_time_split.json"],
+                             command="python -m bench.fsdp2_time_split"),
+    "fragment_peaks": dict(section="Communication", title="Streaming DiLoCo's largest exchange per rank, INT4",
+                           render="fragment_peaks", files=["diloco_fragment_peaks.json"],
+                           command="python -m bench.diloco_fragment_peaks"),
     "quant_bench": dict(section="Kernels", title="Quantization kernels", render="quant_bench",
                         files=["quant_bench.json", "quant_bench_cuda.json", "quant_bench_cuda_h200.json"],
                         command="python -m bench.quant_bench --numel 4194304",
                         commands={"quant_bench_cuda.json": "python -m bench.quant_bench --device cuda",
                                   "quant_bench_cuda_h200.json": "python -m bench.quant_bench --device cuda"}),
+    "quant_host_cost": dict(section="Kernels", title="The quantizers' host cost in a step, 4 ranks on loopback",
+                            render="quant_host_cost", files=["quant_host_cost.json", "quant_host_cost_fp32.json"],
+                            command="python -m bench.quant_host_cost",
+                            commands={"quant_host_cost_fp32.json": "python -m bench.quant_host_cost --dtype fp32"}),
     "hadamard_cost": dict(section="Kernels", title="Hadamard smoothing's host cost, 2.5 M fp32 elements, blocks of 128",
                           render="hadamard_cost", files=["hadamard_host_cost.json"], command="python -m bench.hadamard_cost"),
 }
@@ -145,6 +155,8 @@ def _load_text(data: dict) -> str:
     if "loadavg_1min_before_after" in data:
         a, b = data["loadavg_1min_before_after"]
         return f"{a:.1f} before, {b:.1f} after (1 min)"
+    if isinstance(data.get("loadavg_1min"), list):
+        return f"{min(data['loadavg_1min']):.1f}-{max(data['loadavg_1min']):.1f} (1 min, during the run)"
     if "loadavg_1min" in data:
         return f"{data['loadavg_1min']:.1f} (1 min)"
     if "load_average" in data:

@@ -136,10 +136,10 @@ def memory_bound(files, opts):
         for system, s in data["systems"].items():
             w = max(s["ranks"], key=lambda r: r["judge"]["ratio"])
             j = w["judge"]
-            rows.append([system, f(w["rise_bytes"] / MB, 0), f(w["model_states_bytes"] / MB, 0),
+            rows.append(([name] if len(files) > 1 else []) + [system, f(w["rise_bytes"] / MB, 0), f(w["model_states_bytes"] / MB, 0),
                          f(w["bounds_bytes"] / MB, 0), f(j["activation_bytes"] / MB, 0), f(j["budget_bytes"] / MB, 0),
                          f(j["ratio"], 3), "yes" if j["rss_pass"] and j["buffers_pass"] else "no"])
-    return table(["system", "peak rise MB (worst rank)", "model states MB", "bounds MB", "activations MB",
+    return table((["file"] if len(files) > 1 else []) + ["system", "peak rise MB (worst rank)", "model states MB", "bounds MB", "activations MB",
                   "budget MB", "rise / budget", "pools within bound, rise within limit"], rows)
 
 
@@ -211,6 +211,24 @@ def zeropp_comm(files, opts):
     return out[:-1]
 
 
+def fsdp2_time_split(files, opts):
+    """bench.fsdp2_time_split: where each system's step goes on CPU ranks, ms per rank and step."""
+    (_, data), = files
+    rows = [[s["label"], f(s["step_ms"], 0), f(s["cpu_ms"], 0), f(s["blocked_ms"], 0),
+             f(sum(s["in_call_ms"].values()), 0), f(sum(s["wait_ms"].values()), 0),
+             f(sum(s["calls_per_step_rank0"].values()), 0)] for s in data["systems"].values()]
+    return table(["system", "step ms", "CPU ms", "blocked ms", "inside collectives ms", "waiting on handles ms",
+                  "collectives per step"], rows)
+
+
+def fragment_peaks(files, opts):
+    """bench.diloco_fragment_peaks: each rank's largest INT4 exchange, fragments cut by layers or by bytes."""
+    (_, data), = files
+    rows = [[model, r["fragments"], f(r["peak_int4_bytes_by_layers"] / 1e3, 0), f(r["peak_int4_bytes_by_bytes"] / 1e3, 0)]
+            for model, runs in data.items() for r in runs]
+    return table(["model", "fragments", "largest exchange kB, by layers", "largest exchange kB, by bytes"], rows)
+
+
 # --- Kernels -------------------------------------------------------------------------------
 
 def quant_bench(files, opts):
@@ -233,6 +251,18 @@ def hadamard_cost(files, opts):
                   "forward / quantize"], rows)
 
 
-RENDERERS = {fn.__name__: fn for fn in (slow_link, slow_link_diloco, planner_calibration, convergence,
+def quant_host_cost(files, opts):
+    """bench.quant_host_cost (a diagnostic): median step ms with the quantizers as they are and as no-ops."""
+    rows = []
+    for name, data in files:
+        real, noop = data["median_step_ms"]["real"], data["median_step_ms"]["no_op"]
+        rows += [[data["args"]["dtype"], system, f(real[system], 1), f(noop[system], 1),
+                  f(real["zero3-reuse0"] / real[system], 2, "x"), f(noop["zero3-reuse0"] / noop[system], 2, "x")]
+                 for system in real]
+    return table(["dtype", "system", "step ms", "step ms, no-op quantizers", "x ZeRO-3 (reuse 0)",
+                  "x ZeRO-3 (reuse 0), no-ops"], rows)
+
+
+RENDERERS = {fn.__name__: fn for fn in (fsdp2_time_split, fragment_peaks, quant_host_cost, slow_link, slow_link_diloco, planner_calibration, convergence,
                                         train_memory, memory_bound, memory_matrix, fault_matrix, groups_job,
                                         zeropp_comm, quant_bench, hadamard_cost)}
