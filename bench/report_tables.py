@@ -23,7 +23,7 @@ def f(x, digits=2, suffix=""):
 
 
 def pct(ratio, digits=2):
-    """A ratio as a signed percentage difference: 1.0012 -> +0.12%."""
+    """A ratio as its signed percentage difference from 1."""
     return "-" if ratio is None else f"{(ratio - 1) * 100:+.{digits}f}%"
 
 
