@@ -84,6 +84,19 @@ FIGURES = {
                   "'--zero-stage 3 --zero-quantized-weights --zero-hpz-size 2 --zero-quantized-gradients --zero-hadamard-gradients'"},
         labels={n: {"ZeRO++": "ZeRO++ + Hadamard"} for n in ("convergence_hadamard_1234.json",  # recorded as "ZeRO++"
                                                             "convergence_hadamard_1235.json")}),
+    "convergence_int2": dict(
+        section="Convergence", title="2-bit gradients: LoCo's err_beta, and INT2 without LoCo (INT2's earlier step)",
+        render="convergence", command=CONV + " --tolerance 0.005 --names 'ZeRO-3,ZeRO++ INT2 + LoCo' --zeropp-flags "
+        "'--zero-stage 3 --zero-quantized-weights --zero-hpz-size 2 --zero-quantized-gradients --zero-quantized-weight-deltas "
+        "--zero-quantized-gradients-bits 2 --bf16 --zero-loco' --baseline-flags '--zero-stage 3 --bf16' --persistence-threshold 1000",
+        files=["convergence_int2_loco_1234.json", "convergence_int2_loco_1235.json",
+               "convergence_int2_loco_beta08_keep_1234.json", "convergence_int2_loco_beta08_keep_1235.json",
+               "convergence_int2_without_loco_1234.json"],
+        labels={f"convergence_int2_loco_{s}.json": {"ZeRO++ INT2 + LoCo": "ZeRO++ INT2 + LoCo, err_beta 0.95"}
+                for s in (1234, 1235)} | {f"convergence_int2_loco_beta08_keep_{s}.json": {
+                    "ZeRO++ INT2 + LoCo": "ZeRO++ INT2 + LoCo, err_beta 0.8"} for s in (1234, 1235)},
+        # a run of the INT2 switches alone; its ZeRO-3 baseline is the err_beta 0.8 run's (the same flags)
+        baseline_from={"convergence_int2_without_loco_1234.json": ("convergence_int2_loco_beta08_keep_1234.json", "ZeRO-3")}),
     "convergence_diloco": dict(
         section="Convergence", title="Streaming DiLoCo against ZeRO-3: final validation loss",
         render="convergence", bytes=False,  # their inter-node count leaves out the exchanges across groups
@@ -142,7 +155,8 @@ def load(name: str) -> dict:
 
 def cited_files() -> list:
     """Every JSON file the pages are rendered from."""
-    return sorted({n for fig in FIGURES.values() for n in fig["files"]})
+    return sorted({n for fig in FIGURES.values() for n in fig["files"]}
+                  | {n for fig in FIGURES.values() for n, _ in fig.get("baseline_from", {}).values()})
 
 
 def _clean(command: str) -> str:
@@ -189,6 +203,10 @@ def provenance(name: str, data: dict, fig: dict) -> dict:
 
 def render_figure(key: str, fig: dict) -> list:
     files = [(n, load(n)) for n in fig["files"]]
+    for n, data in files:
+        if n in fig.get("baseline_from", {}):
+            other, run = fig["baseline_from"][n]
+            data["summary"] = {run: load(other)["summary"][run], **data["summary"]}
     lines = [f"### {fig['title']}", ""] + RENDERERS[fig["render"]](files, fig) + [""]
     for n, data in files:
         p = provenance(n, data, fig)
