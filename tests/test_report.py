@@ -17,7 +17,7 @@ from bench import report
 ROOT = Path(__file__).resolve().parent.parent
 FIGURE = re.compile(r"\d+\.\d+\s?(%|x\b|×|s\b|ms\b|min\b|MB/s|GB/s|MiB/s|GiB/s|Mbit/s|Gbit/s|MiB\b|GiB\b|MB\b|GB\b)"
                     r"|[+-]\d+(\.\d+)?\s?%")
-ISSUE = re.compile(r"(?i)\bissues?[ -]?#?\d+\b|\bgoal \d+ of\b")
+ISSUE = re.compile(r"(?i)\bissues?(\s*|-)#?\d+\b|\bgoal\s+\d+\s+of\b")   # also across a line break
 BLOCK = re.compile(r"<!-- bench\.report: [\w-]+ -->.*?<!-- /bench\.report -->", re.S)
 
 
@@ -48,7 +48,10 @@ def python_figures(source: str) -> list[tuple[int, str]]:
 
 
 def issue_mentions(text: str) -> list[tuple[int, str]]:
-    return [(n, line.strip()) for n, line in enumerate(text.splitlines(), 1) if ISSUE.search(line)]
+    """(line, text) where each mention of an issue number starts."""
+    lines = text.splitlines()
+    starts = sorted({text.count("\n", 0, m.start()) for m in ISSUE.finditer(text)})
+    return [(n + 1, lines[n].strip()) for n in starts]
 
 
 def tracked(*patterns: str) -> list[Path]:
@@ -99,8 +102,9 @@ def test_python_checker_reads_docstrings_and_comments_only():
 
 
 def test_issue_checker():
-    text = "see issue 24\nbefore the engine's issue-17 changes\nIssue #5 and issues 3\ngoal 2 of 5\nclean: tissue, 24 issues\n"
-    assert [n for n, _ in issue_mentions(text)] == [1, 2, 3, 4]
+    text = ("see issue 24\nbefore the engine's issue-17 changes\nIssue #5 and issues 3\ngoal 2 of 5\n"
+            "clean: tissue, 24 issues, goals\nsmall, issue\n  24's case\n")
+    assert [n for n, _ in issue_mentions(text)] == [1, 2, 3, 4, 6]
 
 
 # --- the repository -----------------------------------------------------------------------------
