@@ -159,13 +159,13 @@ def memory_matrix(files, opts):
 
 # --- Faults --------------------------------------------------------------------------------
 
-def _cells(tree):
+def cells_passed(tree):
     """(ok, total) over a nested dict whose leaves are {"ok": bool, ...} cells."""
     if isinstance(tree, dict) and "ok" in tree:
         return int(bool(tree["ok"])), 1
     ok = total = 0
     for v in (tree.values() if isinstance(tree, dict) else []):
-        a, b = _cells(v)
+        a, b = cells_passed(v)
         ok, total = ok + a, total + b
     return ok, total
 
@@ -173,10 +173,10 @@ def _cells(tree):
 def fault_matrix(files, opts):
     """bench.fault_matrix: cells passed per mode and layout."""
     (_, data), = files
-    rows = [["engine", layout, *_cells(cells)] for layout, cells in data["layouts"].items()]
+    rows = [["engine", layout, *cells_passed(cells)] for layout, cells in data["layouts"].items()]
     for mode, layouts in data.get("modes", {}).items():
-        rows += [[mode, layout, *_cells(cells)] for layout, cells in layouts.items()]
-    ok, total = _cells({"l": data["layouts"], "m": data.get("modes", {})})
+        rows += [[mode, layout, *cells_passed(cells)] for layout, cells in layouts.items()]
+    ok, total = cells_passed({"l": data["layouts"], "m": data.get("modes", {})})
     rows.append(["all", "", ok, total])
     return table(["mode", "layout", "cells passed", "cells"], rows)
 
