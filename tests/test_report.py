@@ -158,3 +158,12 @@ def test_no_issue_numbers():
              if not rel(p).startswith(("bench/results/", "tests/"))]
     found = [f"{rel(p)}:{n}: {line}" for p in files for n, line in issue_mentions(p.read_text(errors="replace"))]
     assert not found, f"{len(found)} issue numbers in the text:\n" + "\n".join(found)
+
+
+def test_readme_is_short_and_reaches_every_docs_page():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 250, "README.md is over 250 lines: move the detail into docs/"
+    linked = set(re.findall(r"\(docs/([\w.-]+\.md)", readme))
+    pages = {p.name for p in (ROOT / "docs").glob("*.md")}
+    assert pages - linked == set(), f"docs pages the README does not link: {sorted(pages - linked)}"
+    assert linked - pages == set(), f"README links missing docs pages: {sorted(linked - pages)}"
