@@ -167,3 +167,13 @@ def test_readme_is_short_and_reaches_every_docs_page():
     pages = {p.name for p in (ROOT / "docs").glob("*.md")}
     assert pages - linked == set(), f"docs pages the README does not link: {sorted(pages - linked)}"
     assert linked - pages == set(), f"README links missing docs pages: {sorted(linked - pages)}"
+
+
+def test_every_result_named_in_the_text_exists():
+    """A path into bench/results named by a page or by the product's code points at a file kept there
+    (bench/ names its default output files, which a run writes)."""
+    named = re.compile(r"bench/results/[\w.-]+\.(?:json|md|png|txt)")
+    missing = [f"{rel(p)}: {m}" for p in tracked("*.py", "*.md", "*.sh")
+               if not rel(p).startswith(("bench/results/", "bench/")) or rel(p).endswith(".md")
+               for m in named.findall(p.read_text(errors="replace")) if not (ROOT / m).exists()]
+    assert not missing, "results named but not kept (cite docs/results.md or a kept JSON):\n" + "\n".join(missing)

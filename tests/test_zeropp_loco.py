@@ -33,7 +33,7 @@ def test_loco_param_parsed_with_deepspeeds_keys_and_defaults():
     z = _zero(**QGZ, zeropp_loco_param={}).zero_optimization
     assert (z.zeropp_loco_param.err_beta, z.zeropp_loco_param.reset_T) == (0.8, 1024)
     assert _zero(**QGZ, zeropp_loco_param=None).zero_optimization.zeropp_loco_param is None
-    # INT2 across nodes: an unset err_beta averages longer (bench/results/convergence_int2.md); a set one stays
+    # INT2 across nodes: an unset err_beta averages longer (docs/results.md, convergence); a set one stays
     int2 = {**QGZ, "zero_quantized_gradients_bits": 2}
     assert _zero(**int2, zeropp_loco_param={}).zero_optimization.zeropp_loco_param.err_beta == 0.95
     assert _zero(**int2, zeropp_loco_param={"err_beta": 0.8}).zero_optimization.zeropp_loco_param.err_beta == 0.8

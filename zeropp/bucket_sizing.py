@@ -17,7 +17,7 @@ from zeropp.config import ZeroConfig
 from zeropp.config.keys import BUCKET_DEFAULTS
 
 FRACTION = 8   # buckets per model: on an emulated 100 Mbit/s link the demo's exposed communication halved,
-               # one bucket -> 1/8 (bench/results/slow_link_demo_buckets_*.md)
+               # one bucket -> 1/8 (docs/results.md, slow link)
 
 
 def bucket_sizes(zero: ZeroConfig, num_params: int) -> ZeroConfig:

@@ -34,7 +34,7 @@ __all__ = ["AUTO", "AUTO_KEYS", "ConfigError", "DeepSpeedConfig", "LocoConfig", 
 # the fp32 scales of the next row of a wire buffer start unaligned (zeropp/kernels/format.py, to_bytes).
 _MIN_BLOCK = {"zero_quantized_weights_block_size": 4, "zero_quantized_gradients_block_size": 8}
 _DEFAULT_REFRESH = 100   # ZeroConfig.zero_quantized_weight_deltas_refresh_interval
-LOCO_ERR_BETA = {4: 0.8, 2: 0.95}   # unset err_beta by the bits across nodes (bench/results/convergence_int2.md)
+LOCO_ERR_BETA = {4: 0.8, 2: 0.95}   # unset err_beta by the bits across nodes (docs/results.md, convergence)
 
 
 @dataclass

@@ -29,7 +29,7 @@ elements and cut into blocks of ``block_size``.  Each block gets one fp32 scale:
   and stand for half of it, clipping what is above (format.py SCALE_DIV). On Gaussian blocks
   of 128 the mean squared error is 0.35 of a step of max|x|'s (0.21 against 0.59 variances,
   tests/test_quant.py), near the least a ternary code reaches, and it kept qgZ's INT2 hop and
-  the INT2 weight deltas closer to ZeRO-3 (bench/results/convergence_int2.md).
+  the INT2 weight deltas closer to ZeRO-3 (docs/results.md, convergence).
 * All arithmetic is fp32 whatever the input dtype (fp32/fp16/bf16 are read as fp32 exactly).
 
 Special values

@@ -6,7 +6,7 @@ reduce-scatter gives (the caller scales it), within the INT4 bound. With
 sums requantized to ternary values, zeropp/kernels/quant.py): 0.28 instead of 0.53 bytes an
 element on the slow link; the hop inside the node stays INT4. Without error feedback that
 loses most of each block (max|x| / 2 an element): the configuration refuses it without LoCo
-(measured: bench/results/convergence_int2_without_loco_1234.md).
+(measured: bench/results/convergence_int2_without_loco_1234.json).
 
 With `hadamard` (`zero_hadamard_gradients`, zeropp/techniques/hadamard.py; Hadamard smoothing
 as in SDP4Bit, arXiv 2410.15526), each row, zero-padded to whole quantization blocks, is
