@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from bench import ROOT
 from bench.memory import main
 from bench.memory_bound import RSS_LIMIT, cell, over_zero3
 
@@ -56,3 +57,12 @@ def test_bound_tiny(tmp_path):
           "--out", str(tmp_path / "bound.json")])
     out = json.loads((tmp_path / "bound.json").read_text())
     assert [r["system"] for r in out["rows"]] == ["zero3"] and out["limits"]["rss_over_budget"] == RSS_LIMIT
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (ROOT / "work_dir" / "kjv_text_document.bin").exists(), reason="needs the bundled corpus")
+def test_train_tiny(tmp_path):
+    main(["train", "--num-layers", "1", "--hidden", "64", "--heads", "4", "--seq", "16", "--world", "2", "--steps", "2",
+          "--bucket", "2e4", "--variants", "train.py", "--out", str(tmp_path / "train.json")])
+    row = json.loads((tmp_path / "train.json").read_text())["rows"]["train.py"]
+    assert row["large"]["parameters"] > 0 and row["gloo_staging_mb"] >= 0
