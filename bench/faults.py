@@ -31,16 +31,9 @@ import time
 from pathlib import Path
 
 from bench import RESULTS, provenance, write_result
+from bench.jobs import listed
 
 PARTS = ("engine", "diloco", "job", "groups", "fsdp2")
-
-
-def listed(value: str | None, known) -> list:
-    names = list(known) if value is None else value.split(",")
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        raise SystemExit(f"error: unknown {', '.join(unknown)}; choose from {', '.join(known)}")
-    return names
 
 
 def pick(faults: tuple, wanted: list | None) -> tuple:
@@ -64,7 +57,7 @@ def matrix(a) -> tuple[dict, list]:
                                    run_diloco, run_fsdp2)
     from bench.groups_job import FAULTS as GROUP_FAULTS
     from bench.groups_job import run_group_cells
-    parts, wanted = listed(a.parts, PARTS), a.faults and a.faults.split(",")
+    parts, wanted = listed(a.parts, PARTS, "--parts"), a.faults and a.faults.split(",")
     report, tables = {"layouts": {}, "modes": {"diloco": {}, "fsdp2": {}}}, []
     for world, rpn in layouts() if "engine" in parts else []:
         if a.layouts and f"{world // rpn}x{rpn}" not in a.layouts.split(","):
@@ -111,7 +104,7 @@ def groups(a) -> tuple[dict, list]:
     cells = {**CELLS, **MORE}
     rows = {}
     with tempfile.TemporaryDirectory() if a.workdir is None else contextlib.nullcontext(a.workdir) as tmp:
-        for cell in listed(a.cells or ",".join([*CELLS, "three-groups-two-kills"]), cells):
+        for cell in listed(a.cells or ",".join([*CELLS, "three-groups-two-kills"]), cells, "--cells"):
             (Path(tmp) / cell).mkdir(parents=True)
             start = time.perf_counter()
             why = cells[cell](demo_flags, Path(tmp) / cell)

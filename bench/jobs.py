@@ -1,6 +1,7 @@
 """train.py as a user runs it, for the convergence, memory and fault benches: torchrun jobs in
 sessions of their own, found, killed and waited for; torchft's Lighthouse and groups of
-`train.py --lighthouse` (each group its own torchrun job); reading their logs."""
+`train.py --lighthouse` (each group its own torchrun job); reading their logs; the names a
+comma-separated flag picks."""
 from __future__ import annotations
 
 import os
@@ -24,6 +25,15 @@ def check_data():
     if missing:
         sys.exit(f"error: missing {', '.join(missing)}: build the bundled corpus first (`bash scripts/quickstart.sh "
                  f"--train-iters 1`, or its data commands: python -m data.corpus, data.train_tokenizer, data.preprocess)")
+
+
+def listed(value: str | None, known, flag: str = "") -> list[str]:
+    """The names of a comma-separated flag (None: all of `known`), each one of `known`."""
+    names = list(known) if value is None else value.split(",")
+    if set(names) - set(known):
+        raise SystemExit(f"error: {flag}: unknown {', '.join(sorted(set(names) - set(known)))}; "
+                         f"choose from {', '.join(known)}")
+    return names
 
 
 def torchrun(nproc: int) -> list[str]:

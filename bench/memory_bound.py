@@ -30,6 +30,7 @@ import time
 import torch
 
 import zeropp
+from bench.jobs import listed
 from model import GPT, GPTConfig, num_parameters
 from parallel.comm import Communicator
 from parallel.spawn import run_distributed
@@ -287,13 +288,6 @@ def over_zero3(zero3: dict, other: dict) -> dict:
           f"{'PASS' if all(r['pass'] for r in ranks) else 'FAIL'}")
     return {k: other[k] for k in ("dtype", "optimizer", "budget", "system")} | {
         "ranks": ranks, "pass": all(r["pass"] for r in ranks)}
-
-
-def listed(value: str, known, flag: str) -> list[str]:
-    names = value.split(",")
-    if set(names) - set(known):
-        raise SystemExit(f"error: {flag}: unknown {sorted(set(names) - set(known))} ({', '.join(known)})")
-    return names
 
 
 def run(a, detail: bool) -> dict:

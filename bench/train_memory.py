@@ -30,7 +30,7 @@ import time
 from types import SimpleNamespace
 
 from bench import ROOT
-from bench.jobs import DATA_PREFIX, TOKENIZER, check_data, job_env, torchrun
+from bench.jobs import DATA_PREFIX, TOKENIZER, check_data, job_env, listed, torchrun
 
 VARIANTS = {"train.py": {}, "glibc-32m": {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20)}}
 TINY = dict(num_layers=1, hidden=64, heads=4)
@@ -97,9 +97,7 @@ def gloo_staging(rank, world, elements: int) -> float:
 
 
 def run(a) -> dict:
-    unknown = [v for v in a.variants.split(",") if v not in VARIANTS]
-    if unknown:
-        sys.exit(f"error: --variants {','.join(unknown)}: unknown; choose from {', '.join(VARIANTS)}")
+    variants = listed(a.variants, VARIANTS, "--variants")
     check_data()
     ds_path = os.path.join(tempfile.mkdtemp(prefix="train_memory-"), "ds_config.json")
     with open(ds_path, "w") as f:   # the buckets, as a user's DeepSpeed JSON sets them
@@ -111,7 +109,7 @@ def run(a) -> dict:
     from parallel.spawn import run_distributed
     staging = None
     rows = {}
-    for name in a.variants.split(","):
+    for name in variants:
         tiny, big = (run_train(a, m, VARIANTS[name], ds_path) for m in (TINY, large))
         if staging is None:   # the buckets, capped by the model as the engine caps them
             elements = int(min(a.bucket, big["parameters"]))

@@ -6,7 +6,8 @@ import json
 import pytest
 
 from bench import ROOT
-from bench.faults import listed, main, pick
+from bench.faults import main, pick
+from bench.jobs import listed
 
 
 def test_help_says_what_it_measures_and_its_limit(capsys):
