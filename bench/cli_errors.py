@@ -188,7 +188,7 @@ def cases(tmp, f):
         (".idx whose pointer table disagrees with the lengths", train + with_value(b, "--data-path", f["pointer"])),
         (".idx with two lengths swapped", train + with_value(b, "--data-path", f["swapped"])),
     ]
-    return out + careless_cases(tmp, b, f) + checkpoint_cases(tmp, b)
+    return out + careless_cases(tmp, b, f)   # then checkpoint_cases(tmp, base(tmp)): they train first
 
 
 CLUSTER = ("nodes: 2\ngpus_per_node: 4\ngpu_memory_gb: 32\npeak_flops: 125e12\nintra_node_gbps: 1200\n"

@@ -118,12 +118,14 @@ def groups(a) -> tuple[dict, list]:
 
 
 def inputs(a) -> tuple[dict, list]:
-    from bench.cli_errors import cases, files, run
+    from bench.cli_errors import base, cases, checkpoint_cases, files, run
     from bench.jobs import check_data
     check_data()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         todo = cases(tmp, files(tmp))
+        if a.start_at or a.limit is None or a.limit > len(todo):   # these train a checkpoint first
+            todo += checkpoint_cases(tmp, base(tmp))
         if a.start_at:
             todo = todo[next(i for i, (n, _) in enumerate(todo) if n.startswith(a.start_at)):]
         for name, argv in todo[:a.limit]:
