@@ -1,6 +1,5 @@
-"""Run bad or unusual inputs through the real commands and tabulate what each prints.
-
-    .venv/bin/python -m bench.cli_errors [--output cli_errors.md]
+"""Bad or unusual inputs run through the real commands (`python -m bench.faults inputs`
+tabulates what each prints).
 
 Each case is a real process (`python train.py ...`, `python -m data.preprocess ...`)
 started from the repository root on the bundled corpus (work_dir/, see the README's
@@ -8,23 +7,20 @@ quick start) with a 1-layer model, so an accepted input trains two iterations in
 seconds. The table gives the exit status and the line printed: for a user error the
 one `error: ...` line (status 2), for an accepted input the last log line's start.
 """
-import argparse
 import json
 import os
 import shutil
 import struct
 import subprocess
 import sys
-import tempfile
 
 import numpy as np
 
 from bench import ROOT
-
+from bench.jobs import DATA_PREFIX as DATA
+from bench.jobs import TOKENIZER as MODEL
 from data.indexed_dataset import IndexedDatasetBuilder
 from data.tokenizer import train_sentencepiece
-
-DATA, MODEL = "work_dir/kjv_text_document", "work_dir/kjv_sp.model"
 
 
 def base(tmp):
@@ -192,7 +188,7 @@ def cases(tmp, f):
         (".idx whose pointer table disagrees with the lengths", train + with_value(b, "--data-path", f["pointer"])),
         (".idx with two lengths swapped", train + with_value(b, "--data-path", f["swapped"])),
     ]
-    return out + careless_cases(tmp, b, f) + checkpoint_cases(tmp, b)
+    return out + careless_cases(tmp, b, f)   # then checkpoint_cases(tmp, base(tmp)): they train first
 
 
 CLUSTER = ("nodes: 2\ngpus_per_node: 4\ngpu_memory_gb: 32\npeak_flops: 125e12\nintra_node_gbps: 1200\n"
@@ -350,29 +346,3 @@ def run(argv):
         message = ("trains; last log line: `" + logged[-1].split("| elapsed")[0].strip() + " ...`"
                    if logged else "exit 0; last line: `" + (proc.stdout.strip().splitlines() or [""])[-1][:80] + "`")
     return proc.returncode, message
-
-
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--output", default=str(ROOT / "cli_errors.md"))
-    parser.add_argument("--start-at", default=None, help="run the cases from the first whose name starts so")
-    args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        rows = []
-        todo = cases(tmp, files(tmp))
-        if args.start_at:
-            todo = todo[next(i for i, (name, _) in enumerate(todo) if name.startswith(args.start_at)):]
-        for name, argv in todo:
-            status, message = run(argv)
-            rows.append((name, status, message))
-            print(f"{status:3d}  {name}: {message}", flush=True)
-    escape = lambda s: s.replace("|", "\\|").replace(tmp, "$TMP")  # noqa: E731
-    lines = ["| input | exit status | message printed |", "|---|---|---|"]
-    lines += [f"| {escape(name)} | {status} | {escape(message)} |" for name, status, message in rows]
-    with open(args.output, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print(f"{len(rows)} inputs -> {args.output}")
-
-
-if __name__ == "__main__":
-    main()

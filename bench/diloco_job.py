@@ -1,6 +1,6 @@
 """Streaming DiLoCo's faults as a user meets them: train.py under torchrun, 4 gloo ranks as 2
 groups of one 2-rank node (`--ranks-per-node 2 --group-size 1`), ZeRO-3 inside each group.
-A cell returns "" when it holds, else what went wrong (bench/fault_matrix.py prints them as
+A cell returns "" when it holds, else what went wrong (`python -m bench.faults` prints them as
 the "DiLoCo job" table; tests/test_diloco_job.py asserts each on a tiny corpus).
 
 - signal-one-group: SIGTERM to group 1's ranks only (a node's preemption) after a few
@@ -18,67 +18,17 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
+import time
 from pathlib import Path
 
 import torch
 
 from bench import ROOT
+from bench.jobs import DATA_PREFIX, TOKENIZER, check_data, child_pids, finish, launch, problem, worker_ranks  # noqa: F401
 
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
 GROUPS = ["--global-batch-size", "8", "--zero-stage", "3", "--ranks-per-node", "2", "--group-size", "1"]
 FAULTS = ("signal-one-group", "diverge-one-group", "diverge-one-group-topk2", "short-export")
 TOPK2 = ["--outer-quantization", "topk2"]
-
-
-# -- train.py under torchrun ------------------------------------------------------------------------
-
-def launch(nproc: int, argv: list[str]) -> subprocess.Popen:
-    """train.py on `nproc` local ranks, its output a text pipe, in a session of its own."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-    return subprocess.Popen([*TORCHRUN, str(nproc), "train.py", *argv], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-
-
-def child_pids(pid: int) -> list[int]:
-    kids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            if ppid == pid:
-                kids.append(int(entry))
-    return kids
-
-
-def worker_ranks(proc: subprocess.Popen) -> dict[int, int]:
-    """{global rank: pid} of a torchrun job's workers."""
-    out = {}
-    for agent in [proc.pid] + child_pids(proc.pid):
-        for pid in child_pids(agent):
-            try:
-                with open(f"/proc/{pid}/environ", "rb") as f:
-                    env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-            except OSError:
-                continue
-            if b"RANK" in env and b"LOCAL_RANK" in env:
-                out[int(env[b"RANK"])] = pid
-    return out
-
-
-def finish(proc: subprocess.Popen, timeout: float) -> tuple[str, bool]:
-    """The job's output and whether it hung: a job still running after `timeout` s is killed."""
-    try:
-        return proc.communicate(timeout=timeout)[0], False
-    except subprocess.TimeoutExpired:
-        for pid in worker_ranks(proc).values():   # each worker in a session of its own
-            os.kill(pid, signal.SIGKILL)
-        os.killpg(proc.pid, signal.SIGKILL)
-        return proc.communicate()[0], True
 
 
 def loadable(save: Path) -> tuple[int | None, str]:
@@ -98,10 +48,6 @@ def loadable(save: Path) -> tuple[int | None, str]:
     if meta["iteration"] != it or not all(torch.isfinite(w).all() for w in weights.values()):
         return it, f"iteration {it}: meta says {meta['iteration']}, or a weight is not finite"
     return it, ""
-
-
-def problem(out: str, what: str) -> str:
-    return f"{what}; the job's last output: {out[-1500:]}"
 
 
 # -- the cells -----------------------------------------------------------------------------------------
@@ -178,7 +124,6 @@ def short_export(out: str, rc: int, save: Path) -> str:
 def run_cells(base, tmp: Path, faults=FAULTS) -> dict:
     """{fault: {"ok", "why", "seconds"}}; `base(out_dir)`: train.py's flags for data and model,
     saving to out_dir / "ckpt"."""
-    import time
     row = {}
     for fault in faults:
         out_dir = tmp / fault
@@ -196,8 +141,7 @@ def run_cells(base, tmp: Path, faults=FAULTS) -> dict:
 
 
 def demo_flags(out: Path) -> list[str]:
-    """A tiny GPT on the bundled corpus (bench/convergence.py's data)."""
-    from bench.convergence import DATA_PREFIX, TOKENIZER, check_data
+    """A tiny GPT on the bundled corpus."""
     check_data()
     return ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
             "--max-position-embeddings", "16", "--micro-batch-size", "2", "--lr", "3e-3", "--lr-decay-style",

@@ -1,67 +1,31 @@
-"""The fault matrix: every ZeRO stage x ZeRO++ switch combination that the config
-validator accepts, run through the faults a long job meets.
+"""The fault matrix of the engine's switches (`python -m bench.faults` runs and prints it): every
+ZeRO stage x ZeRO++ switch combination that the config validator accepts, generated, never
+listed (every value of every switch key of fault_cells.SWITCH_VALUES crossed, kept when
+`DeepSpeedConfig` and `validate_topology` accept it on the layout), each through the faults a
+long job meets, on a tiny GPT (one column each):
 
-    python -m bench.fault_matrix                  # the full matrix, table + JSON
-    python -m bench.fault_matrix --quick          # the share the default test suite runs
-
-The combinations are generated, never listed: every value of every switch key
-(stage, qwZ, hpZ size, qgZ, LoCo, Hadamard, INT4 weight deltas) is crossed and
-kept when `DeepSpeedConfig` and `validate_topology` accept it on the layout
-(4 ranks as 2 nodes x 2; also 2 x 1 and 1 x 4). Each accepted combination runs,
-on a tiny GPT, these faults (one column each):
-
-- overflow: fp16 (static loss scale), an infinite loss on one rank at step K.
-  Every rank skips the step and the run continues as if the step never came:
-  the final state equals that of a run without it, bit for bit.
+- overflow: fp16 (static loss scale), an infinite loss on one rank at step K. Every rank skips
+  the step and the run ends where a run without it ends, bit for bit.
 - nan: the same with a NaN loss in bf16.
-- resume: fp32, save at step K (training/checkpoint.py, real files), go on;
-  a fresh engine loads it and goes on: the two end bit-identical.
-- reshard: that checkpoint loaded on another node count (1 node x 4 ranks):
-  the run continues (finite, applied steps), and every state that is reset
-  is named in one line, no other.
+- resume: fp32, save at step K (training/checkpoint.py, real files), go on; a fresh engine loads
+  it and goes on: the two end bit-identical.
+- reshard: that checkpoint loaded on another node count: the run continues (finite, applied
+  steps), and every state that is reset is named in one line, no other.
 - world: the same on half the ranks, one a node, hpZ off there.
-- toggle: that checkpoint loaded with each switch flipped that the validator
-  accepts flipped: the same.
-- auto: the ZeRO++ switches set to "auto", resolved by the planner on a fast
-  and on a slow link with the other switches as set: the choice is accepted
-  by the validator and trains.
-After every step, every rank's replicated state (loss scale, counters, the
-carried state's scalars, replicated tensors) must be the same.
-
-Then the two modes beside the engine's switches, a table each (bench/fault_modes.py says
-what each column means there):
-- streaming DiLoCo (zeropp/outer/diloco.py), 2 groups on 2 nodes x 2 (ZeRO-3 inside) and on 4 nodes
-  x 1 (qwZ + qgZ inside), a row per outer setting (exact or INT4, merged at once or a step
-  late): overflow and nan (one group skips, the other goes on), resume, reshard (into one
-  group and back), toggle (other outer settings), an fp16 resume with groups whose loss scales
-  differ, a non-finite fragment in one group; and through train.py (bench/diloco_job.py): a
-  SIGTERM to one group, a loss diverging in one group first, an export of a run shorter than H;
-  and with each group its own torchrun job (train.py --lighthouse, bench/groups_job.py): a group
-  killed mid-exchange and restarted, a Lighthouse restart, a late start and a clean stop, the
-  one-job model bit for bit, groups of different models, a 60 s link outage between one of three
-  groups on emulated sites and the others;
-- FSDP2 + the ZeRO++ plug-in (zeropp/fsdp/engine.py), a row per switch combination FSDP2
-  accepts on 2 nodes x 2: overflow, nan, resume, engine (its checkpoint into the engine's
-  ZeRO-3 and back).
+- toggle: that checkpoint loaded with each switch flipped that the validator accepts flipped.
+- auto: the ZeRO++ switches "auto", resolved by the planner on a fast and on a slow link with the
+  other switches as set: the choice is accepted by the validator and trains.
+After every step, every rank's replicated state (loss scale, counters, the carried state's
+scalars, replicated tensors) must be the same.
 """
-import argparse
 import itertools
-import json
 import os
 import tempfile
-import time
-from pathlib import Path
 
 import torch
 
-from bench.diloco_job import FAULTS as JOB_FAULTS
-from bench.diloco_job import demo_flags, run_cells
-from bench.groups_job import FAULTS as GROUP_FAULTS
-from bench.groups_job import run_group_cells
 from bench.fault_cells import (FAULTS, SHORT, SWITCH_VALUES, accepted, check_auto, check_load_elsewhere,
                                check_resume, check_skip, name, run_cell)
-from bench.fault_modes import (DILOCO_FAULTS, DILOCO_LAYOUTS, FSDP2_FAULTS, outer_settings, quick_settings, run_diloco,
-                               run_fsdp2)
 from parallel.spawn import run_distributed
 
 
@@ -179,65 +143,3 @@ def print_table(title: str, table: dict, faults=FAULTS):
         for f, c in row.items():
             if not c["ok"]:
                 print(f"  {combo} / {f}: {c['why']}")
-
-
-def modes(quick_share: bool) -> dict:
-    """The rows of streaming DiLoCo (per layout) and FSDP2 + the plug-in (bench/fault_modes.py), printed."""
-    out = {"diloco": {}, "fsdp2": {}}
-    out["diloco"] = run_diloco([(layout, s) for layout in DILOCO_LAYOUTS
-                                for s in (quick_settings(layout) if quick_share else outer_settings())])
-    for layout, table in out["diloco"].items():
-        per_node, nodes, inner = DILOCO_LAYOUTS[layout]
-        seconds = sum(c["seconds"] for row in table.values() for c in row.values())
-        print_table(f"streaming DiLoCo, 4 ranks as {layout} in 2 groups of {nodes} node(s), {name(inner)} inside: "
-                    f"{len(table)} outer settings ({seconds:.0f} s)", table, DILOCO_FAULTS)
-    with tempfile.TemporaryDirectory() as tmp:   # train.py under torchrun, as a user runs it
-        start = time.perf_counter()
-        out["diloco"]["train.py 2x2"] = table = {"H 4, exact": run_cells(demo_flags, Path(tmp))}
-    print_table(f"streaming DiLoCo through train.py, 4 ranks as 2 groups of a 2-rank node: a fault in one group "
-                f"({time.perf_counter() - start:.0f} s)", table, JOB_FAULTS)
-    with tempfile.TemporaryDirectory() as tmp:   # each group its own torchrun job (--lighthouse)
-        start = time.perf_counter()
-        out["diloco"]["groups as jobs"] = table = {"H 4, F 2, exact": run_group_cells(demo_flags, Path(tmp))}
-    print_table(f"groups that survive each other (--lighthouse), 2 groups of 2 ranks, each its own torchrun job "
-                f"({time.perf_counter() - start:.0f} s)", table, GROUP_FAULTS)
-    combos = combinations(4, 2, "fsdp2")
-    combos = quick(combos) if quick_share else combos
-    start = time.perf_counter()
-    out["fsdp2"]["2x2"] = table = run_fsdp2(combos)
-    print_table(f"FSDP2 + the ZeRO++ plug-in, 4 ranks as 2 nodes x 2: {len(combos)} combinations FSDP2 accepts "
-                f"({time.perf_counter() - start:.0f} s)", table, FSDP2_FAULTS)
-    return out
-
-
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="the default test suite's share")
-    p.add_argument("--out", default="bench/results/fault_matrix.json")
-    a = p.parse_args(argv)
-    from bench import cpu_model
-    print(f"CPU: {cpu_model()}, torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}")
-    report = {"cpu": cpu_model(), "capability": torch.backends.cpu.get_cpu_capability(), "layouts": {}}
-    for world, rpn in layouts():
-        combos = combinations(world, rpn)
-        if a.quick or (world, rpn) != (4, 2):
-            combos = quick(combos)
-        start = time.perf_counter()
-        table = run_matrix(combos, world=world, ranks_per_node=rpn)
-        title = (f"{world} ranks as {world // rpn} node(s) x {rpn}: {len(combos)} combinations the validator "
-                 f"accepts ({time.perf_counter() - start:.0f} s)")
-        print_table(title, table)
-        report["layouts"][f"{world // rpn}x{rpn}"] = table
-    report["modes"] = modes(a.quick)
-    tables = list(report["layouts"].values()) + [t for mode in report["modes"].values() for t in mode.values()]
-    cells = [c for t in tables for row in t.values() for c in row.values()]
-    print(f"\n{sum(c['ok'] for c in cells)} of {len(cells)} cells pass")
-    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(report, f, indent=1)
-    print(f"wrote {a.out}")
-    return 0 if all(c["ok"] for c in cells) else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

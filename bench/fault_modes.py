@@ -1,4 +1,4 @@
-"""The fault matrix's rows for the two modes beside the engine's switches (bench/fault_matrix.py):
+"""The fault matrix's rows for the two modes beside the engine's switches (`python -m bench.faults`):
 streaming DiLoCo (zeropp/outer/diloco.py) and FSDP2 + the ZeRO++ plug-in (zeropp/fsdp/engine.py).
 A cell returns "" when it holds, else what went wrong; every rank runs every check, and a
 cell's verdict is every rank's (the groups of DiLoCo hold different states).

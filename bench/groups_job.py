@@ -1,7 +1,7 @@
 """Groups that survive each other as a user meets them: each group its own `torchrun train.py
 --lighthouse ...` job of 2 gloo ranks, meeting the others through torchft's Lighthouse (a
 process of its own). A cell returns "" when it holds, else what went wrong (tests/
-test_groups_job.py asserts each on a tiny corpus; bench/fault_matrix.py can print them).
+test_groups_job.py asserts each on a tiny corpus; `python -m bench.faults groups` runs them).
 
 - kill-one-group: once the groups exchange together, one rank of group 1 is frozen (SIGSTOP: the
   others meet it in an exchange that cannot finish) and its launcher SIGKILLed (its ranks die
@@ -14,15 +14,15 @@ test_groups_job.py asserts each on a tiny corpus; bench/fault_matrix.py can prin
   (the one-job mode's model bit for bit), different-models (every group stops with one line),
   link-outage (three groups on emulated sites, one cut off for 60 s), heal-interrupted (a late
   group's heal over a slow link cut off): bench/groups_sites.py, root only;
-- in the bench only (`python -m bench.groups_job`, bench/results/groups_job.json):
+- in the bench only (`python -m bench.faults groups`, bench/results/groups_job.json):
   three-groups-two-kills, kill-against-uninterrupted (the final validation loss after a kill
-  against the uninterrupted groups), punisher (random kills against a 10-minute job:
-  bench/groups_punisher.py).
-Launching and reading the jobs: bench/groups_launch.py.
+  against the uninterrupted groups), punisher (random kills against a long job, below).
+Launching and reading the jobs: bench/jobs.py.
 """
 from __future__ import annotations
 
 import os
+import random
 import re
 import signal
 import subprocess
@@ -32,12 +32,10 @@ from pathlib import Path
 import torch
 
 from bench import ROOT
-from bench.diloco_job import worker_ranks
-from bench.groups_launch import (FIGURES, RUN, TIMEOUT, VALIDATION, free_port, iterations, launch_group, problem, script,
-                                 samples_in_order, start_lighthouse, stood_still, stop_all, tensorboard,
-                                 wait_for)
-from bench.groups_punisher import punisher
 from bench.groups_sites import heal_interrupted, link_outage
+from bench.jobs import (FIGURES, RUN, TIMEOUT, VALIDATION, finals, finish, free_port, iterations, launch, launch_group,
+                        problem, samples_in_order, script, start_lighthouse, stood_still, stop, tensorboard, wait_for,
+                        worker_ranks)
 
 # -- the cells ---------------------------------------------------------------------------------------
 
@@ -82,7 +80,7 @@ def kills(base, tmp: Path, groups: int, victims: tuple[int, ...], iters: int) ->
             procs[g] = launch_group(g, groups, url, [*flags[g], "--load", str(tmp / f"g{g}" / "ckpt")], logs[g])
         rcs = {g: p.wait(timeout=900) for g, p in procs.items()}
     finally:
-        stop_all(*procs.values(), lh)
+        stop(*procs.values(), lh)
     if any(rcs.values()):
         return problem(logs[next(g for g, rc in rcs.items() if rc)], f"exit statuses {rcs}")
     seen = iterations(logs[0])
@@ -101,9 +99,9 @@ def kills(base, tmp: Path, groups: int, victims: tuple[int, ...], iters: int) ->
                                                                                         "outer/heals")
     if not {float(groups - 1), float(groups)} <= set(quorum) or not heals or max(heals) < 1:
         return problem(restarts[-1], f"TensorBoard: quorum sizes {sorted(set(quorum))} (group 0), heals {heals[-1:]}")
-    finals = [VALIDATION.findall(logs[g].read_text(errors="replace"))[-1:] for g in range(groups)]
-    if not all(finals) or any(f != finals[0] for f in finals):
-        return problem(restarts[-1], f"the groups end on different global models: {finals}")
+    ends = finals(*(logs[g] for g in range(groups)))
+    if not all(ends) or any(f != ends[0] for f in ends):
+        return problem(restarts[-1], f"the groups end on different global models: {ends}")
     return ""
 
 
@@ -131,7 +129,7 @@ def freeze_one_group(base, tmp: Path, iters: int = 1500, seconds: float = 15.0) 
             os.kill(pid, signal.SIGCONT)
         rcs = [p.wait(timeout=900) for p in procs]
     finally:
-        stop_all(*procs, lh)
+        stop(*procs, lh)
     if any(rcs):
         return problem(logs[rcs.index(next(r for r in rcs if r))], f"exit statuses {rcs}")
     seen = iterations(logs[0])
@@ -142,9 +140,9 @@ def freeze_one_group(base, tmp: Path, iters: int = 1500, seconds: float = 15.0) 
     after = logs[1].read_text(errors="replace")[mark:]
     if "healed from a peer" not in after or "quorum: 2 groups" not in after.split("healed from a peer", 1)[1]:
         return problem(logs[1], "group 1 did not heal from group 0 and exchange with it again after the freeze")
-    finals = [VALIDATION.findall(log.read_text(errors="replace"))[-1:] for log in logs]
-    if not all(finals) or finals[0] != finals[1]:
-        return problem(logs[1], f"the groups end on different global models: {finals}")
+    ends = finals(*logs)
+    if not all(ends) or ends[0] != ends[1]:
+        return problem(logs[1], f"the groups end on different global models: {ends}")
     return ""
 
 
@@ -166,7 +164,7 @@ def lighthouse_restart(base, tmp: Path, iters: int = 1000) -> str:
         lh, _ = start_lighthouse(tmp / "lighthouse_again.log", port=int(url.rsplit(":", 1)[1]))
         rcs = [p.wait(timeout=600) for p in procs]
     finally:
-        stop_all(*procs, lh)
+        stop(*procs, lh)
     if any(rcs):
         return problem(logs[0], f"exit status {rcs}")
     for log in logs:
@@ -207,7 +205,7 @@ def late_start_and_clean_stop(base, tmp: Path, iters: int = 800) -> str:
         rc1 = g1.wait(timeout=120)
         rc0 = g0.wait(timeout=600)
     finally:
-        stop_all(*[p for p in (g0, g1, lh) if p is not None])
+        stop(*[p for p in (g0, g1, lh) if p is not None])
     if rc0 or rc1:
         return problem(logs[1] if rc1 else logs[0], f"exit status {rc0} (group 0), {rc1} (group 1 stopped)")
     late = logs[1].read_text(errors="replace")
@@ -231,7 +229,7 @@ def different_models(base, tmp: Path) -> str:
     try:
         rcs = g0.wait(timeout=300), g1.wait(timeout=300)
     finally:
-        stop_all(g0, g1, lh)
+        stop(g0, g1, lh)
     said = "run different models or group shapes"
     for rc, log in zip(rcs, logs):   # torchrun reports a worker's exit status 2 as its own 1, with its line
         lines = log.read_text(errors="replace").splitlines()
@@ -250,7 +248,7 @@ def steady_groups(base, tmp: Path, argv: list[str], name: str) -> str:
     try:
         rcs = [p.wait(timeout=900) for p in procs]
     finally:
-        stop_all(*procs, lh)
+        stop(*procs, lh)
     return problem(logs[rcs.index(next(r for r in rcs if r))], f"exit statuses {rcs}") if any(rcs) else ""
 
 
@@ -258,7 +256,6 @@ def same_as_one_job(base, tmp: Path, iters: int = 24) -> str:
     """Two groups as two jobs, every exchange with both (the Lighthouse waits for 2), against the
     same two groups in one torchrun job (`--group-size 1`): the exported models are equal bit for
     bit (equal token weights are halves: exact)."""
-    from bench.diloco_job import finish, launch
     from tools.export_checkpoint import consolidated_state_dict
     argv = [*RUN, "--train-iters", str(iters), "--hidden-dropout", "0", "--save-interval", str(iters)]
     one = launch(4, [*base(tmp / "one"), *argv, "--ranks-per-node", "2", "--group-size", "1"])
@@ -319,47 +316,67 @@ def kill_against_uninterrupted(base, tmp: Path, iters: int = 700, tolerance: flo
                                                    f"uninterrupted = {ratio:.4f}, beyond {tolerance:.0%}"
 
 
+def punisher(base, tmp: Path, minutes: float = 10.0, mtbf_s: float = 90.0, groups: int = 3, seed: int = 0) -> str:
+    """A fault injector against a long job of groups (what torchft's examples/slurm/punisher.py
+    `kill_loop` does to a SLURM job, here to local torchrun jobs): 3 groups train for `minutes`;
+    at random times (mean `mtbf_s`, a seeded draw) one group, drawn at random among those alive, has
+    its launcher SIGKILLed and is started again from its own checkpoint a few seconds later; at the
+    end every group is stopped cleanly (SIGTERM to its ranks: they save and exit 0).
+    
+    Holds when: no incarnation of any group repeats an iteration or skips or re-reads a sample
+    (restarts heal from a peer and continue at its inner step, with their own data position); no
+    group that is alive stands still past two exchange timeouts; every restart heals; every
+    group's last incarnation exits 0."""
+    draw = random.Random(seed)
+    lh, url = start_lighthouse(tmp / "lighthouse.log")
+    argv = [*RUN, "--train-iters", "1000000", "--save-interval", "50", "--global-batch-size", str(4 * groups)]
+    flags = {g: [*base(tmp / f"g{g}"), *argv] for g in range(groups)}
+    logs: dict[int, list[Path]] = {g: [tmp / f"group{g}_0.log"] for g in range(groups)}
+    procs = {g: launch_group(g, groups, url, flags[g], logs[g][0]) for g in range(groups)}
+    kills, end = [], time.time() + 60 * minutes
+    try:
+        if not all(wait_for(logs[g][0], rf"quorum: {groups} groups", 300, procs[g]) for g in range(groups)):
+            return problem(logs[0][0], "the groups never exchanged all together")
+        while (pause := draw.uniform(0.5, 1.5) * mtbf_s) < end - time.time() - 60:
+            time.sleep(pause)
+            g = draw.randrange(groups)
+            if not wait_for(logs[g][-1], r"saved checkpoint", 120, procs[g]):
+                return problem(logs[g][-1], f"group {g} never saved a checkpoint to restart from")
+            procs[g].send_signal(signal.SIGKILL)   # the launcher: its ranks die with it (parallel/launch.py)
+            procs[g].wait()
+            kills.append((round(time.time() - end + 60 * minutes), g))
+            time.sleep(draw.uniform(3, 15))
+            logs[g].append(tmp / f"group{g}_{len(logs[g])}.log")
+            procs[g] = launch_group(g, groups, url, [*flags[g], "--load", str(tmp / f"g{g}" / "ckpt")], logs[g][-1])
+        time.sleep(max(0.0, end - time.time()))
+        for p in procs.values():   # a clean stop: each rank saves and exits 0, and so does torchrun
+            for pid in worker_ranks(p).values():
+                os.kill(pid, signal.SIGTERM)
+        rcs = {g: p.wait(timeout=300) for g, p in procs.items()}
+    finally:
+        stop(*procs.values(), lh)
+    if any(rcs.values()):
+        g = next(g for g, rc in rcs.items() if rc)
+        return problem(logs[g][-1], f"exit statuses of the last incarnations {rcs}")
+    for g in range(groups):
+        for n, log in enumerate(logs[g]):
+            seen = [it for _, it in iterations(log)]
+            if seen != sorted(set(seen)) or not samples_in_order(log):
+                return problem(log, f"group {g} (incarnation {n}) repeated an iteration, or skipped or re-read a sample")
+            if still := stood_still(log, timeouts=2):
+                return still
+            if n and "healed from a peer" not in log.read_text(errors="replace"):
+                return problem(log, f"group {g} restarted (incarnation {n}) without healing from a peer")
+    FIGURES["punisher"] = {"minutes": minutes, "kills": [{"at_s": t, "group": g} for t, g in kills],
+                           "iterations": {f"group{g}": iterations(logs[g][-1])[-1][1] for g in range(groups)}}
+    return "" if kills else f"no kill in {minutes} min (mean time between failures {mtbf_s} s): run longer"
+
+
 def three_groups_two_kills(base, tmp: Path) -> str:
     """3 groups of 2 ranks; group 1 killed mid-exchange, restarted; then killed again at a later
     step and restarted again."""
     return kills(base, tmp, 3, (1, 1), 900)
 
 
-def main(argv=None):
-    import argparse
-    import contextlib
-    import json
-    import tempfile
-
-    from bench import RESULTS, cpu_model
-    from bench.diloco_job import demo_flags
-
-    p = argparse.ArgumentParser(description="groups that survive each other (train.py --lighthouse): the cells")
-    p.add_argument("--cells", default=",".join([*FAULTS, "three-groups-two-kills"]))
-    p.add_argument("--workdir", help="keep the groups' logs and checkpoints here (default: a temporary folder)")
-    a = p.parse_args(argv)
-    cells = {**CELLS, "three-groups-two-kills": three_groups_two_kills,
-             "kill-against-uninterrupted": kill_against_uninterrupted, "punisher": punisher}
-    unknown = [c for c in a.cells.split(",") if c not in cells]
-    if unknown:
-        p.error(f"--cells: no cell {', '.join(unknown)}; the cells: {', '.join(cells)}")
-    rows = {}
-    with tempfile.TemporaryDirectory() if a.workdir is None else contextlib.nullcontext(a.workdir) as tmp:
-        for cell in a.cells.split(","):
-            (Path(tmp) / cell).mkdir(parents=True)
-            start = time.perf_counter()
-            why = cells[cell](demo_flags, Path(tmp) / cell)
-            rows[cell] = {"ok": not why, "why": why, "seconds": round(time.perf_counter() - start, 1),
-                          **FIGURES.get(cell, {})}
-            print(f"{cell:24s} {'ok' if not why else 'FAILED'} ({rows[cell]['seconds']:.0f} s)"
-                  + (f"\n{why}" if why else ""), flush=True)
-    path = RESULTS / "groups_job.json"   # cells run before by another command stay, each with its own
-    saved = json.loads(path.read_text()) if path.exists() else {"cells": {}}
-    old = {k: {"cpu": saved.get("cpu"), "command": saved.get("command"), **v} for k, v in saved["cells"].items()}
-    stamp = {"cpu": cpu_model(), "command": "python -m bench.groups_job --cells " + a.cells}
-    path.write_text(json.dumps({"cells": {**old, **{k: {**v, **stamp} for k, v in rows.items()}}}, indent=1) + "\n")
-    print(f"wrote {path}")
-
-
-if __name__ == "__main__":
-    main()
+MORE = {"three-groups-two-kills": three_groups_two_kills, "kill-against-uninterrupted": kill_against_uninterrupted,
+        "punisher": punisher}   # the bench's only

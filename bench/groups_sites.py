@@ -4,7 +4,7 @@ runs. Each site has a hostname of its own (a UTS namespace) that every site reso
 (/etc/netns/<site>/hosts, which `ip netns exec` mounts over /etc/hosts): torchft advertises the
 group's TCPStore (MASTER_ADDR, set by torchrun from the hostname), its Manager server and its
 checkpoint transport by that name. `link(site, up)` cuts a site off and back: the cell
-link-outage (`python -m bench.groups_job --cells link-outage`).
+link-outage (`python -m bench.faults groups --cells link-outage`).
 Addresses are in 198.51.100.0/24 (a documentation range), which exists only inside these
 namespaces. Needs root and iproute2 (ip, bridge veth)."""
 from __future__ import annotations
@@ -15,8 +15,8 @@ import shutil
 import time
 from pathlib import Path
 
-from bench.groups_launch import (FIGURES, RUN, TIMEOUT, VALIDATION, iterations, launch_group, problem, samples_in_order,
-                                 start_lighthouse, stood_still, stop_all, wait_for)
+from bench.jobs import (FIGURES, RUN, TIMEOUT, finals, iterations, launch_group, problem, samples_in_order,
+                        start_lighthouse, stood_still, stop, wait_for)
 from bench.netns import sh
 
 HUB, BRIDGE = "fthub", "ftbr"
@@ -30,10 +30,6 @@ def site(g: int) -> str:
 
 def address(g: int) -> str:
     return f"198.51.100.{g + 1}"
-
-
-def lighthouse_url() -> str:
-    return f"http://{HUB_ADDR}:{LIGHTHOUSE_PORT}"
 
 
 def can_make_sites() -> bool:
@@ -121,7 +117,7 @@ def link_outage(base, tmp: Path, iters: int = 2400, seconds: float = 60.0) -> st
         back = time.time()
         rcs = [p.wait(timeout=1800) for p in procs]
     finally:
-        stop_all(*procs, lh)
+        stop(*procs, lh)
         sites_down(groups)
     if any(rcs):
         return problem(logs[next(g for g, rc in enumerate(rcs) if rc)], f"exit statuses {rcs}")
@@ -148,9 +144,9 @@ def link_outage(base, tmp: Path, iters: int = 2400, seconds: float = 60.0) -> st
         return problem(logs[cut_off], "the cut-off group did not go on alone and then rejoin")
     if not [t for t, _ in iterations(logs[cut_off]) if t > back + 2 * TIMEOUT]:
         return problem(logs[cut_off], f"the run ended before the link was back for long: raise iters ({iters})")
-    finals = [VALIDATION.findall(log.read_text(errors="replace"))[-1:] for log in logs]
-    if not all(finals) or any(f != finals[0] for f in finals):
-        return problem(logs[cut_off], f"the groups end on different global models: {finals}")
+    ends = finals(*logs)
+    if not all(ends) or any(f != ends[0] for f in ends):
+        return problem(logs[cut_off], f"the groups end on different global models: {ends}")
     return ""
 
 
@@ -189,7 +185,7 @@ def heal_interrupted(base, tmp: Path, iters: int = 3000, rate_mbit: float = 4, s
         back = time.time()
         rcs = [p.wait(timeout=1200) for p in procs]
     finally:
-        stop_all(*procs, lh)
+        stop(*procs, lh)
         sites_down(2)
     if any(rcs):
         return problem(logs[next(g for g, rc in enumerate(rcs) if rc)], f"exit statuses {rcs}")
@@ -207,7 +203,7 @@ def heal_interrupted(base, tmp: Path, iters: int = 3000, rate_mbit: float = 4, s
         return problem(logs[1], f"the heal ended before the link went down: slow the link below {rate_mbit} Mbit/s")
     if "healed from a peer" not in late[cut:] or "quorum: 2 groups" not in late[cut:].split("healed from a peer")[-1]:
         return problem(logs[1], "group 1 did not heal after the link came back and exchange with group 0")
-    finals = [VALIDATION.findall(log.read_text(errors="replace"))[-1:] for log in logs]
-    if not all(finals) or finals[0] != finals[1]:
-        return problem(logs[1], f"the groups end on different global models: {finals}")
+    ends = finals(*logs)
+    if not all(ends) or ends[0] != ends[1]:
+        return problem(logs[1], f"the groups end on different global models: {ends}")
     return ""

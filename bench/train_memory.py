@@ -1,7 +1,6 @@
-"""Where train.py's resident memory goes at scale: its peak per rank at a large GPT against a
-tiny one (the process itself: torch, gloo, the data loader, the tokenizer), pool by pool.
-
-    .venv/bin/python -m bench.train_memory        # 411 M parameters (8 layers, hidden 2048), 8 ranks, fp32 AdamW
+"""Where train.py's resident memory goes at scale (`python -m bench.memory train`): its peak per
+rank at a large GPT against a tiny one (the process itself: torch, gloo, the data loader, the
+tokenizer), pool by pool.
 
 Each variant runs `train.py` under torchrun on one node twice with the same flags and
 DeepSpeed JSON (stage 3, buckets and live parameters --bucket, reuse distance 0), a tiny GPT
@@ -21,7 +20,6 @@ their buffers, which the engine holds and counts: gloo's own copies, which NCCL 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -31,7 +29,8 @@ import tempfile
 import time
 from types import SimpleNamespace
 
-from bench import RESULTS, ROOT, checkout_name, cpu_model
+from bench import ROOT
+from bench.jobs import DATA_PREFIX, TOKENIZER, check_data, job_env, listed, torchrun
 
 VARIANTS = {"train.py": {}, "glibc-32m": {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20)}}
 TINY = dict(num_layers=1, hidden=64, heads=4)
@@ -42,19 +41,17 @@ def train_argv(a, model: dict, ds_path: str) -> list[str]:
     return ["--num-layers", str(model["num_layers"]), "--hidden-size", str(model["hidden"]),
             "--num-attention-heads", str(model["heads"]), "--seq-length", str(a.seq),
             "--max-position-embeddings", str(a.seq), "--micro-batch-size", "1",
-            "--global-batch-size", str(a.nproc), "--train-iters", str(a.steps), "--lr", "1e-4",
-            "--data-path", "work_dir/kjv_text_document", "--tokenizer-type", "SentencePieceTokenizer",
-            "--tokenizer-model", "work_dir/kjv_sp.model", "--split", "949,50,1", "--eval-iters", "0",
+            "--global-batch-size", str(a.world), "--train-iters", str(a.steps), "--lr", "1e-4",
+            "--data-path", DATA_PREFIX, "--tokenizer-type", "SentencePieceTokenizer",
+            "--tokenizer-model", TOKENIZER, "--split", "949,50,1", "--eval-iters", "0",
             "--log-interval", "1", "--deepspeed_config", ds_path]
 
 
 def run_train(a, model: dict, env: dict, ds_path: str) -> dict:
     """train.py's lines about memory, parsed (MB)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(a.nproc),
-           "train.py", *train_argv(a, model, ds_path)]
+    cmd = [*torchrun(a.world), "train.py", *train_argv(a, model, ds_path)]
     t0 = time.time()
-    out = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", **env}, capture_output=True,
-                         text=True, timeout=a.timeout)
+    out = subprocess.run(cmd, cwd=ROOT, env=job_env(**env), capture_output=True, text=True, timeout=a.timeout)
     text = out.stdout + out.stderr
     if out.returncode != 0:
         sys.exit(f"train.py failed ({' '.join(cmd)}):\n{text[-3000:]}")
@@ -99,24 +96,9 @@ def gloo_staging(rank, world, elements: int) -> float:
     return max(0.0, probe.stop() - before)
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--num-layers", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--seq", type=int, default=32)
-    p.add_argument("--nproc", type=int, default=8)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--bucket", type=float, default=3e7)
-    p.add_argument("--variants", default=",".join(VARIANTS))
-    p.add_argument("--timeout", type=int, default=1800)
-    p.add_argument("--out", default=str(RESULTS / "train_memory.json"))
-    a = p.parse_args(argv)
-    unknown = [v for v in a.variants.split(",") if v not in VARIANTS]
-    if unknown:
-        p.error(f"--variants {','.join(unknown)}: unknown; choose from {', '.join(VARIANTS)}")
-    if not (ROOT / "work_dir" / "kjv_text_document.bin").exists():
-        sys.exit("bench.train_memory reads the quickstart's corpus: run bash scripts/quickstart.sh first")
+def run(a) -> dict:
+    variants = listed(a.variants, VARIANTS, "--variants")
+    check_data()
     ds_path = os.path.join(tempfile.mkdtemp(prefix="train_memory-"), "ds_config.json")
     with open(ds_path, "w") as f:   # the buckets, as a user's DeepSpeed JSON sets them
         json.dump({"zero_optimization": {"stage": 3, "reduce_bucket_size": a.bucket, "allgather_bucket_size": a.bucket,
@@ -127,11 +109,11 @@ def main(argv=None):
     from parallel.spawn import run_distributed
     staging = None
     rows = {}
-    for name in a.variants.split(","):
+    for name in variants:
         tiny, big = (run_train(a, m, VARIANTS[name], ds_path) for m in (TINY, large))
         if staging is None:   # the buckets, capped by the model as the engine caps them
             elements = int(min(a.bucket, big["parameters"]))
-            staging = max(run_distributed(gloo_staging, world_size=a.nproc, args=(elements,), timeout=600))
+            staging = max(run_distributed(gloo_staging, world_size=a.world, args=(elements,), timeout=600))
         model_mb = 4 * big["parameters"] / MB
         rise = big["peak_rank0_mb"] - tiny["peak_rank0_mb"]
         held = big["model_states_mb"] + sum(big["pools_mb"].values()) + act
@@ -142,8 +124,8 @@ def main(argv=None):
                       "unaccounted_mb": rise - held - staging}
     os.remove(ds_path)
     os.rmdir(os.path.dirname(ds_path))
-    print(f"train.py's peak RSS rise over a tiny run, {a.nproc} ranks on one node, fp32 AdamW, stage 3, buckets and "
-          f"live parameters {a.bucket:.0e}, reuse distance 0; {cpu_model()}")
+    print(f"train.py's peak RSS rise over a tiny run, {a.world} ranks on one node, fp32 AdamW, stage 3, buckets and "
+          f"live parameters {a.bucket:.0e}, reuse distance 0")
     print("| variant | parameters | fp32 model MB | rise MB (rank 0 / largest) | rise / fp32 model | model states MB | "
           "pools MB (buckets, scratch, gathered, gather buffers) | activations MB | outside the engine MB | "
           "of it gloo's staging MB | unaccounted MB |")
@@ -155,12 +137,4 @@ def main(argv=None):
               f"{r['rise_max_mb']:.0f} | {r['rise_over_fp32_model']:.3f} (limit 0.95) | {b['model_states_mb']:.0f} | "
               f"{pools} | {r['activations_mb']:.0f} | {r['outside_mb']:.0f} | {r['gloo_staging_mb']:.0f} | "
               f"{r['unaccounted_mb']:.0f} |")
-    with open(a.out, "w") as f:
-        json.dump({"command": "python -m bench.train_memory " + " ".join(argv if argv is not None else sys.argv[1:]),
-                   "cpu": cpu_model(), "load_average": os.getloadavg(), "checkout": checkout_name(ROOT),
-                   "rows": rows}, f, indent=1)
-    print(f"results: {a.out}")
-
-
-if __name__ == "__main__":
-    main()
+    return {"args": vars(a), "limit_rise_over_fp32_model": 0.95, "rows": rows}

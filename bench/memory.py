@@ -1,41 +1,30 @@
-#!/usr/bin/env python
-"""A model larger than any rank may hold, built shard by shard and trained.
+"""Memory: what a rank holds, measured (peak RSS, Linux VmHWM) against what it should hold.
 
-    .venv/bin/python -m bench.large_model                       # the 18B run's widths, 2 layers (~1.2 B)
-    .venv/bin/python -m bench.large_model --num-layers 1 --hidden 2048 --vocab 8192 --steps 1
-    .venv/bin/python -m bench.large_model --systems zero3,zeropp   # bounded memory, bench/memory_bound.py
-    .venv/bin/python -m bench.large_model --matrix     # the same, every precision x optimizer x budget
+    python -m bench.memory [large]      # a model larger than a rank may hold, built shard by shard and trained
+    python -m bench.memory bound        # peak RSS rise per rank against its budget, ZeRO-3 and ZeRO++
+    python -m bench.memory matrix       # the same in every precision x optimizer x budget
+    python -m bench.memory train        # train.py's own peak under torchrun, pool by pool (needs the corpus)
 
-Each of --world gloo ranks builds the GPT on the meta device, lets ZeRO-3
-create it one weight at a time (zeropp/stages/init.py), then trains --steps steps on
-random tokens. Per rank it reports the peak RSS (Linux VmHWM) after
-construction and after training, next to what an unsharded build of the same
-model would need per rank (weights, gradients and optimizer state in full),
-and writes everything to --out as JSON.
-
---checkpoint DIR adds a checkpoint phase after training: every rank calls
-training.checkpoint.save_checkpoint(DIR, ...) (sharded, torch.distributed.checkpoint:
-each rank writes only its fp32 master slices and optimizer moments), then drops
-the trained engine, builds a fresh one (same config, another init seed) and
-calls load_checkpoint(DIR, engine). Per rank it reports the RSS before save, the
-peak RSS increase during save (VmHWM reset through /proc/self/clear_refs, or
-VmRSS sampled every 10 ms where that does not work), save seconds and bytes
-written, and the peak and retained RSS increase during load and its seconds;
-next to the full model's fp32 bytes (what a rank gathering the whole model for
-one model.pt, the old design, would hold) and the bytes a rank should write
-(4 bytes of master + 4 per optimizer moment, per parameter, / N). A CRC of
-every local state tensor before save and after load checks the round trip;
-`du` of DIR is compared with the bytes written. Results go under the JSON's
-"checkpoint" key. DIR is left in place (delete it afterwards).
-
-    .venv/bin/python -m bench.large_model --num-layers 2 --hidden 2048 --vocab 16384 --world 4 \
-        --optimizer adamw --steps 1 --checkpoint /tmp/ckpt_bench --out bench/results/large_model_checkpoint.json
-
-Defaults fit 4 ranks in 24 GiB: bf16 weights with fp32 masters, SGD
-without momentum (no optimizer state; Adam's two fp32 moments would add
-8 bytes per parameter / N), no overlap_comm and no activation checkpointing
-(each keeps more full-size tensors alive at once; activations of a short
-sequence are small).
+- large: each of --world gloo ranks builds the GPT on the meta device, lets ZeRO-3 create it
+  one weight at a time (zeropp/stages/init.py) and trains --steps steps on random tokens; per
+  rank the peak RSS after construction and after training beside what an unsharded build
+  would need (weights, gradients, optimizer state in full). Default: the 18B run's widths
+  with 2 layers (hidden 6144, vocab 50257: over a billion parameters) on 4 ranks, bf16, SGD,
+  minutes on 2 cores. --checkpoint DIR adds a sharded save (DCP: each rank its fp32 master
+  slices and moments) and a load into a fresh engine: RSS before, peak increase during each,
+  seconds, bytes written against 4 x (1 + moments) x params / N, a CRC round trip (exact),
+  `du` of DIR (left in place).
+- bound, matrix: what is measured is below; limit: rise <= RSS_LIMIT (115%) of (model
+  states + buffer bounds + activations + gloo staging), every pool's peak within its bound,
+  ZeRO++'s excess over ZeRO-3 within hpZ's copy + 10% of ZeRO-3's rise. Default: 417 M
+  parameters (GPT 12 x 1536, vocab 50257, seq 32) on 8 ranks as 2 nodes of 4, buckets 3e7
+  (1/14 of the model), max live 1.5e8, 3 steps, bf16 SGD (10 bytes a parameter / N, so
+  buffers are a larger share of the budget); minutes a system. matrix: --dtypes x
+  --optimizers x --budgets (small: bucket and live 3e7; default: 3e7 and 1.5e8) x --systems.
+- train: train.py under torchrun (8 ranks on one node, 411 M parameters: 8 layers, hidden
+  2048, fp32 AdamW, stage 3, buckets and live parameters 3e7, reuse distance 0) against a tiny
+  run of the same flags: the rise against the fp32 model (limit: 95% of it), placed pool by pool
+  (bench/train_memory.py); a row per allocator setting (--variants).
 """
 from __future__ import annotations
 
@@ -43,23 +32,33 @@ import argparse
 import ctypes
 import dataclasses
 import gc
-import json
 import subprocess
-import sys
 import time
 import zlib
-from pathlib import Path
 
 import torch
 
 import zeropp
-from bench import RESULTS, memory_bound, memory_matrix
+from bench import RESULTS, memory_bound, write_result
 from bench.memory_bound import PeakRSS, ds_config, model_config, rss_mb, rss_split
 from model import GPT, num_parameters
 from parallel.comm import Communicator
-from parallel.topology import topology_from_env
 from parallel.spawn import run_distributed
+from parallel.topology import topology_from_env
 from zeropp.memory import memory_report
+
+MODEL = ("num_layers", "hidden", "heads", "vocab", "seq", "micro_batch", "world", "ranks_per_node", "steps", "dtype",
+         "optimizer", "bucket", "max_live")
+DEFAULTS = {
+    "large": dict(zip(MODEL, (2, 6144, 32, 50257, 16, 1, 4, None, 2, "bf16", "sgd", 5e7, 3e8))),
+    "bound": dict(zip(MODEL, (12, 1536, 16, 50257, 32, 1, 8, 4, 3, "bf16", "sgd", 3e7, 1.5e8)),
+                  systems="zero3,zeropp", budgets="flags"),
+    "matrix": dict(zip(MODEL, (12, 1536, 16, 50257, 32, 1, 8, 4, 3, "bf16", "sgd", 3e7, 1.5e8)),
+                   systems="zero3,zeropp", dtypes="fp32,bf16,fp16", optimizers="adamw,sgd", budgets="small,default"),
+    "train": dict(num_layers=8, hidden=2048, heads=16, seq=32, world=8, steps=3, bucket=3e7, max_live=3e7),
+}
+OUT = {"large": "large_model.json", "bound": "large_model_bound.json", "matrix": "large_model_bound_matrix.json",
+       "train": "train_memory.json"}
 
 
 def state_crcs(engine) -> dict:
@@ -154,7 +153,7 @@ def rank_main(rank, world, a):
            "losses": losses, "peaks": peaks, "num_parameters": num_parameters(cfg)}
     if a.checkpoint:
         trained = {"engine": engine, "model": model}
-        del engine, model, hpz, loss
+        del engine, model, loss
         out["checkpoint"] = checkpoint_phase(a, cfg, ds, comm, optim, trained, param_shapes, a.steps)
     return out
 
@@ -202,76 +201,16 @@ def report_checkpoint(a, results, psi) -> dict:
             "round_trip_exact_all_ranks": all(c["round_trip_exact"] for c in cks), "ranks": cks}
 
 
-LARGE_DEFAULTS = dict(num_layers=2, hidden=6144, heads=32, vocab=50257, seq=16, micro_batch=1, world=4,
-                      ranks_per_node=None, steps=2, dtype="bf16", optimizer="sgd", bucket=5e7, max_live=3e8)
-
-
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    # None: this mode's default (LARGE_DEFAULTS, or bench.memory_bound.DEFAULTS with --systems)
-    p.add_argument("--num-layers", type=int)
-    p.add_argument("--hidden", type=int)
-    p.add_argument("--heads", type=int)
-    p.add_argument("--vocab", type=int)
-    p.add_argument("--seq", type=int)
-    p.add_argument("--micro-batch", type=int)
-    p.add_argument("--world", type=int)
-    p.add_argument("--steps", type=int)
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"])
-    p.add_argument("--optimizer", choices=["sgd", "adamw"])
-    p.add_argument("--bucket", type=float, help="reduce and prefetch bucket (elements)")
-    p.add_argument("--max-live", type=float, help="stage3_max_live_parameters")
-    p.add_argument("--checkpoint-activations", action="store_true",
-                   help="recompute blocks in backward (gathers a whole block at once)")
-    p.add_argument("--overlap", action="store_true",
-                   help="overlap_comm: keeps up to 3 gradient buckets alive")
-    p.add_argument("--ranks-per-node", type=int, help="emulated node size (default: --world; 4 with --systems)")
-    p.add_argument("--zeropp", action="store_true", help="ZeRO++: qwZ, hpZ (over --ranks-per-node), qgZ")
-    p.add_argument("--checkpoint", metavar="DIR", default=None,
-                   help="after training, save a sharded checkpoint to DIR and load it into a fresh engine")
-    p.add_argument("--systems", metavar="LIST",
-                   help="zero3,zeropp[,zeropp-deltas,zeropp-all]: the bounded-memory check (bench/memory_bound.py), each system in "
-                        "fresh ranks; JSON to bench/results/large_model_bound.json")
-    p.add_argument("--matrix", action="store_true",
-                   help="every --dtypes x --optimizers x --systems x --budgets cell (bench/memory_matrix.py); JSON to "
-                        "bench/results/large_model_bound_matrix.json")
-    p.add_argument("--dtypes", default="fp32,bf16,fp16", help="with --matrix")
-    p.add_argument("--optimizers", default="adamw,sgd", help="with --matrix")
-    p.add_argument("--budgets", default="small,default", help="with --matrix: bench/memory_matrix.py's BUDGETS")
-    p.add_argument("--trace-allocations", action="store_true",
-                   help="with --systems: profile the last step's tensor allocations (zeropp.memory."
-                        "AllocationTrace) and print what is alive at the peak, by site")
-    p.add_argument("--timeout", type=float, default=3600)
-    p.add_argument("--out")
-    a = p.parse_args()
-    if a.matrix:
-        a.systems = a.systems or "zero3,zeropp"
-    for k, v in (memory_bound.DEFAULTS if a.systems else LARGE_DEFAULTS).items():
-        if getattr(a, k) is None:
-            setattr(a, k, v)
-    a.bucket, a.max_live = int(a.bucket), int(a.max_live)
-    if a.matrix:
-        a.out = a.out or str(RESULTS / "large_model_bound_matrix.json")
-        memory_matrix.run(a)
-        return
-    if a.systems:
-        a.out = a.out or str(RESULTS / "large_model_bound.json")
-        memory_bound.run(a)
-        return
-    a.out = a.out or str(RESULTS / "large_model.json")
-
+def large(a) -> dict:
     results = run_distributed(rank_main, world_size=a.world, args=(a,), timeout=a.timeout,
                               env={"OMP_NUM_THREADS": "1"})
     psi = results[0]["num_parameters"]
-    w = 4 if a.dtype == "fp32" else 2
-    master = 0 if a.dtype == "fp32" else 4
-    k = master + (8 if a.optimizer == "adamw" else 0)
-    unsharded_gb = psi * (w + 4 + k) / 2**30   # weights + fp32 gradient + optimizer, whole
-    sharded_gb = psi * (w + 4 + k) / a.world / 2**30
+    k = (0 if a.dtype == "fp32" else 4) + (8 if a.optimizer == "adamw" else 0)   # fp32 master, moments
+    whole = psi * ((4 if a.dtype == "fp32" else 2) + 4 + k)   # weights + fp32 gradient + optimizer
     print(f"GPT {a.num_layers} layers, hidden {a.hidden}, vocab {a.vocab}: {psi:,} parameters "
           f"({psi * 4 / 2**30:.2f} GiB in fp32); {a.world} ranks, ZeRO-3{' + ZeRO++' if a.zeropp else ''}, "
           f"{a.dtype}, {a.optimizer}")
-    print(f"model states per rank: unsharded {unsharded_gb:.2f} GiB, ZeRO-3 {sharded_gb:.2f} GiB")
+    print(f"model states per rank: unsharded {whole / 2**30:.2f} GiB, ZeRO-3 {whole / a.world / 2**30:.2f} GiB")
     print(f"{'rank':>4} {'construct s':>11} {'RSS after build MB':>18} {'peak RSS MB':>11} "
           f"{'step s':>8} {'loss':>8} {'peak gathered MB':>16} {'peak grad bufs MB':>17} {'hpZ MB':>6} "
           f"{'swap MB':>7}")
@@ -281,15 +220,59 @@ def main():
               f"{r['peaks'].get('gathered_weights_peak', 0) / 2**20:>16.0f} "
               f"{r['peaks']['gradient_buckets_peak'] / 2**20:>17.0f} "
               f"{r['peaks']['hpz_secondary_bytes'] / 2**20:>6.0f} {r['swap_after_steps_mb']:>7.0f}")
-    out = {"args": vars(a), "num_parameters": psi, "unsharded_model_states_gib_per_rank": unsharded_gb,
-           "zero3_model_states_gib_per_rank": sharded_gb, "ranks": results,
-           "command": " ".join(sys.argv)}
+    out = {"args": vars(a), "num_parameters": psi, "unsharded_model_states_gib_per_rank": whole / 2**30,
+           "zero3_model_states_gib_per_rank": whole / a.world / 2**30, "ranks": results}
     if a.checkpoint:
         out["checkpoint"] = report_checkpoint(a, results, psi)
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(out, indent=2))
-    print(f"wrote {a.out}")
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m bench.memory", description=__doc__ + "\n" + memory_bound.__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("what", nargs="?", choices=list(OUT), default="large")
+    for flag, kind in (("--num-layers", int), ("--hidden", int), ("--heads", int), ("--vocab", int), ("--seq", int),
+                       ("--micro-batch", int), ("--world", int), ("--steps", int)):
+        p.add_argument(flag, type=kind, help="default: the mode's (above)")
+    p.add_argument("--ranks-per-node", type=int, help="emulated node size (default: --world; 4 with bound, matrix)")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--optimizer", choices=["sgd", "adamw"])
+    p.add_argument("--bucket", type=float, help="reduce and prefetch bucket (elements)")
+    p.add_argument("--max-live", type=float, help="stage3_max_live_parameters")
+    p.add_argument("--checkpoint-activations", action="store_true",
+                   help="recompute blocks in backward (gathers a whole block at once)")
+    p.add_argument("--overlap", action="store_true", help="overlap_comm: keeps up to 3 gradient buckets alive")
+    p.add_argument("--zeropp", action="store_true", help="large: ZeRO++ (qwZ, hpZ over --ranks-per-node, qgZ)")
+    p.add_argument("--checkpoint", metavar="DIR", help="large: then save a sharded checkpoint to DIR and load it")
+    p.add_argument("--systems", help="bound, matrix: zero3,zeropp[,zeropp-deltas,zeropp-all] (the last two add "
+                                     "INT4 weight deltas, and LoCo: their limit adds their state)")
+    p.add_argument("--dtypes", help="matrix: fp32,bf16,fp16")
+    p.add_argument("--optimizers", help="matrix: adamw,sgd")
+    p.add_argument("--budgets", help="matrix: small,default (and flags: --bucket, --max-live)")
+    p.add_argument("--trace-allocations", action="store_true",
+                   help="bound, matrix: rank 0's tensors alive at its last step's peak, by site")
+    p.add_argument("--variants", default="train.py,glibc-32m", help="train: the allocator settings")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds per spawned set of ranks")
+    p.add_argument("--out", help="the JSON (default bench/results/ large_model.json, large_model_bound.json, "
+                                 "large_model_bound_matrix.json, train_memory.json)")
+    a = p.parse_args(argv)
+    for k, v in DEFAULTS[a.what].items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+    a.ranks_per_node = a.ranks_per_node or a.world
+    a.bucket, a.max_live = int(a.bucket), int(a.max_live)
+    a.dtypes, a.optimizers = a.dtypes or a.dtype, a.optimizers or a.optimizer
+    if a.what == "train":
+        from bench.train_memory import run as train
+        out = train(a)
+    elif a.what in ("bound", "matrix"):
+        from bench.memory_bound import run
+        out = run(a, detail=a.what == "bound")
+    else:
+        out = large(a)
+    print(f"wrote {write_result(a.out or RESULTS / OUT[a.what], out)}")
+    return 0 if out.get("pass", True) else 1
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,0 +1,54 @@
+"""Smoke tests of `python -m bench.faults`: its --help, the matrix's parts and columns picked by
+flags, and (slow) one cell of the engine's matrix end to end, its JSON with its provenance."""
+import importlib.util
+import json
+
+import pytest
+
+from bench import ROOT
+from bench.faults import main, pick
+from bench.jobs import listed
+
+
+def test_help_says_what_it_measures_and_its_limit(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert done.value.code == 0
+    assert all(w in out for w in ("groups", "inputs", "--quick", "bit for bit", "Duration"))
+
+
+def test_flags_pick_parts_and_columns():
+    assert listed(None, ("a", "b")) == ["a", "b"] and listed("b", ("a", "b")) == ["b"]
+    with pytest.raises(SystemExit):
+        listed("c", ("a", "b"))
+    assert pick(("overflow", "nan", "resume"), ["nan", "toggle"]) == ("nan",)
+    assert pick(("overflow",), None) == ("overflow",)
+
+
+@pytest.mark.slow
+def test_one_engine_cell(tmp_path):
+    assert main(["--parts", "engine", "--layouts", "2x1", "--faults", "overflow", "--limit", "1",
+                 "--out", str(tmp_path / "f.json")]) == 0
+    out = json.loads((tmp_path / "f.json").read_text())
+    assert out["layouts"]["2x1"]["s0"]["overflow"]["ok"] and "command" in out["provenance"]
+
+
+CORPUS = pytest.mark.skipif(not (ROOT / "work_dir" / "kjv_text_document.bin").exists(),
+                            reason="needs the bundled corpus (scripts/quickstart.sh)")
+
+
+@pytest.mark.slow
+@CORPUS
+def test_careless_inputs(tmp_path):
+    assert main(["inputs", "--limit", "2", "--out", str(tmp_path / "in.json")]) == 0
+    rows = json.loads((tmp_path / "in.json").read_text())["rows"]
+    assert len(rows) == 2 and all(r["status"] == 2 and r["message"].startswith("error: ") for r in rows)
+
+
+@pytest.mark.slow
+@CORPUS
+@pytest.mark.skipif(importlib.util.find_spec("torchft") is None, reason="torchft is not installed")
+def test_groups_cell(tmp_path):
+    assert main(["groups", "--cells", "different-models", "--out", str(tmp_path / "g.json")]) == 0
+    assert json.loads((tmp_path / "g.json").read_text())["cells"]["different-models"]["ok"]
