@@ -5,7 +5,7 @@
 
 FIGURES below is the one map of figure -> JSON file(s) under bench/results/ -> the documented
 command; the renderers are in bench/report_tables.py. Each table carries, under it, the command
-that produced each file, its commit and machine: from the file's `provenance` (bench.write_result),
+that runs it today (the registry's) and the command that produced each file, its commit and machine: from the file's `provenance` (bench.write_result),
 else from what an older file recorded, else the documented command here, with "(commit not
 recorded)". Nothing here imports a benchmark: only their JSON is read.
 """
@@ -109,27 +109,24 @@ FIGURES = {
                "convergence_diloco_h16_topk2_1234.json", "convergence_diloco_h16_topk2_1235.json",
                "convergence_diloco_h16_topk2_errorbuffer_1234.json", "convergence_diloco_h16_topk2_errorbuffer_1235.json"]),
     "train_memory": dict(section="Memory", title="train.py's own peak at 411 M parameters, 8 ranks", render="train_memory",
-                         files=["train_memory.json"], command="python -m bench.train_memory"),
+                         files=["train_memory.json"], command="python -m bench.memory train"),
     "memory_bound": dict(section="Memory", title="Peak RSS against model states and the pools' bounds, 8 ranks as 2 x 4",
                          render="memory_bound", files=["large_model_bound.json", "large_model_bound_deltas.json"],
-                         command="python -m bench.large_model --systems zero3,zeropp"),
+                         command="python -m bench.memory bound --systems zero3,zeropp"),
     "memory_matrix": dict(section="Memory", title="Every precision, optimizer and budget", render="memory_matrix",
                           files=["large_model_bound_matrix.json", "large_model_bound_matrix_sgd_small.json",
                                  "large_model_bound_matrix_fp16.json", "large_model_bound_matrix_fp16_default.json"],
-                          command="python -m bench.large_model --matrix --num-layers 8 --hidden 2048 --heads 16 "
+                          command="python -m bench.memory matrix --num-layers 8 --hidden 2048 --heads 16 "
                                   "--vocab 4096 --seq 32 --world 8 --steps 1"),
     "fault_matrix": dict(section="Faults", title="The fault matrix", render="fault_matrix", files=["fault_matrix.json"],
-                         command="python -m bench.fault_matrix"),
+                         command="python -m bench.faults"),
     "groups_job": dict(section="Faults", title="Groups that survive each other", render="groups_job",
-                       files=["groups_job.json"], command="python -m bench.groups_job"),
+                       files=["groups_job.json"], command="python -m bench.faults groups"),
     "zeropp_comm": dict(section="Communication", title="Cross-node MiB per iteration per rank, counted as NCCL rings",
                         render="zeropp_comm", files=["zeropp_comm.json"], command="python -m bench.zeropp_comm"),
     "fsdp2_time_split": dict(section="Communication", title="Where plain FSDP2's step goes on CPU ranks, the quickstart's model",
                              render="fsdp2_time_split", files=["fsdp2_time_split.json"],
                              command="python -m bench.fsdp2_time_split"),
-    "fragment_peaks": dict(section="Communication", title="Streaming DiLoCo's largest exchange per rank, INT4",
-                           render="fragment_peaks", files=["diloco_fragment_peaks.json"],
-                           command="python -m bench.diloco_fragment_peaks"),
     "quant_bench": dict(section="Kernels", title="Quantization kernels", render="quant_bench",
                         files=["quant_bench.json", "quant_bench_cuda.json", "quant_bench_cuda_h200.json"],
                         command="python -m bench.quant_bench --numel 4194304",
@@ -207,7 +204,7 @@ def render_figure(key: str, fig: dict) -> list:
         if n in fig.get("baseline_from", {}):
             other, run = fig["baseline_from"][n]
             data["summary"] = {run: load(other)["summary"][run], **data["summary"]}
-    lines = [f"### {fig['title']}", ""] + RENDERERS[fig["render"]](files, fig) + [""]
+    lines = [f"### {fig['title']}", ""] + RENDERERS[fig["render"]](files, fig) + ["", f"Run it again: `{fig['command']}`", ""]
     for n, data in files:
         p = provenance(n, data, fig)
         lines.append(f"- `bench/results/{n}`: `{p['command']}`; commit {p['commit']}; {p['cpu']}, "

@@ -221,14 +221,6 @@ def fsdp2_time_split(files, opts):
                   "collectives per step"], rows)
 
 
-def fragment_peaks(files, opts):
-    """bench.diloco_fragment_peaks: each rank's largest INT4 exchange, fragments cut by layers or by bytes."""
-    (_, data), = files
-    rows = [[model, r["fragments"], f(r["peak_int4_bytes_by_layers"] / 1e3, 0), f(r["peak_int4_bytes_by_bytes"] / 1e3, 0)]
-            for model, runs in data.items() for r in runs]
-    return table(["model", "fragments", "largest exchange kB, by layers", "largest exchange kB, by bytes"], rows)
-
-
 # --- Kernels -------------------------------------------------------------------------------
 
 def quant_bench(files, opts):
@@ -263,6 +255,6 @@ def quant_host_cost(files, opts):
                   "x ZeRO-3 (reuse 0), no-ops"], rows)
 
 
-RENDERERS = {fn.__name__: fn for fn in (fsdp2_time_split, fragment_peaks, quant_host_cost, slow_link, slow_link_diloco, planner_calibration, convergence,
+RENDERERS = {fn.__name__: fn for fn in (fsdp2_time_split, quant_host_cost, slow_link, slow_link_diloco, planner_calibration, convergence,
                                         train_memory, memory_bound, memory_matrix, fault_matrix, groups_job,
                                         zeropp_comm, quant_bench, hadamard_cost)}

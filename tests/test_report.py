@@ -128,6 +128,17 @@ def test_every_cited_json_exists_and_has_a_command():
     assert not missing and not no_command, f"missing: {missing}; without a command: {no_command}"
 
 
+def test_every_figure_names_an_entry_point_that_exists():
+    """The command a page gives to run a figure again names a benchmark module that is still there."""
+    import importlib.util
+    gone = []
+    for key, fig in report.FIGURES.items():
+        module = re.search(r"python -m (bench\.\w+)", fig["command"])
+        if module is None or importlib.util.find_spec(module.group(1)) is None:
+            gone.append(f"{key}: {fig['command']}")
+    assert not gone, "figures whose command no longer runs:\n" + "\n".join(gone)
+
+
 def test_results_hold_only_what_the_pages_cite():
     kept = sorted(p.name for p in report.RESULTS.iterdir())
     extra = sorted(set(kept) - set(report.cited_files()))
