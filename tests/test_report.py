@@ -128,15 +128,32 @@ def test_every_cited_json_exists_and_has_a_command():
     assert not missing and not no_command, f"missing: {missing}; without a command: {no_command}"
 
 
+def runnable(module: str) -> bool:
+    """A benchmark module that is there and runs as `python -m` (it has a __main__ block)."""
+    import importlib.util
+    spec = importlib.util.find_spec(module)
+    return spec is not None and spec.origin is not None and "__main__" in Path(spec.origin).read_text()
+
+
 def test_every_figure_names_an_entry_point_that_exists():
     """The command a page gives to run a figure again names a benchmark module that is still there."""
     import importlib.util
     gone = []
     for key, fig in report.FIGURES.items():
         module = re.search(r"python -m (bench\.\w+)", fig["command"])
-        if module is None or importlib.util.find_spec(module.group(1)) is None:
+        if module is None or not runnable(module.group(1)):
             gone.append(f"{key}: {fig['command']}")
     assert not gone, "figures whose command no longer runs:\n" + "\n".join(gone)
+
+
+def test_every_benchmark_command_in_the_text_exists():
+    """`python -m bench.NAME` in a page, docstring, comment or script names a module that is there."""
+    import importlib.util
+    gone = sorted({f"{rel(p)}: {m}" for p in tracked("*.py", "*.md", "*.sh", "*.yaml")
+                   if not rel(p).startswith("bench/results/") and p.name != "results.md"
+                   for m in re.findall(r"python -m (bench\.[a-z][a-z0-9_]{2,})", p.read_text(errors="replace"))
+                   if not runnable(m)})
+    assert not gone, "benchmark commands naming a module that is gone:\n" + "\n".join(gone)
 
 
 def test_results_hold_only_what_the_pages_cite():
