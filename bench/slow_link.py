@@ -35,7 +35,7 @@ COMMANDS = {
               "intercepted beside the ring model's (the limit), first losses equal; then world size 1 "
               "against a plain loop. GPT 4 layers, hidden 256, seq 128, 4 ranks: ~5 min. "
               "Writes results/zero_bench.json"),
-    "split": ("bench.slow_link_split", "where a step's time goes unthrottled (4 ranks as 2 x 2 over "
+    "split": ("bench.slow_link_local", "where a step's time goes unthrottled (4 ranks as 2 x 2 over "
               "loopback): per system ms per step inside each torch.distributed call and blocked in "
               "Work.wait() by phase, the rest compute; then gloo's reduce-scatter against all-reduce, "
               "all-to-all and all-gather on one block's gradient. ~3 min. Writes results/fsdp2_time_split.json"),
@@ -53,13 +53,16 @@ COMMANDS = {
 }
 
 
+SUFFIX = {"planner": "_planner", "split": "_split"}   # two commands of one module: add_args_X, run_X
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.slow_link", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, text) in COMMANDS.items():
         sp = sub.add_parser(name, help=text.split(";")[0].split(":")[0], description=text)
-        getattr(importlib.import_module(module), "add_args_" + name if name == "planner" else "add_args")(sp)
+        getattr(importlib.import_module(module), "add_args" + SUFFIX.get(name, ""))(sp)
     return p
 
 
@@ -69,7 +72,7 @@ def main(argv=None) -> int:
         argv.insert(0, "sweep")   # `python -m bench.slow_link --quick` is the sweep
     args = parser().parse_args(argv)
     module = importlib.import_module(COMMANDS[args.command][0])
-    return getattr(module, "run_planner" if args.command == "planner" else "run")(args) or 0
+    return getattr(module, "run" + SUFFIX.get(args.command, ""))(args) or 0
 
 
 if __name__ == "__main__":

@@ -293,7 +293,7 @@ def render(report, out: Path, png: Path | None = None):
     pays = sorted({r["system"] for r in rows if not r.get("error")
                    and any("reduce_scatter" in k for k in r.get("intercepted_by_op_rank0") or {})})
     text.append("Reduce-scatter run by gloo as an all-reduce (twice a ring's bytes), expected for: "
-                + ", ".join(s for s in GLOO_ALL_REDUCE_PEERS if s in systems) + "; seen for: " + (", ".join(pays) or "none"))
+                + (", ".join(s for s in GLOO_ALL_REDUCE_PEERS if s in systems) or "none in this run") + "; seen for: " + (", ".join(pays) or "none"))
     if any(r.get("counted_equals_intercepted") is False for r in rows):
         text.append("COUNTED != INTERCEPTED for: " + ", ".join(r["label"] for r in rows
                                                                 if r.get("counted_equals_intercepted") is False))
