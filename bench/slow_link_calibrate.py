@@ -216,6 +216,11 @@ def run_planner(args):
     summary = (f"|error| over the {len(e)} throttled cells: median {e[len(e) // 2]:.0%}, max {max(e):.0%} "
                f"({sum(x <= TOLERANCE for x in e)}/{len(e)} within the tolerance {TOLERANCE:.0%}); without "
                f"step_overhead_ms: median {e0[len(e0) // 2]:.0%}, max {max(e0):.0%}")
+    speedups = [{"dtype": d, "rate_mbit": m, **{k: cell[(d, "zero3-reuse0", m)][f"{k}_ms"] / cell[(d, "zeropp", m)][f"{k}_ms"]
+                                                for k in ("predicted", "measured")}}
+                for d in dict.fromkeys(r["dtype"] for r in rows) for m in rates]
+    summary += "\n\n" + "\n".join(f"- {x['dtype']} {rate_name(x['rate_mbit'])}: ZeRO++ / ZeRO-3 speedup predicted "
+                                   f"{x['predicted']:.2f}x, measured {x['measured']:.2f}x" for x in speedups)
     over = "\n".join(f"- {i['dtype']} {i['system']}: {i['step_overhead_ms']:+.0f} ms (unthrottled measured "
                      f"{i['unthrottled_measured_ms']:.0f}, modelled without it {i['unthrottled_modelled_ms_without_overhead']:.0f})"
                      for i in infos)
@@ -223,6 +228,6 @@ def run_planner(args):
             f"model does not itemize, per system, fitted on its unthrottled cell:\n{over}\n")
     print(text)
     out = write_result(args.out, {"cluster": args.cluster, "cluster_values": dataclasses.asdict(load_cluster(args.cluster)),
-                                  "rows": rows, "summary": summary, "step_overhead": infos, "rows_without_overhead": plain})
+                                  "rows": rows, "speedups": speedups, "summary": summary, "step_overhead": infos, "rows_without_overhead": plain})
     out.with_suffix(".md").write_text(text)
     print("wrote", out, "and .md")

@@ -101,6 +101,19 @@ def test_sweep_on_the_emulated_link(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0, reason="the emulated link needs root")
+def test_diloco_on_the_emulated_link(tmp_path):
+    """ZeRO-3 and DiLoCo H=16 unthrottled, one fragment count: the window throughput and the bytes."""
+    out = tmp_path / "d.json"
+    cli("bench.slow_link", "diloco", "--rates", "0", "--baselines", "zero3", "--diloco", "diloco-h16", "--fragments",
+        "1", "--fragments-rate", "1000", "--cycles", "1", "--steps-at", "", *TINY, "--timeout", "500",
+        "--setup-timeout", "400", "--out", str(out), env={"BENCH_NETNS": f"wtd{os.getpid()}"})
+    rows = {r["system"]: r for r in written(out)["results"]}
+    assert rows["diloco-h16"]["timed_steps"] == 16 and "error" not in rows["zero3"]
+    assert rows["diloco-h16"]["counted_inter_bytes_per_step"] < rows["zero3"]["counted_inter_bytes_per_step"] / 10
+
+
+@pytest.mark.slow
 def test_local_systems_side_by_side(tmp_path):
     out = tmp_path / "l.json"
     cli("bench.slow_link", "local", *TINY, "--world", "2", "--systems", "zero3,fsdp2", "--world1-systems", "plain",
@@ -115,14 +128,15 @@ def test_local_systems_side_by_side(tmp_path):
 def test_split_where_the_time_goes(tmp_path):
     out = tmp_path / "s.json"
     cli("bench.slow_link", "split", *TINY, "--repeats", "1", "--reps", "2", "--systems", "zero3-reuse0,fsdp2",
-        "--out", str(out))
+        "--out", str(out), timeout=900)
     r = written(out)
     assert set(r["systems"]) == {"zero3-reuse0", "fsdp2"} and "all_reduce" in r["collectives_ms"]
 
 
 @pytest.mark.slow
 def test_calibrate_and_planner(tmp_path):
-    cli("bench.slow_link", "calibrate", "--repeats", "1", "--steps", "2", "--systems", "", "--out", str(tmp_path / "c.json"))
+    cli("bench.slow_link", "calibrate", "--repeats", "1", "--steps", "2", "--systems", "", "--out", str(tmp_path / "c.json"),
+        timeout=900)
     assert written(tmp_path / "c.json")["rows"][0]["flops_per_s"] > 0
     if not (ROOT / "bench" / "results" / "slow_link.json").exists():
         pytest.skip("no stored sweep results to plan against")
