@@ -8,15 +8,11 @@ ZeRO++, torch's FSDP2 alone, with hpZ and with the whole plug-in) trains the sam
 same initialization on the same batches and reports its step time, its losses and its bytes
 across the emulated nodes, and whether hpZ alone gave FSDP2's losses bit for bit. The ranks share the one GPU, so a step time is the
 time-sliced GPU's plus gloo's host copies: a check of the paths and the numerics, not a
-multi-GPU speed.
-
-    python -m bench.gpu_ranks [--ranks 4] [--ranks-per-node 2] [--steps 8] [--out FILE]
+multi-GPU speed. `python -m bench.slow_link gpu [--ranks 4] [--ranks-per-node 2] [--steps 8]`
 """
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import os
 import time
 
@@ -114,9 +110,7 @@ def run_rank(rank, world, args):
     return result
 
 
-def main():
-    from parallel.spawn import run_distributed
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_args(ap):
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--ranks-per-node", type=int, default=2)
     ap.add_argument("--layers", type=int, default=8)
@@ -127,7 +121,11 @@ def main():
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "gpu_ranks.json"))
-    args = ap.parse_args()
+
+
+def run(args):
+    from bench import write_result
+    from parallel.spawn import run_distributed
     results = run_distributed(run_rank, args.ranks, args=(args,), timeout=540)
     r0 = results[0]
     print(f"{args.ranks} ranks as {args.ranks // args.ranks_per_node} emulated nodes x {args.ranks_per_node} on one "
@@ -148,13 +146,4 @@ def main():
                       and r["systems"][name]["losses"] == r["systems"].get("FSDP2", {}).get("losses") for r in results)
             for name in ("FSDP2 + hpZ",)}
     print("hpZ alone gives FSDP2's losses bit for bit on every rank: " + ", ".join(f"{k} {v}" for k, v in same.items()))
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"command": "python -m bench.gpu_ranks " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in
-                                                                     vars(args).items() if k != "out"),
-                   "torch": torch.__version__, "hpz_alone_equals_fsdp2": same, "ranks": results}, f, indent=1)
-    print("wrote", args.out)
-
-
-if __name__ == "__main__":
-    main()
+    print("wrote", write_result(args.out, {"config": vars(args), "hpz_alone_equals_fsdp2": same, "ranks": results}))

@@ -2,7 +2,7 @@
 by a veth pair vA <-> vB (192.0.2.1 / 192.0.2.2, a documentation range that exists
 only inside the namespaces), rate-limited in both directions with tc tbf; the
 processes started in them, tracked so that a crash or Ctrl-C leaves nothing behind.
-Needs root and iproute2 (ip, tc)."""
+Needs root and iproute2 (ip, tc); `missing()` says why not here."""
 from __future__ import annotations
 
 import json
@@ -11,13 +11,21 @@ import signal
 import subprocess
 import time
 
-NS = ("nodeA", "nodeB")
+# BENCH_NETNS renames the namespaces (e.g. for a test beside a real run): <prefix>A, <prefix>B.
+NS = tuple(os.environ.get("BENCH_NETNS", "node") + n for n in "AB")
 IF = ("vA", "vB")
 ADDR = ("192.0.2.1", "192.0.2.2")
 RANKS_PER_NODE = 2
 TBF_LATENCY = "400ms"
 
 _live_groups: list[int] = []   # process-group ids of the processes we started and not yet reaped
+
+
+def missing() -> str | None:
+    """Why the emulated link cannot run here (None: it can)."""
+    import shutil
+    tools = [t for t in ("ip", "tc") if shutil.which(t) is None]
+    return ("not root" if os.geteuid() != 0 else f"{' and '.join(tools)} not found" if tools else None)
 
 
 def sh(*cmd, check=True, timeout=30):

@@ -1,14 +1,13 @@
-"""bench/slow_link.py's pieces that need no root: the 1/F buckets, the auto row's
-resolution (planner.auto stubbed, and missing), and the goal arithmetic on rows."""
+"""The slow-link bench's pieces that need no root: the 1/F buckets (bench/systems.py), the auto
+row's resolution (planner.auto stubbed, and missing), and the bound and target arithmetic on rows
+(bench/slow_link_report.py)."""
 import sys
 import types
 
 import pytest
 
-from bench.slow_link_auto import AutoUnavailable, chosen, make_prepare
-from bench.slow_link_goals import derive, goals, row_table
-from bench.slow_link_report import rate_name
-from bench.system_catalog import num_params, zero_section
+from bench.slow_link_report import derive, goals, rate_name, row_table
+from bench.systems import AutoUnavailable, chosen, make_prepare, num_params, zero_section
 
 A = {"num_layers": 2, "hidden": 32, "heads": 4, "vocab": 96, "seq": 16, "micro_batch": 1, "seed": 1,
      "ranks_per_node": 2}
@@ -20,7 +19,7 @@ def test_buckets_are_a_fraction_of_the_model():
         z = zero_section(system, {**A, "bucket_fraction": 8})
         assert z["stage3_prefetch_bucket_size"] == z["reduce_bucket_size"] == n // 8
         assert z["stage3_max_reuse_distance"] == 0
-    assert "reduce_bucket_size" not in zero_section("zero3-reuse0", A)  # bench/zero_bench.py: as before
+    assert "reduce_bucket_size" not in zero_section("zero3-reuse0", A)  # `bench.slow_link local`: as before
     z = zero_section("auto", {**A, "bucket_fraction": 8})
     assert [z[k] for k in ("zero_quantized_weights", "zero_hpz_partition_size", "zero_quantized_gradients")] \
         == ["auto"] * 3
@@ -102,14 +101,14 @@ def test_link_time_bound_and_goals():
     assert res["auto_over_zero3_unthrottled"]["value"] == pytest.approx(200 / 205)
     assert res["auto_over_best_fixed"]["values"][200]["best_fixed"] == "zeropp"
     assert res["auto_over_best_fixed"]["pass"]  # 300/310 = 0.968 at 200, 200/205 unthrottled
-    assert any(l.startswith("Goal 2") and l.endswith("PASS") for l in lines)
+    assert any(l.startswith("Cost, zeropp / ZeRO-3") and l.endswith("PASS") for l in lines)
     hdr, table = row_table(rows + [{"system": "fsdp2", "rate_mbit": 200, "error": "x"}],
                            ["zero3-reuse0", "fsdp2"], [200, 0], {}, rate_name)
     assert [l[2] for l in table[2:]] == ["ERROR", "-"] and len(table[0]) == len(hdr)
 
 
 def test_diloco_rows_are_zero3_with_trains_outer_flags():
-    from bench.system_catalog import DILOCO, outer_argv
+    from bench.systems import DILOCO, outer_argv
     from training.flags import build_parser
     for system in DILOCO:
         assert zero_section(system, {**A, "bucket_fraction": 8}) == zero_section("zero3", {**A, "bucket_fraction": 8})
