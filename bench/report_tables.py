@@ -56,7 +56,7 @@ def slow_link(files, opts):
 
 
 def slow_link_diloco(files, opts):
-    """bench.slow_link_diloco: samples/s (window mean) per system and rate, and the speed-up at
+    """bench.slow_link diloco: samples/s (window mean) per system and rate, and the speed-up at
     the lowest rate over the baseline row named in the registry."""
     rows = []
     for name, data in files:
@@ -78,7 +78,7 @@ def slow_link_diloco(files, opts):
 
 
 def planner_calibration(files, opts):
-    """bench.planner_calibration: predicted / measured step ms per (system, dtype) and rate."""
+    """bench.slow_link planner: predicted / measured step ms per (system, dtype) and rate."""
     (_, data), = files
     rates = sorted({r["rate_mbit"] for r in data["rows"]})
     cells = {}
@@ -115,7 +115,7 @@ def convergence(files, opts):
 # --- Memory --------------------------------------------------------------------------------
 
 def train_memory(files, opts):
-    """bench.train_memory: train.py's rank-0 rise and where every MB of it goes."""
+    """bench.memory train: train.py's rank-0 rise and where every MB of it goes."""
     rows = []
     for name, data in files:
         for config, r in data["rows"].items():
@@ -129,7 +129,7 @@ def train_memory(files, opts):
 
 
 def memory_bound(files, opts):
-    """bench.large_model --systems: the worst rank's peak RSS rise against its budget (model states
+    """bench.memory bound: the worst rank's peak RSS rise against its budget (model states
     + the pools' bounds + activations) and whether every pool stayed within its bound."""
     rows = []
     for name, data in files:
@@ -144,7 +144,7 @@ def memory_bound(files, opts):
 
 
 def memory_matrix(files, opts):
-    """bench.large_model --matrix: every (dtype, optimizer, system, budget) cell's RSS against its
+    """bench.memory matrix: every (dtype, optimizer, system, budget) cell's RSS against its
     budget and whether every pool stayed within its bound."""
     rows = []
     for name, data in files:
@@ -192,7 +192,7 @@ def groups_job(files, opts):
 # --- Communication -------------------------------------------------------------------------
 
 def zeropp_comm(files, opts):
-    """bench.zeropp_comm: cross-node MiB per iteration per rank by phase, theory in brackets."""
+    """bench.comm: cross-node MiB per iteration per rank by phase, theory in brackets."""
     (_, data), = files
     out = []
     for res in data["results"]:
@@ -212,7 +212,7 @@ def zeropp_comm(files, opts):
 
 
 def fsdp2_time_split(files, opts):
-    """bench.fsdp2_time_split: where each system's step goes on CPU ranks, ms per rank and step."""
+    """bench.slow_link split: where each system's step goes on CPU ranks, ms per rank and step."""
     (_, data), = files
     rows = [[s["label"], f(s["step_ms"], 0), f(s["cpu_ms"], 0), f(s["blocked_ms"], 0),
              f(sum(s["in_call_ms"].values()), 0), f(sum(s["wait_ms"].values()), 0),
@@ -224,7 +224,7 @@ def fsdp2_time_split(files, opts):
 # --- Kernels -------------------------------------------------------------------------------
 
 def quant_bench(files, opts):
-    """bench.quant_bench: GB/s of input bytes per dtype, bits and backend, next to copy_."""
+    """bench.kernels quant: GB/s of input bytes per dtype, bits and backend, next to copy_."""
     rows = []
     for name, data in files:
         for r in data["rows"]:
@@ -235,7 +235,7 @@ def quant_bench(files, opts):
 
 
 def hadamard_cost(files, opts):
-    """bench.hadamard_cost: ms per transform against an INT4 quantization, per thread count."""
+    """bench.kernels hadamard: ms per transform against an INT4 quantization, per thread count."""
     (_, data), = files
     rows = [[threads.split("_")[0], f(m["hadamard_forward"], 3), f(m["hadamard_inverse"], 3), f(m["quantize_int4"], 3),
              f(m["dequantize_int4"], 3), f(m["forward_over_quantize"])] for threads, m in data["ms"].items()]
@@ -244,7 +244,7 @@ def hadamard_cost(files, opts):
 
 
 def quant_host_cost(files, opts):
-    """bench.quant_host_cost (a diagnostic): median step ms with the quantizers as they are and as no-ops."""
+    """bench.kernels host-cost (a diagnostic): median step ms with the quantizers as they are and as no-ops."""
     rows = []
     for name, data in files:
         real, noop = data["median_step_ms"]["real"], data["median_step_ms"]["no_op"]

@@ -30,7 +30,7 @@ Rules
   fastest wins, except that a candidate with fewer techniques within PREFER_FEWER (2%) of the
   fastest is preferred: quantization costs accuracy and hpZ memory.
 - The engine overlaps gathers and reductions with compute (planner/timing.py's overlap model),
-  on CPU ranks too: bench/planner_calibration.py fits the slow-link sweep with it.
+  on CPU ranks too: `python -m bench.slow_link planner` fits the slow-link sweep with it.
 - A probe that cannot run raises parallel.link_probe.LinkProbeError; nothing is guessed.
 
 `train.py --dry-run --cluster FILE` with auto switches plans every candidate on the

@@ -2,7 +2,7 @@
 validator, each through an fp16 overflow, a bf16 NaN, an exact resume, a load on another
 layout and with a switch flipped, and "auto" on a fast and a slow link. The default suite runs
 the quick share (each stage plain, each switch alone, all at once) on each layout; the whole matrix (and the other layouts) runs with
-ZEROPP_FULL_MATRIX=1, and `python -m bench.fault_matrix` prints it as a table.
+ZEROPP_FULL_MATRIX=1, and `python -m bench.faults` prints it as a table.
 
 The two modes' rows (bench/fault_modes.py): streaming DiLoCo, one outer setting per layout in
 the default suite (INT4 merged a step late on 2 x 2, exact at once on 4 x 1 with ZeRO++ inside),
@@ -57,7 +57,7 @@ def test_quick_matrix(world, ranks_per_node):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not os.environ.get("ZEROPP_FULL_MATRIX"),
-                    reason="the whole matrix takes minutes: ZEROPP_FULL_MATRIX=1, or python -m bench.fault_matrix")
+                    reason="the whole matrix takes minutes: ZEROPP_FULL_MATRIX=1, or python -m bench.faults")
 @pytest.mark.parametrize("world, ranks_per_node", [(4, 2), (2, 1), (4, 4)])
 def test_full_matrix(world, ranks_per_node):
     combos = combinations(world, ranks_per_node)
@@ -69,7 +69,7 @@ def test_full_matrix(world, ranks_per_node):
 # -- the modes -------------------------------------------------------------------------------------
 
 FULL = pytest.mark.skipif(not os.environ.get("ZEROPP_FULL_MATRIX"),
-                          reason="every row takes minutes: ZEROPP_FULL_MATRIX=1, or python -m bench.fault_matrix")
+                          reason="every row takes minutes: ZEROPP_FULL_MATRIX=1, or python -m bench.faults")
 
 
 def test_fsdp2_combinations_are_what_both_validators_accept():
