@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from bench import comm, kernels
-from tests.test_bench_slow_link_smoke import cli, written
+from tests.test_bench_slow_link_smoke import EVERY_COMMAND, cli, written
+
 
 
 @pytest.mark.parametrize("main,argv", [(comm.main, []), (kernels.main, []), (kernels.main, ["quant"]),
@@ -56,6 +57,7 @@ def test_comm_counts_beside_theory(tmp_path):
 
 
 @pytest.mark.slow
+@EVERY_COMMAND
 def test_host_cost(tmp_path):
     cli("bench.kernels", "host-cost", "--num-layers", "1", "--hidden", "64", "--seq", "8", "--steps", "1",
         "--rounds", "1", "--out", str(tmp_path / "hc.json"))

@@ -7,6 +7,7 @@ import pytest
 from bench import ROOT
 from bench.convergence import main
 from bench.convergence_report import parse_log
+from tests.test_bench_slow_link_smoke import EVERY_COMMAND
 
 LINE = (" [2026-01-01 00:00:00] iteration {it:8d}/      20 | consumed samples:           32 | elapsed time per "
         "iteration (ms): 12.5 | learning rate: 1.0E-03 | global batch size:    32 | lm loss: {loss:.6E} | loss "
@@ -70,6 +71,7 @@ def test_wallclock_from_json(tmp_path):
 
 
 @pytest.mark.slow
+@EVERY_COMMAND
 @pytest.mark.skipif(not (ROOT / "work_dir" / "kjv_text_document.bin").exists(), reason="needs the bundled corpus")
 def test_quick_run(tmp_path):
     assert main(["--quick", "--iters", "4", "--eval-interval", "2", "--log-interval", "2", "--baseline-only",

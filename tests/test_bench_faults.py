@@ -8,6 +8,7 @@ import pytest
 from bench import ROOT
 from bench.faults import main, pick
 from bench.jobs import listed
+from tests.test_bench_slow_link_smoke import EVERY_COMMAND
 
 
 def test_help_says_what_it_measures_and_its_limit(capsys):
@@ -39,6 +40,7 @@ CORPUS = pytest.mark.skipif(not (ROOT / "work_dir" / "kjv_text_document.bin").ex
 
 
 @pytest.mark.slow
+@EVERY_COMMAND
 @CORPUS
 def test_careless_inputs(tmp_path):
     assert main(["inputs", "--limit", "2", "--out", str(tmp_path / "in.json")]) == 0
@@ -47,6 +49,7 @@ def test_careless_inputs(tmp_path):
 
 
 @pytest.mark.slow
+@EVERY_COMMAND
 @CORPUS
 @pytest.mark.skipif(importlib.util.find_spec("torchft") is None, reason="torchft is not installed")
 def test_groups_cell(tmp_path):

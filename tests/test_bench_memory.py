@@ -8,6 +8,7 @@ import pytest
 from bench import ROOT
 from bench.memory import main
 from bench.memory_bound import RSS_LIMIT, cell, over_zero3
+from tests.test_bench_slow_link_smoke import EVERY_COMMAND
 
 TINY = ["--num-layers", "1", "--hidden", "32", "--heads", "2", "--vocab", "64", "--seq", "8", "--world", "2",
         "--steps", "1"]
@@ -52,6 +53,7 @@ def test_large_model_tiny(tmp_path):
 
 
 @pytest.mark.slow
+@EVERY_COMMAND
 def test_bound_tiny(tmp_path):
     main(["bound", *TINY, "--ranks-per-node", "1", "--systems", "zero3", "--bucket", "2000", "--max-live", "4000",
           "--out", str(tmp_path / "bound.json")])
@@ -60,6 +62,7 @@ def test_bound_tiny(tmp_path):
 
 
 @pytest.mark.slow
+@EVERY_COMMAND
 @pytest.mark.skipif(not (ROOT / "work_dir" / "kjv_text_document.bin").exists(), reason="needs the bundled corpus")
 def test_train_tiny(tmp_path):
     main(["train", "--num-layers", "1", "--hidden", "64", "--heads", "4", "--seq", "16", "--world", "2", "--steps", "2",

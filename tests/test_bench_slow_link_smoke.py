@@ -14,6 +14,13 @@ TINY = ["--num-layers", "1", "--hidden", "32", "--heads", "2", "--vocab", "64", 
         "--warmup", "1", "--steps", "1"]
 
 
+# Each documented command that spawns ranks takes tens of seconds to minutes on 2 cores: the default
+# suite runs one per family (the sweep on the link, comm, memory, faults; kernels in-process) and
+# ZEROPP_BENCH_SMOKE=1 runs every one.
+EVERY_COMMAND = pytest.mark.skipif(not os.environ.get("ZEROPP_BENCH_SMOKE"),
+                                   reason="one command per family by default: ZEROPP_BENCH_SMOKE=1 runs every one")
+
+
 def cli(*argv, timeout=600, env=None):
     """The documented command, as a user types it, from the repository root."""
     r = subprocess.run([sys.executable, "-m", *argv], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
@@ -101,6 +108,7 @@ def test_sweep_on_the_emulated_link(tmp_path):
 
 
 @pytest.mark.slow
+@EVERY_COMMAND
 @pytest.mark.skipif(os.geteuid() != 0, reason="the emulated link needs root")
 def test_diloco_on_the_emulated_link(tmp_path):
     """ZeRO-3 and DiLoCo H=16 unthrottled, one fragment count: the window throughput and the bytes."""
@@ -114,6 +122,7 @@ def test_diloco_on_the_emulated_link(tmp_path):
 
 
 @pytest.mark.slow
+@EVERY_COMMAND
 def test_local_systems_side_by_side(tmp_path):
     out = tmp_path / "l.json"
     cli("bench.slow_link", "local", *TINY, "--world", "2", "--systems", "zero3,fsdp2", "--world1-systems", "plain",
@@ -125,6 +134,7 @@ def test_local_systems_side_by_side(tmp_path):
 
 
 @pytest.mark.slow
+@EVERY_COMMAND
 def test_split_where_the_time_goes(tmp_path):
     out = tmp_path / "s.json"
     cli("bench.slow_link", "split", *TINY, "--repeats", "1", "--reps", "2", "--systems", "zero3-reuse0,fsdp2",
@@ -134,6 +144,7 @@ def test_split_where_the_time_goes(tmp_path):
 
 
 @pytest.mark.slow
+@EVERY_COMMAND
 def test_calibrate_and_planner(tmp_path):
     cli("bench.slow_link", "calibrate", "--repeats", "1", "--steps", "2", "--systems", "", "--out", str(tmp_path / "c.json"),
         timeout=900)
@@ -145,6 +156,7 @@ def test_calibrate_and_planner(tmp_path):
 
 
 @pytest.mark.slow
+@EVERY_COMMAND
 def test_gpu_ranks_paths_on_cpu(tmp_path):
     """Without a GPU the same ranks run on CPU: the command and its JSON still work."""
     cli("bench.slow_link", "gpu", "--ranks", "2", "--ranks-per-node", "1", "--layers", "1", "--hidden", "32",
