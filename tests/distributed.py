@@ -3,17 +3,29 @@ shared with bench/) and a copy of an engine's checkpoint state.
 
     results = run_distributed(fn, world_size=4, args=(...))   # one result per rank
 
-`fn(rank, world_size, *args)` runs in a fresh process with torch.distributed
+`fn(rank, world_size, *args)` runs on every rank with torch.distributed
 initialised (gloo); an exception on any rank fails the call with that rank's
-traceback.
+traceback. The ranks are a pool kept across tests (parallel/spawn.py: spawning
+and joining gloo once per world size, not once per call, is most of the suite's
+time saved); `fresh=True`, or `env=`, gives a call processes of its own.
 """
 from __future__ import annotations
 
 import copy
 
-from parallel.spawn import run_distributed
+from parallel import spawn
 
-__all__ = ["run_distributed", "snapshot", "restore"]
+__all__ = ["run_distributed", "spawn_ranks", "snapshot", "restore"]
+
+
+def run_distributed(fn, world_size: int, args: tuple = (), env: dict | None = None, timeout: float = 300,
+                    init_process_group: bool = True, fresh: bool = False) -> list:
+    return spawn.run_distributed(fn, world_size, args, env, timeout, init_process_group, pool=not fresh)
+
+
+def spawn_ranks(fn, world_size: int, args: tuple = (), env: dict | None = None, timeout: float = 300,
+                init_process_group: bool = True, fresh: bool = False) -> tuple[list | None, str | None]:
+    return spawn.spawn_ranks(fn, world_size, args, env, timeout, init_process_group, pool=not fresh)
 
 
 def snapshot(engine) -> tuple[dict, dict]:
