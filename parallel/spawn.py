@@ -27,6 +27,7 @@ import atexit
 import collections
 import os
 import pickle
+import signal
 import socket
 import time
 import traceback
@@ -46,15 +47,19 @@ def _free_port() -> int:
 
 
 # -- in a rank process -----------------------------------------------------------------------------
+_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
 def _save_state() -> tuple:
     return (dict(os.environ), os.getcwd(), torch.get_default_dtype(), torch.get_num_threads(),
-            torch.is_grad_enabled(), torch.are_deterministic_algorithms_enabled())
+            torch.is_grad_enabled(), torch.are_deterministic_algorithms_enabled(),
+            [signal.getsignal(s) for s in _SIGNALS])
 
 
 def _restore_state(saved: tuple) -> bool:
     """Puts back what a body may have changed; False if this process can no longer serve (its
     world was destroyed by the body, or a group would not go)."""
-    env, cwd, dtype, threads, grad, deterministic = saved
+    env, cwd, dtype, threads, grad, deterministic, handlers = saved
     if dict(os.environ) != env:
         os.environ.clear()
         os.environ.update(env)
@@ -63,6 +68,8 @@ def _restore_state(saved: tuple) -> bool:
     torch.set_num_threads(threads)
     torch.set_grad_enabled(grad)
     torch.use_deterministic_algorithms(deterministic)
+    for s, handler in zip(_SIGNALS, handlers):   # train.main installs its StopRequest's
+        signal.signal(s, handler)
     if not dist.is_initialized():
         return False
     try:  # the body's groups: every rank destroys the same ones, so the next body starts as if fresh
