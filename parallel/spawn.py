@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-MAX_POOLS = 2   # world sizes kept alive at once (least recently used goes first): bounds memory
+MAX_POOLS = 3   # world sizes kept alive at once (the least recently used goes first): 1, 2 and 4 are the common ones
 
 
 def _free_port() -> int:

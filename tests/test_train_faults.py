@@ -12,6 +12,8 @@ import time
 import pytest
 import torch
 
+import train
+
 from bench.diloco_job import child_pids
 from tests.distributed import train_ranks
 from tests.test_train import corpus, flags  # noqa: F401  (corpus is a fixture)
@@ -145,18 +147,19 @@ def test_rank_crash_restarts_and_resumes(corpus, tmp_path):  # noqa: F811
     assert latest_iteration(str(save)) == iters and iters in complete_iterations(str(save))
 
 
-def test_unwritable_save_dir_fails_before_training(corpus, tmp_path):  # noqa: F811
+def test_unwritable_save_dir_fails_before_training(corpus, tmp_path, capsys):  # noqa: F811
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
-    cmd = [sys.executable, "train.py", *flags(corpus, tmp_path, 4, ["--save", str(blocker / "ckpt")])]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert f"--save {blocker / 'ckpt'} is not writable" in proc.stderr
-    assert "lm loss" not in proc.stdout
+    # train.run(), the command's own entry point, in this process (an exception would fail the test)
+    status = train.run(flags(corpus, tmp_path, 4, ["--save", str(blocker / "ckpt")]))
+    out, err = capsys.readouterr()
+    assert status == 2 and "Traceback" not in err
+    assert f"--save {blocker / 'ckpt'} is not writable" in err
+    assert "lm loss" not in out
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
-def test_nonfinite_loss_stops_with_last_good_checkpoint(corpus, tmp_path, precision):  # noqa: F811
+def test_nonfinite_loss_stops_with_last_good_checkpoint(corpus, tmp_path, capsys, precision):  # noqa: F811
     """A learning rate of 1e30 makes the weights huge after one step, so the next losses are not finite.
     fp32 stops at the first bad step; fp16 skips steps (loss scale halved each time) and stops after
     --max-nan-iters of them. Either way the checkpoint holds the last finite weights."""
@@ -164,14 +167,14 @@ def test_nonfinite_loss_stops_with_last_good_checkpoint(corpus, tmp_path, precis
              "--log-interval", "1"]
     if precision == "fp16":
         extra += ["--fp16", "--initial-loss-scale", "1024", "--max-nan-iters", "3"]
-    cmd = [sys.executable, "train.py", *flags(corpus, tmp_path, 50, extra)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "Traceback" not in proc.stderr
+    status = train.run(flags(corpus, tmp_path, 50, extra))   # the command's entry point, in this process
+    out, err = capsys.readouterr()
+    assert status == 1, out + err
+    assert "Traceback" not in err
     streak = 3 if precision == "fp16" else 1
-    assert f"not finite for {streak} consecutive iteration(s)" in proc.stderr, proc.stderr
+    assert f"not finite for {streak} consecutive iteration(s)" in err, err
     it = latest_iteration(str(tmp_path / "ckpt"))
-    assert f"saved to {tmp_path / 'ckpt' / f'iter_{it:07d}'}" in proc.stderr
+    assert f"saved to {tmp_path / 'ckpt' / f'iter_{it:07d}'}" in err
     weights, _ = consolidated_state_dict(str(tmp_path / "ckpt"))
     assert all(torch.isfinite(w).all() for w in weights.values())
 
