@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import gc
 import os
 import pickle
 import signal
@@ -37,6 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+MAX_THREADS = 32   # a pooled rank past this many threads is replaced (gloo groups a body kept alive keep their loops)
 MAX_POOLS = 3   # world sizes kept alive at once (the least recently used goes first): 1, 2 and 4 are the common ones
 
 
@@ -78,7 +80,11 @@ def _restore_state(saved: tuple) -> bool:
             dist.destroy_process_group(group)
     except Exception:
         return False
-    return True
+    gc.collect()   # frees the groups' gloo contexts, and their threads, once nothing holds them
+    try:   # a gloo group still referenced keeps threads that poll its (closed) peers: CPU lost to every test
+        return len(os.listdir("/proc/self/task")) <= MAX_THREADS
+    except OSError:   # not Linux
+        return True
 
 
 def _worker(rank, world_size, port, conn, env, init_process_group, parent_pid):
@@ -92,10 +98,13 @@ def _worker(rank, world_size, port, conn, env, init_process_group, parent_pid):
             dist.init_process_group("gloo", rank=rank, world_size=world_size)
         while True:
             if not conn.poll(1.0):
-                if os.getppid() != parent_pid:   # the test process is gone (kill -9): leave too
-                    return
+                if os.getppid() != parent_pid:   # the test process is gone (killed): leave at once,
+                    os._exit(0)                  # without a group teardown that would wait for peers
                 continue
-            task = conn.recv_bytes()
+            try:
+                task = conn.recv_bytes()
+            except (EOFError, OSError):   # the test process is gone
+                os._exit(0)
             if not task:   # close
                 return
             saved = _save_state()
