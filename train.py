@@ -53,6 +53,7 @@ def main(argv=None):
         print_dry_run(args)   # with "auto" switches: the choice on --cluster, then the plan
         return
     tokenizer = check_inputs(args)  # data, split and tokenizer files, before any expensive work
+    own_group = not dist.is_initialized()   # a caller's group (the tests' pooled ranks) stays the caller's
     device = init_distributed(args.distributed_backend)
     topology = topology_from_env(args.ranks_per_node)
     comm = engine_comm(args, topology)   # the job's, or its group's with --outer-sync-interval
@@ -93,7 +94,7 @@ def main(argv=None):
     if early_stop is None:
         print_summary(args, topology, trainer.cross_node, engine)
     logger.close()
-    if dist.is_initialized():
+    if own_group and dist.is_initialized():
         dist.destroy_process_group()
     _UNFREED.append(dict(locals()))   # torch's objects are left to os._exit (see exit_now)
     if early_stop is not None:

@@ -10,9 +10,8 @@ import re
 import pytest
 import torch
 
-from tests.distributed import run_distributed, snapshot
+from tests.distributed import run_distributed, snapshot, train_ranks
 from tests.test_train import corpus, flags  # noqa: F401,F811  (corpus is a fixture)
-from tests.test_train_faults import torchrun
 from tests.test_zeropp import ALL3, gpt, make_engine, tokens
 from zeropp.kernels.quant import quantize
 from zeropp.techniques.deltas import BLOCK_SIZE
@@ -36,7 +35,7 @@ def test_fp16_overflow_does_not_poison_loco_through_train_py(corpus, tmp_path): 
              "--zero-quantized-gradients", "--zero-loco", "--fp16", "--initial-loss-scale", "33554432",
              "--hysteresis", "1", "--log-interval", "4", "--eval-interval", "1000", "--save-interval", "1000",
              "--micro-batch-size", "1", "--global-batch-size", "4"]
-    rc, log = torchrun(4, flags(corpus, tmp_path, 24, extra))
+    rc, log = train_ranks(4, flags(corpus, tmp_path, 24, extra))
     assert rc == 0, log
     skipped, scale = window_stats(log)
     # 2^25 -> 2^16 is 9 halvings; a few more or fewer with other gradients, never all 24

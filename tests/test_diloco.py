@@ -27,9 +27,8 @@ import zeropp
 from model import GPT, GPTConfig
 from parallel.comm import Communicator
 from parallel.topology import topology_from_env
-from tests.distributed import run_distributed
+from tests.distributed import run_distributed, train_ranks
 from tests.numerics import EPS32, assert_state_within_roundoff, fp64_reference
-from tests.test_train_faults import torchrun
 from zeropp.collectives.partition import Partition
 from planner.comm import rank_bytes
 from zeropp.outer.diloco import PHASE, WARMUP, OuterSettings, attach, exchange_per_step
@@ -625,7 +624,7 @@ def test_dry_run_plans_the_bytes_across_groups(capsys):
 
 def test_train_py_runs_the_mode_and_logs_it(corpus, tmp_path):  # noqa: F811
     d = corpus
-    rc, log = torchrun(4, ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+    rc, log = train_ranks(4, ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
                            "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "12", "--lr", "3e-3",
                            "--data-path", str(d / "docs_text_document"), "--tokenizer-model", str(d / "sp.model"),
                            "--data-cache-path", str(tmp_path / "cache"), "--log-interval", "4", "--eval-iters", "0",

@@ -1,6 +1,8 @@
-"""train.py under torchrun: exact resume for stages 1-3 and ZeRO++, and what
+"""train.py on several ranks: exact resume for stages 1-3 and ZeRO++, and what
 happens on preemption (SIGTERM), a rank crash under --max-restarts, a save
-directory that cannot be written, and a loss that stops being finite."""
+directory that cannot be written, and a loss that stops being finite. The
+signal and restart tests run torchrun (the launcher is under test); the others
+run train.py's run() on pooled ranks (tests/distributed.py train_ranks)."""
 import os
 import signal
 import subprocess
@@ -10,7 +12,10 @@ import time
 import pytest
 import torch
 
+import train
+
 from bench.diloco_job import child_pids
+from tests.distributed import train_ranks
 from tests.test_train import corpus, flags  # noqa: F401  (corpus is a fixture)
 from tools.export_checkpoint import consolidated_state_dict
 from training.checkpoint_files import complete_iterations, latest_iteration
@@ -53,9 +58,9 @@ def test_resume_is_bit_identical(corpus, tmp_path, zero):  # noqa: F811
     common = ["--ranks-per-node", "2", "--micro-batch-size", "1", "--global-batch-size", "8",
               "--lr-warmup-iters", "5", "--log-interval", "1", "--eval-interval", "100", *ZERO[zero]]
     straight, split = tmp_path / "straight", tmp_path / "split"
-    rc, full_log = torchrun(4, flags(corpus, straight, 8, [*common, "--save-interval", "4"]))
+    rc, full_log = train_ranks(4, flags(corpus, straight, 8, [*common, "--save-interval", "4"]))
     assert rc == 0, full_log
-    rc, log = torchrun(4, flags(corpus, split, 8, [*common, "--load", str(straight / "ckpt" / "iter_0000004")]))
+    rc, log = train_ranks(4, flags(corpus, split, 8, [*common, "--load", str(straight / "ckpt" / "iter_0000004")]))
     assert rc == 0, log
     assert "resumed from" in log and "at iteration 4, 32 samples consumed" in log
     a, b = losses(full_log), losses(log)
@@ -91,7 +96,7 @@ def test_sigterm_saves_and_exits_0(corpus, tmp_path):  # noqa: F811
     it = latest_iteration(str(save))
     assert it is not None and it >= 3 and f"checkpoint {save / f'iter_{it:07d}'}" in out
     # resumes from there
-    rc, log = torchrun(2, flags(corpus, tmp_path, it + 2, ["--load", str(save), "--log-interval", "1"]))
+    rc, log = train_ranks(2, flags(corpus, tmp_path, it + 2, ["--load", str(save), "--log-interval", "1"]))
     assert rc == 0 and f"at iteration {it}," in log and sorted(losses(log)) == [it + 1, it + 2], log
 
 
@@ -142,18 +147,19 @@ def test_rank_crash_restarts_and_resumes(corpus, tmp_path):  # noqa: F811
     assert latest_iteration(str(save)) == iters and iters in complete_iterations(str(save))
 
 
-def test_unwritable_save_dir_fails_before_training(corpus, tmp_path):  # noqa: F811
+def test_unwritable_save_dir_fails_before_training(corpus, tmp_path, capsys):  # noqa: F811
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
-    cmd = [sys.executable, "train.py", *flags(corpus, tmp_path, 4, ["--save", str(blocker / "ckpt")])]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert f"--save {blocker / 'ckpt'} is not writable" in proc.stderr
-    assert "lm loss" not in proc.stdout
+    # train.run(), the command's own entry point, in this process (an exception would fail the test)
+    status = train.run(flags(corpus, tmp_path, 4, ["--save", str(blocker / "ckpt")]))
+    out, err = capsys.readouterr()
+    assert status == 2 and "Traceback" not in err
+    assert f"--save {blocker / 'ckpt'} is not writable" in err
+    assert "lm loss" not in out
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
-def test_nonfinite_loss_stops_with_last_good_checkpoint(corpus, tmp_path, precision):  # noqa: F811
+def test_nonfinite_loss_stops_with_last_good_checkpoint(corpus, tmp_path, capsys, precision):  # noqa: F811
     """A learning rate of 1e30 makes the weights huge after one step, so the next losses are not finite.
     fp32 stops at the first bad step; fp16 skips steps (loss scale halved each time) and stops after
     --max-nan-iters of them. Either way the checkpoint holds the last finite weights."""
@@ -161,14 +167,14 @@ def test_nonfinite_loss_stops_with_last_good_checkpoint(corpus, tmp_path, precis
              "--log-interval", "1"]
     if precision == "fp16":
         extra += ["--fp16", "--initial-loss-scale", "1024", "--max-nan-iters", "3"]
-    cmd = [sys.executable, "train.py", *flags(corpus, tmp_path, 50, extra)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "Traceback" not in proc.stderr
+    status = train.run(flags(corpus, tmp_path, 50, extra))   # the command's entry point, in this process
+    out, err = capsys.readouterr()
+    assert status == 1, out + err
+    assert "Traceback" not in err
     streak = 3 if precision == "fp16" else 1
-    assert f"not finite for {streak} consecutive iteration(s)" in proc.stderr, proc.stderr
+    assert f"not finite for {streak} consecutive iteration(s)" in err, err
     it = latest_iteration(str(tmp_path / "ckpt"))
-    assert f"saved to {tmp_path / 'ckpt' / f'iter_{it:07d}'}" in proc.stderr
+    assert f"saved to {tmp_path / 'ckpt' / f'iter_{it:07d}'}" in err
     weights, _ = consolidated_state_dict(str(tmp_path / "ckpt"))
     assert all(torch.isfinite(w).all() for w in weights.values())
 
@@ -177,9 +183,9 @@ def test_async_save_writes_the_same_checkpoints(corpus, tmp_path):  # noqa: F811
     """--async-save: training goes on while each checkpoint is written; every checkpoint (and so every
     resume) is bit-identical to the synchronous run's, and each one is complete before the next."""
     common = ["--zero-stage", "3", "--save-interval", "2", "--log-interval", "1", "--eval-interval", "100"]
-    rc, log_sync = torchrun(2, flags(corpus, tmp_path / "sync", 6, common))
+    rc, log_sync = train_ranks(2, flags(corpus, tmp_path / "sync", 6, common))
     assert rc == 0, log_sync
-    rc, log = torchrun(2, flags(corpus, tmp_path / "async", 6, [*common, "--async-save"]))
+    rc, log = train_ranks(2, flags(corpus, tmp_path / "async", 6, [*common, "--async-save"]))
     assert rc == 0, log
     assert log.count("in the background") == 3 and log.count("> saved checkpoint at iteration") == 3, log
     assert losses(log) == losses(log_sync)
@@ -198,10 +204,10 @@ def test_resume_on_fewer_ranks_continues_the_run(corpus, tmp_path):  # noqa: F81
     since dropout masks depend on which rank runs which sample."""
     common = ["--micro-batch-size", "1", "--global-batch-size", "8", "--log-interval", "1",
               "--eval-interval", "100", "--hidden-dropout", "0", "--attention-dropout", "0"]
-    rc, full_log = torchrun(4, flags(corpus, tmp_path / "four", 8, [*common, "--zero-stage", "3",
+    rc, full_log = train_ranks(4, flags(corpus, tmp_path / "four", 8, [*common, "--zero-stage", "3",
                                                                     "--save-interval", "4"]))
     assert rc == 0, full_log
-    rc, log = torchrun(2, flags(corpus, tmp_path / "two", 8, [*common, "--zero-stage", "1", "--load",
+    rc, log = train_ranks(2, flags(corpus, tmp_path / "two", 8, [*common, "--zero-stage", "1", "--load",
                                                               str(tmp_path / "four" / "ckpt" / "iter_0000004")]))
     assert rc == 0, log
     assert "at iteration 4, 32 samples consumed (saved by 4 ranks" in log

@@ -1,4 +1,4 @@
-"""train.py --sharding fsdp2 (torch's FSDP2 with the ZeRO++ plug-in) under torchrun on 4 ranks as
+"""train.py --sharding fsdp2 (torch's FSDP2 with the ZeRO++ plug-in) on 4 ranks as
 2 nodes x 2: it resumes bit for bit, reads and writes the engine's checkpoints, and refuses
 what it cannot do in one line."""
 import json
@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from tests.test_train import corpus, flags  # noqa: F401  (corpus is a fixture)
-from tests.test_train_faults import losses, torchrun
+from tests.distributed import train_ranks
+from tests.test_train_faults import losses
 from tools.export_checkpoint import consolidated_state_dict
 from training.args import parse_args
 from common.errors import ConfigError
@@ -22,10 +23,10 @@ def test_fsdp2_with_every_switch_resumes_bit_for_bit(corpus, tmp_path):  # noqa:
     3, stop, resume for 3 more; the losses and the weights are identical."""
     common = [*COMMON, "--sharding", "fsdp2", "--bf16", *ZEROPP]
     straight, split = tmp_path / "straight", tmp_path / "split"
-    rc, full_log = torchrun(4, flags(corpus, straight, 6, [*common, "--save-interval", "3"]))
+    rc, full_log = train_ranks(4, flags(corpus, straight, 6, [*common, "--save-interval", "3"]))
     assert rc == 0, full_log
     assert "FSDP2 + ZeRO++ plug-in (qwZ, hpZ, qgZ, LoCo)" in full_log
-    rc, log = torchrun(4, flags(corpus, split, 6, [*common, "--load", str(straight / "ckpt" / "iter_0000003")]))
+    rc, log = train_ranks(4, flags(corpus, split, 6, [*common, "--load", str(straight / "ckpt" / "iter_0000003")]))
     assert rc == 0, log
     assert "resumed from" in log and "starts from zero" not in log
     a, b = losses(full_log), losses(log)
@@ -40,13 +41,13 @@ def test_checkpoints_cross_between_the_engine_and_fsdp2(corpus, tmp_path):  # no
     engine's own continuation's (the forward sees the same weights, data and RNG), bit for bit as printed;
     and back: FSDP2's checkpoint loads into the engine."""
     engine, fsdp2 = tmp_path / "engine", tmp_path / "fsdp2"
-    rc, engine_log = torchrun(4, flags(corpus, engine, 4, [*COMMON, "--save-interval", "3"]))
+    rc, engine_log = train_ranks(4, flags(corpus, engine, 4, [*COMMON, "--save-interval", "3"]))
     assert rc == 0, engine_log
-    rc, log = torchrun(4, flags(corpus, fsdp2, 4, [*COMMON, "--sharding", "fsdp2", "--save-interval", "2",
+    rc, log = train_ranks(4, flags(corpus, fsdp2, 4, [*COMMON, "--sharding", "fsdp2", "--save-interval", "2",
                                                    "--load", str(engine / "ckpt" / "iter_0000003")]))
     assert rc == 0, log
     assert losses(log)[4] == losses(engine_log)[4], (losses(log), losses(engine_log))
-    rc, back = torchrun(4, flags(corpus, tmp_path / "back", 4, [*COMMON, "--load", str(fsdp2 / "ckpt")]))
+    rc, back = train_ranks(4, flags(corpus, tmp_path / "back", 4, [*COMMON, "--load", str(fsdp2 / "ckpt")]))
     assert rc == 0 and "resumed from" in back, back
 
 
@@ -78,7 +79,7 @@ def test_fsdp2_refuses_a_bucket_size_from_the_json(corpus, tmp_path, monkeypatch
 def test_fsdp2_fp16_skips_overflows_and_keeps_locos_error_finite(corpus, tmp_path):  # noqa: F811
     """fp16 (FSDP2's MixedPrecisionPolicy) with a loss scale of 2^32: the first steps overflow on every rank and
     are skipped together (the scale halves), LoCo's error is not committed from them, and training then learns."""
-    rc, log = torchrun(4, flags(corpus, tmp_path, 10, [*COMMON, "--sharding", "fsdp2", "--fp16", *ZEROPP,
+    rc, log = train_ranks(4, flags(corpus, tmp_path, 10, [*COMMON, "--sharding", "fsdp2", "--fp16", *ZEROPP,
                                                        "--initial-loss-scale", str(2 ** 32), "--hidden-dropout", "0"]))
     assert rc == 0, log
     skipped = [int(line.split("number of skipped iterations:")[1].split("|")[0]) for line in log.splitlines()

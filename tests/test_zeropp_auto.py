@@ -17,10 +17,9 @@ from parallel.topology import Topology, topology_from_env
 from planner.auto import choose, measured_cluster, resolve
 from planner.plan import Job
 from planner.probe import Measurements, measure
-from tests.distributed import run_distributed
+from tests.distributed import run_distributed, spawn_ranks
 from tests.test_train import corpus, flags  # noqa: F401 - the tiny-corpus fixture
 from training.args import parse_args
-from parallel.spawn import spawn_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(vocab_size=96, num_layers=2, hidden_size=32, num_attention_heads=4, max_position_embeddings=16,
@@ -182,7 +181,8 @@ def absent_peer_run(rank, world_size):
 
 
 def test_probe_that_cannot_run_is_a_clear_error():
-    results, error = spawn_ranks(absent_peer_run, 2, timeout=60)
+    # fresh: rank 0 gives up on a probe that rank 1 never joins, leaving the world half-used
+    results, error = spawn_ranks(absent_peer_run, 2, timeout=60, fresh=True)
     assert error is None, error
     message, seconds = results[0]
     assert message.startswith("link probe: ") and seconds < 5
