@@ -69,8 +69,10 @@ def ds_config(zero: dict, precision: str, sharding: str = "zero") -> dict:
     zero = dict(zero)
     if zero.get("zero_quantized_weight_deltas"):
         zero["zero_quantized_weight_deltas_refresh_interval"] = 3   # a refresh inside the run
-    buckets = {"reduce_bucket_size": 2000, "stage3_param_persistence_threshold": 0,
-               "stage3_prefetch_bucket_size": 5000, "stage3_max_reuse_distance": 0}
+    # A few buckets of the tiny GPT, not dozens: each bucket is gloo collectives,
+    # and a collective costs more than the arithmetic here.
+    buckets = {"reduce_bucket_size": 8000, "stage3_param_persistence_threshold": 0,
+               "stage3_prefetch_bucket_size": 20000, "stage3_max_reuse_distance": 0}
     cfg = {"gradient_clipping": 1.0,   # FSDP2 refuses bucket sizes: it has units instead
            "zero_optimization": {**(buckets if sharding == "zero" else {}), **zero}}
     if precision == "fp16":

@@ -68,6 +68,7 @@ def test_json_not_finite(corpus, tmp_path, capsys, text, key):
     fails(good(corpus, "--deepspeed_config", str(tmp_path / "ds.json")), capsys, key, "finite")
 
 
+@pytest.mark.slow
 def test_not_finite_through_the_real_command(corpus):
     proc = subprocess.run([sys.executable, "train.py", *good(corpus, "--zero-hpz-size", "inf")],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
@@ -137,6 +138,7 @@ def train_steps(rank, world_size, zero):
     return losses
 
 
+@pytest.mark.slow
 def test_smallest_block_sizes_run():
     """The smallest accepted sizes on 4 ranks as 2 nodes x 2, with odd tensor sizes (vocabulary 97,
     hidden 36) so that rows end mid-way through words: every switch that quantizes."""
@@ -285,6 +287,7 @@ def exits(main, argv, capsys, *names):
     ("torch", lambda t: t / "missing" / "model.pt", ["does not exist"]),
     ("hf", lambda t: (t.write_text("x"), t)[1], ["is a file", "--format hf writes a directory"]),
 ])
+@pytest.mark.slow
 def test_export_output(checkpoint, tmp_path, capsys, fmt, make, names):
     output = make(tmp_path / "out")
     exits(export_checkpoint.main, ["--load", str(checkpoint), "--format", fmt, "--output", str(output)], capsys,
@@ -329,6 +332,7 @@ def test_damaged_checkpoint_exits_2_everywhere(corpus, checkpoint, tmp_path, cap
                                    str(tmp_path / "m.pt")], capsys, "is damaged")
 
 
+@pytest.mark.slow
 def test_generate_from_another_directory(checkpoint, tmp_path):
     """The checkpoint's tokenizer path was relative to where training ran; generate.py runs
     from elsewhere (the real command)."""

@@ -26,6 +26,7 @@ def window_stats(log: str) -> tuple[int, float]:
     return skipped, float(scales[-1])
 
 
+@pytest.mark.slow
 def test_fp16_overflow_does_not_poison_loco_through_train_py(corpus, tmp_path):  # noqa: F811
     """The issue's run: 4 ranks as 2 x 2, qwZ + hpZ + qgZ + LoCo, fp16 from a loss scale of 2^25 with
     hysteresis 1: the scale falls one halving per overflow until the gradients fit (near 2^16,
@@ -69,6 +70,7 @@ def skip_then_go_on(rank, world_size, dtype_cfg, bad):
                 error_keys=[k for k in after[0] if k.startswith("error_feedback.")])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision, bad", [("fp16", float("inf")), ("bf16", float("nan"))])
 def test_a_skipped_step_leaves_carried_state_alone(precision, bad):
     """The skipped step changes no error buffer, reference weight or counter, so what a checkpoint
@@ -125,6 +127,7 @@ def resume_with_deltas(rank, world_size, path):
                 keys=list(a[0]), scalars=(a[1], b[1]), sent=resumed.weights.sources.deltas.sent)
 
 
+@pytest.mark.slow
 def test_resume_with_weight_deltas_is_bit_identical(tmp_path):
     for r in run_distributed(resume_with_deltas, 4, args=(str(tmp_path / "ckpt"),)):
         assert r["losses"] == r["again"], r

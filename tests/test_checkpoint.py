@@ -89,6 +89,7 @@ def saved_4_ranks_stage3(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("world, stage, zeropp_on", [(2, 3, False), (8, 3, True), (2, 1, False), (4, 2, False),
                                                      (1, 3, False)])
+@pytest.mark.slow
 def test_reshard_on_load(saved_4_ranks_stage3, world, stage, zeropp_on):
     """Saved by 4 ranks at stage 3; loaded on 1, 2, 4 and 8 ranks at stages 1-3 (8: with ZeRO++): the
     same weights bit for bit, and the next 3 losses match the uninterrupted run's to a relative 1e-5
@@ -106,6 +107,7 @@ def test_reshard_on_load(saved_4_ranks_stage3, world, stage, zeropp_on):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(uninterrupted), rtol=rtol, atol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 2])
 def test_reshard_from_stage_1_and_2_to_stage_3(tmp_path, stage):
     """The reverse direction: saved by 2 ranks at stage 1 or 2, loaded by 4 ranks at stage 3."""
@@ -211,6 +213,7 @@ def resume_run(rank, world, path):
     return meta["iteration"]
 
 
+@pytest.mark.slow
 def test_kill_9_during_save_leaves_previous_checkpoint_latest(tmp_path):
     path = str(tmp_path / "save")
     with pytest.raises(RuntimeError, match="distributed run failed"):
@@ -257,6 +260,7 @@ def keep_last_run(rank, world, path):
     return True
 
 
+@pytest.mark.slow
 def test_keep_last_prunes_only_complete_older_checkpoints(tmp_path):
     path = str(tmp_path / "save")
     run_distributed(keep_last_run, 2, (path,))
@@ -271,6 +275,7 @@ def damaged_load_run(rank, world, path):
         return str(e)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
 def test_damaged_shard_is_found_by_checksum(tmp_path, damage):
     path = str(tmp_path / "save")

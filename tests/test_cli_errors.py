@@ -262,6 +262,7 @@ class TestTopology:
 
 
 class TestRealCommand:
+    @pytest.mark.slow
     def test_python_train_py(self, corpus):
         proc = subprocess.run([sys.executable, "train.py", *good(corpus, "--train-iters", "0")],
                               capture_output=True, text=True, timeout=120, cwd=ROOT)
@@ -276,6 +277,7 @@ class TestRealCommand:
         assert proc.returncode == 2 and "Traceback" not in proc.stderr
         assert proc.stderr.startswith("error: --tokenizer-model points to a missing file")
 
+    @pytest.mark.slow
     def test_torchrun_only_rank0_prints(self, corpus):
         torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
         proc = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", "train.py",
@@ -288,6 +290,7 @@ class TestRealCommand:
         assert "traceback : error: argument --lr: must be >= 0, got -1" in proc.stderr
         assert "To enable traceback" not in proc.stderr and proc.returncode == 1
 
+    @pytest.mark.slow
     def test_torchrun_slow_rank0_still_prints(self, corpus, tmp_path):
         """torchrun stops every worker once one exits: rank 1, quiet and quicker, must not
         kill rank 0 before it has printed (seen in CI on two busy cores)."""

@@ -86,6 +86,7 @@ def saved_and_loaded(tok, directory):
     return transformers.AutoTokenizer.from_pretrained(str(directory))
 
 
+@pytest.mark.slow
 def test_sentencepiece_export_encodes_the_whole_corpus_as_training_does(kjv_tokenizer, tmp_path):
     tok, chapters = kjv_tokenizer
     hf = saved_and_loaded(tok, tmp_path)

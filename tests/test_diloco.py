@@ -127,6 +127,7 @@ def alone_runs(rank, world):
     return out
 
 
+@pytest.mark.slow
 def test_group_engine_trains_as_the_engine_alone(runs):
     groups = runs["group_runs"]
     alone = run_distributed(alone_runs, world_size=2)
@@ -622,6 +623,7 @@ def test_dry_run_plans_the_bytes_across_groups(capsys):
     assert warm > 4 * 64 * per_step   # each step the fp32 gradient shard, not an INT4 one every 64 steps
 
 
+@pytest.mark.slow
 def test_train_py_runs_the_mode_and_logs_it(corpus, tmp_path):  # noqa: F811
     d = corpus
     rc, log = train_ranks(4, ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",

@@ -29,12 +29,14 @@ def base(corpus, out):  # noqa: F811
 
 # -- a stop in one group stops the job --------------------------------------------------------------
 
+@pytest.mark.slow
 def test_sigterm_to_one_group_stops_every_group_and_saves(corpus, tmp_path):  # noqa: F811
     """A node's preemption: SIGTERM to group 1's ranks only. Every rank stops after the same
     iteration, the checkpoint is complete, and the job exits 0 (bench/diloco_job.py)."""
     assert signal_one_group(base(corpus, tmp_path), tmp_path / "ckpt") == ""
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("outer", [(), TOPK2], ids=["exact", "topk2"])
 def test_a_loss_diverging_in_one_group_stops_every_group_with_a_loadable_checkpoint(corpus, tmp_path, outer):  # noqa: F811
     """fp32 SGD at a learning rate that diverges, one group first (each group stopping alone,
@@ -55,6 +57,7 @@ def short_run_done(corpus, tmp_path_factory):  # noqa: F811
     return argv, out, tmp / "ckpt"
 
 
+@pytest.mark.slow
 def test_a_run_shorter_than_h_exports_what_it_trained(short_run_done):
     _, out, save = short_run_done
     assert short_export(out, 0, save) == ""
@@ -95,6 +98,7 @@ def test_validation_is_the_global_parameters_on_the_plain_runs_samples(short_run
     assert "groups' drift from them: " in out
 
 
+@pytest.mark.slow
 def test_a_warm_up_as_long_as_the_run_validates_as_the_run_without_groups(corpus, tmp_path):  # noqa: F811
     def run(name, *extra):
         proc = launch(4, [*base(corpus, tmp_path / name), "--train-iters", "8", "--eval-interval", "8", *extra])

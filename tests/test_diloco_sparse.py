@@ -236,6 +236,7 @@ def close(a, b):   # fp32: the masters move by (g' - g) + sent, added once
     return torch.allclose(a, b, rtol=0, atol=1e-6 * (1 + b.abs().max().item()))
 
 
+@pytest.mark.slow
 def test_the_outer_step_is_the_mean_of_the_decoded_payloads(runs):
     results = runs["step"]
     for rank, (starts, merges, after, me, outer_steps) in enumerate(results):

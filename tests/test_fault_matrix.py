@@ -46,6 +46,7 @@ def assert_all_pass(table: dict):
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world, ranks_per_node", [(4, 2), (2, 1), (4, 4)], ids=["2x2", "2x1", "1x4"])
 def test_quick_matrix(world, ranks_per_node):
     combos = quick(combinations(world, ranks_per_node))
@@ -103,10 +104,12 @@ def assert_diloco(settings_of):
                     DILOCO_FAULTS)
 
 
+@pytest.mark.slow
 def test_quick_diloco_rows():
     assert_diloco(quick_settings)
 
 
+@pytest.mark.slow
 def test_fsdp2_with_every_switch():
     combos = [max(combinations(4, 2, "fsdp2"), key=lambda z: len(name(z)))]
     assert name(combos[0]) == "s3+qwZ+hpZ2+qgZ+LoCo+Hadamard+INT2"
@@ -115,7 +118,10 @@ def test_fsdp2_with_every_switch():
 
 @pytest.mark.slow
 def test_quick_fsdp2_rows():
-    combos = quick(combinations(4, 2, "fsdp2"))
+    """The quick share but the row with every switch (test_fsdp2_with_every_switch runs it)."""
+    every = max(combinations(4, 2, "fsdp2"), key=lambda z: len(name(z)))
+    combos = [z for z in quick(combinations(4, 2, "fsdp2")) if z != every]
+    assert len(combos) > 1 and all(z["stage"] == 3 for z in combos)
     assert_rows(run_fsdp2(combos), [name(z) for z in combos], FSDP2_FAULTS)
 
 

@@ -310,6 +310,7 @@ def three_ways(rank, world, name, tmp):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_scenario_hpz_alone_is_plain_fsdp2_and_every_switch_within_bounds(name, tmp_path):
     runs = run_distributed(three_ways, 4, args=(name, str(tmp_path)))

@@ -95,6 +95,7 @@ def optimizer_in_backward(rank, world, plugin):
     return loop(model, None, rank, 4, step_fn=True), (getattr(zpp, "overlap_label", str)() if zpp else "")
 
 
+@pytest.mark.slow
 def test_optimizer_in_backward_trains_fsdp2s_bits():
     plain = run_distributed(optimizer_in_backward, 4, args=(None,))
     hpz = run_distributed(optimizer_in_backward, 4, args=(HPZ,))
@@ -114,6 +115,7 @@ def all_reduce_hook(rank, world, plugin, hooked):
     return loop(model, opt, rank, 3)
 
 
+@pytest.mark.slow
 def test_an_all_reduce_hooks_effect_is_kept():
     plain = run_distributed(all_reduce_hook, 4, args=(None, True))
     hpz = run_distributed(all_reduce_hook, 4, args=(HPZ, True))
@@ -136,6 +138,7 @@ def save_every_step(rank, world, save):
     return losses, norms, {n: p.full_tensor() for n, p in model.named_parameters()}
 
 
+@pytest.mark.slow
 def test_state_dict_changes_no_error_and_no_trajectory():
     saved = run_distributed(save_every_step, 4, args=(True,))
     unsaved = run_distributed(save_every_step, 4, args=(False,))
@@ -160,6 +163,7 @@ def branch_gradient(rank, world, scale):
     return grads
 
 
+@pytest.mark.slow
 def test_a_branchs_error_is_its_own():
     small = run_distributed(branch_gradient, 4, args=(1.0,))[0]
     large = run_distributed(branch_gradient, 4, args=(100.0,))[0]
@@ -178,6 +182,7 @@ def loco_unattached(rank, world):
     return None
 
 
+@pytest.mark.slow
 def test_loco_without_attach_is_one_clear_error():
     message = run_distributed(loco_unattached, 4)[0]
     assert message and "attach(optimizer)" in message and "\n" not in message, message
@@ -193,6 +198,7 @@ def eval_between(rank, world, plugin):
     return loop(model, opt, rank, 3, between=evaluate)
 
 
+@pytest.mark.slow
 def test_evaluation_between_backward_and_step_trains_fsdp2s_bits():
     plain = run_distributed(eval_between, 4, args=(None,))
     hpz = run_distributed(eval_between, 4, args=(HPZ,))
@@ -215,6 +221,7 @@ def toggle(rank, world, toggled):
     return {k: v["inter_node_bytes"] for k, v in zpp.stats.as_dict()["by_phase"].items() if v["inter_node_bytes"]}
 
 
+@pytest.mark.slow
 def test_fsdp2s_eval_toggle_keeps_hpz_and_books_bytes_by_pass():
     toggled = run_distributed(toggle, 4, args=(True,))
     untouched = run_distributed(toggle, 4, args=(False,))
@@ -256,12 +263,14 @@ def small_ones(rank, world):
     return out
 
 
+@pytest.mark.slow
 def test_small_ones_apply_twice_divide_factor_uint8():
     r = run_distributed(small_ones, 4)[0]
     assert r["twice"] and "already applied to blocks.0" in r["twice"] and "\n" not in r["twice"], r
     assert r["factor"] <= 1e-6 and r["uint8"], r
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("order", [[1, 0, 3, 2]], ids=["swapped"])
 def test_a_mesh_in_another_rank_order_is_refused(order):
     r = run_distributed(mesh_order, 4, args=(order,))[0]

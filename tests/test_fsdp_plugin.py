@@ -115,6 +115,7 @@ def comms_against_exact(rank, world, ranks_per_node):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world, ranks_per_node", [(4, 2), (6, 2)], ids=["2x2", "3x2"])
 def test_quantized_comms_within_the_engines_int8_and_int4_bounds(world, ranks_per_node):
     for r in run_distributed(comms_against_exact, world, args=(ranks_per_node,)):
@@ -166,6 +167,7 @@ def bytes_both_ways(rank, world):
     return int(plugin), int(ours)
 
 
+@pytest.mark.slow
 def test_cross_node_bytes_equal_the_engines_within_5_percent():
     plugin, engine = run_distributed(bytes_both_ways, 4)[0]
     assert engine > 0 and abs(plugin - engine) <= 0.05 * engine, (plugin, engine)
@@ -200,6 +202,7 @@ def load_then_go_on(rank, world, path, ranks_per_node):
     return train(model, opt, rank, 3, first=3), notes
 
 
+@pytest.mark.slow
 def test_resume_continues_exactly_and_another_layout_says_what_reset(tmp_path):
     path = str(tmp_path / "ckpt")
     went_on = run_distributed(save_then_go_on, 4, args=(path,))
@@ -209,6 +212,24 @@ def test_resume_continues_exactly_and_another_layout_says_what_reset(tmp_path):
     one_node = run_distributed(load_then_go_on, 4, args=(path, 4))
     for _, notes in one_node:
         assert len(notes) == 1 and "starts from zero" in notes[0] and "2 nodes" in notes[0], notes
+
+
+def dropped_model_is_freed(rank, world):
+    import gc
+    import weakref
+    model, opt, zpp = sharded(ALL)
+    train(model, opt, rank, 1)
+    refs = weakref.ref(model), weakref.ref(zpp)
+    del model, opt, zpp
+    gc.collect()
+    return [r() is None for r in refs]
+
+
+def test_a_dropped_model_and_its_plugin_are_freed():
+    """Nothing of the plug-in's keeps a trained model alive (with its gathered weights and
+    process groups) once the user drops it: a hook on a parameter that held the plug-in made a
+    cycle Python's collector cannot see."""
+    assert run_distributed(dropped_model_is_freed, 4) == [[True, True]] * 4
 
 
 # -- misuse --------------------------------------------------------------------------------------

@@ -61,6 +61,7 @@ def scaled_step(rank, world_size, case):
     return result.skipped, result.grad_norm, (engine.global_step, engine.skipped_steps, state["skipped_steps"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_fp16_gradients_are_averaged_in_deepspeeds_order(case):
     overflows = CASES[case][2]
@@ -94,6 +95,7 @@ def initial_masters(rank, world_size, dtype, stage):
     return engine.module_state_dict()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
 def test_initial_fp32_masters_are_bit_identical_at_any_world_size(dtype):
     """module_state_dict() gives the fp32 masters: the exact initialization, not a

@@ -21,6 +21,7 @@ def base(corpus):  # noqa: F811
     return lambda out: flags(corpus, out, 1)
 
 
+@pytest.mark.slow
 def test_a_killed_group_never_stops_the_other_and_heals_from_it_when_restarted(corpus, tmp_path):  # noqa: F811
     """One rank of group 1 frozen in an exchange, then its launcher SIGKILLed: group 0 goes on
     alone within one exchange timeout and logs every iteration once; group 1, restarted from its
@@ -29,16 +30,19 @@ def test_a_killed_group_never_stops_the_other_and_heals_from_it_when_restarted(c
     assert kill_one_group(base(corpus), tmp_path) == ""
 
 
+@pytest.mark.slow
 def test_two_groups_as_two_jobs_train_the_model_of_one_job_bit_for_bit(corpus, tmp_path):  # noqa: F811
     """The outer step over torchft's quorum is the one of a job whose groups never fail: the same
     exchanges, token weights (equal: halves), data parts and final synchronization."""
     assert same_as_one_job(base(corpus), tmp_path) == ""
 
 
+@pytest.mark.slow
 def test_a_lighthouse_restart_leaves_the_groups_training_and_they_meet_again(corpus, tmp_path):  # noqa: F811
     assert lighthouse_restart(base(corpus), tmp_path) == ""
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not can_make_sites(), reason=NO_SITES)
 def test_a_heal_cut_off_midway_leaves_nothing_half_loaded_and_heals_again_later(corpus, tmp_path):  # noqa: F811
     """A late group heals from the other over a slow link (bench/groups_sites.py), and the link
@@ -48,10 +52,12 @@ def test_a_heal_cut_off_midway_leaves_nothing_half_loaded_and_heals_again_later(
     assert heal_interrupted(base(corpus), tmp_path, iters=2000, rate_mbit=0.5) == ""
 
 
+@pytest.mark.slow
 def test_with_the_launch_script_a_late_group_joins_and_a_stopped_one_leaves(corpus, tmp_path):  # noqa: F811
     assert late_start_and_clean_stop(base(corpus), tmp_path) == ""
 
 
+@pytest.mark.slow
 def test_groups_with_different_models_stop_with_one_line(corpus, tmp_path):  # noqa: F811
     assert different_models(base(corpus), tmp_path) == ""
 

@@ -329,6 +329,7 @@ def train_all(rank, world_size):
             (("zero3", {}), ("qgz", QGZ), ("hadamard", HADAMARD), ("loco", {**LOCO, "zero_hadamard_gradients": True}))}
 
 
+@pytest.mark.slow
 def test_hadamard_trains_like_zero3_and_sends_what_qgz_sends():
     runs = run_distributed(train_all, 4)
     base = runs[0]["zero3"]["losses"]

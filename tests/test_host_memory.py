@@ -37,6 +37,7 @@ def kept_mb(env: dict) -> float:
     return float(out.stdout.split()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
 def test_freed_blocks_go_back_to_the_kernel_unless_the_user_set_the_threshold():
     env = {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_", "WORLD_SIZE")}

@@ -128,6 +128,7 @@ def _corrupt(how, cache, tmp_path):
 
 @pytest.mark.parametrize("how", ["truncated", "empty", "another library", "a link to another library", "no manifest",
                                  "manifest of other inputs", "manifest of other bytes", "matches but fails to load"])
+@pytest.mark.slow
 def test_a_bad_library_is_found_before_it_is_mapped_and_rebuilt(how, cache, tmp_path):
     so = _corrupt(how, cache, tmp_path)
     rc, out, err = _run(cache)
@@ -140,6 +141,7 @@ def test_a_bad_library_is_found_before_it_is_mapped_and_rebuilt(how, cache, tmp_
     assert not list(cache.glob("*.tmp"))
 
 
+@pytest.mark.slow
 def test_ranks_starting_at_once_on_a_bad_library_build_it_once(cache, tmp_path):
     """One rank takes the lock, finds the truncated library and rebuilds it (the compiler runs
     once); the others wait, then load that one. The compiler wrapper keeps the cache key: the
@@ -216,6 +218,7 @@ def test_the_lock_is_not_opened_through_a_link(cache, tmp_path):
     assert not list(cache.glob("*.so"))
 
 
+@pytest.mark.slow
 def test_the_cache_is_private_whatever_the_umask(tmp_path):
     cache = tmp_path / "new" / "cache"
     rc, out, err = _run(cache, code="import os; os.umask(0)\n" + textwrap.dedent(CHECK))
@@ -225,6 +228,7 @@ def test_the_cache_is_private_whatever_the_umask(tmp_path):
         assert path.stat().st_mode & 0o077 == 0, (path, oct(path.stat().st_mode))
 
 
+@pytest.mark.slow
 def test_the_cache_may_be_the_working_directory(tmp_path):
     """ZEROPP_CACHE_DIR=. : the library is loaded by its full path (dlopen would look a bare
     file name up in the system's library path, and not find it)."""

@@ -49,6 +49,7 @@ time.sleep(120)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("status, rc", [(0, 0), (3, 1)])
 def test_launcher_status_follows_the_workers(tmp_path, status, rc):
     script = tmp_path / "worker.py"

@@ -101,6 +101,7 @@ def test_buffer_bounds_pairs_every_pool():
                    "quantization_buffers": {"peak": 7, "bound": 6, "within": False}}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("system", ["zero3", "zeropp"])
 def test_every_pool_within_its_bound(system):
     for r in _run(system):

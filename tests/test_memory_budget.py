@@ -64,6 +64,7 @@ def backward_bytes(rank, world_size):
     return out
 
 
+@pytest.mark.slow
 def test_reuse_distance_zero_regathers_what_forward_released_even_with_one_bucket():
     for (h_back, h_fwd), (r_back, r_fwd) in run_distributed(backward_bytes, world_size=WORLD):
         assert h_fwd == r_fwd
@@ -82,6 +83,7 @@ def live_run(rank, world_size, live):
     return engine.peak_buffers(), largest_module, engine.module.wte.weight.numel()
 
 
+@pytest.mark.slow
 def test_gathered_weights_stay_within_the_live_bound_in_fp32():
     # as issue 24's run: buckets as large as the live bound, a tied embedding live beside them
     model_numel = sum(p.numel() for p in GPT(GPTConfig(**CFG)).parameters())
@@ -128,6 +130,7 @@ def bound_run(rank, world_size):
     return _engine({}, dtype="fp32").peak_buffers()["gradient_buckets_bound"]
 
 
+@pytest.mark.slow
 def test_planner_gradient_buckets_are_the_engines_capped_by_the_model():
     engine_bounds = run_distributed(bound_run, world_size=WORLD)
     ds = zeropp.DeepSpeedConfig.from_dict({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
@@ -141,6 +144,7 @@ def test_planner_gradient_buckets_are_the_engines_capped_by_the_model():
     assert planned <= 3 * (WORLD + 1) * 4 * -(-model_numel // WORLD)   # at most the model, whatever 5e8 says
 
 
+@pytest.mark.slow
 def test_dry_run_of_a_tiny_model_with_default_buckets_fits(tmp_path):
     """Issue 24: 2 layers, hidden 64, fp32, DeepSpeed's default reduce_bucket_size (5e8) were
     planned 6.98 GiB of gradient buckets and "does not fit in 4 GiB"."""

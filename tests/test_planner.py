@@ -105,6 +105,7 @@ def planned(name):
     return plan, memory
 
 
+@pytest.mark.slow
 def test_planner_bytes_equal_a_real_run():
     runs = run_distributed(measured_run, WORLD, timeout=240)
     for name in CASES:
@@ -131,6 +132,7 @@ def dry_run(*extra, cluster="configs/clusters/v100_4x16_100gbps.yaml"):
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_18b_plan_prints_zero3_against_zeropp():
     r = dry_run()
     assert r.returncode == 0, r.stderr
@@ -145,6 +147,7 @@ def test_18b_plan_prints_zero3_against_zeropp():
     ("nodes: 4\ngpus_per_node: 16\n", "missing key"),
     ("nodez: 4\n", "unknown key 'nodez'; did you mean 'nodes'"),
 ])
+@pytest.mark.slow
 def test_cluster_file_errors_are_one_line_exit_2(tmp_path, content, message):
     path = tmp_path / "cluster.yaml"
     if content is not None:

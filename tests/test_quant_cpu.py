@@ -183,6 +183,7 @@ def test_no_compiler_says_so_once_and_uses_the_torch_path(tmp_path):
     assert not list(tmp_path.glob("*.so"))
 
 
+@pytest.mark.slow
 @needs_kernels
 def test_ranks_building_at_once_build_one_library(tmp_path):
     code = """

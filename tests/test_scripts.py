@@ -29,6 +29,7 @@ def run(script, env, *args, timeout=180):
                           text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", list(SCRIPTS))
 def test_smoke_run(script):
     r = run(script, {"SMOKE": "1"})
@@ -40,6 +41,7 @@ def test_smoke_run(script):
         assert "ZeRO-3 without ZeRO++ would send" in r.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", list(SCRIPTS))
 def test_dry_run_prints_the_plan(script):
     r = run(script, {"DRY_RUN": "1"})

@@ -55,6 +55,7 @@ def destroys_world(rank, world):
     return rank
 
 
+@pytest.mark.slow
 def test_pool_keeps_processes_and_a_failure_restarts_it():
     spawn.close_pools()
     first = run_distributed(whoami, 2)
@@ -68,6 +69,7 @@ def test_pool_keeps_processes_and_a_failure_restarts_it():
     assert not {r[0] for r in after} & {r[0] for r in first}
 
 
+@pytest.mark.slow
 def test_hang_times_out_and_the_next_call_works():
     start = time.monotonic()
     results, error = spawn_ranks(hangs, 2, timeout=3)
@@ -76,6 +78,7 @@ def test_hang_times_out_and_the_next_call_works():
     assert [r[3] for r in run_distributed(whoami, 2)] == [3.0, 3.0]
 
 
+@pytest.mark.slow
 def test_dead_rank_ends_the_call_at_once():
     start = time.monotonic()
     results, error = spawn_ranks(dies, 2, timeout=120)
@@ -91,6 +94,7 @@ def test_body_state_does_not_leak_to_the_next_call():
     assert run_distributed(first_random, 2) == drawn   # each call starts from its process's first seed
 
 
+@pytest.mark.slow
 def test_body_that_destroys_the_world_gets_a_new_one():
     pids = [r[0] for r in run_distributed(whoami, 2)]
     assert run_distributed(destroys_world, 2) == [0, 1]
@@ -98,6 +102,7 @@ def test_body_that_destroys_the_world_gets_a_new_one():
     assert [r[3] for r in again] == [3.0, 3.0] and not set(pids) & {r[0] for r in again}
 
 
+@pytest.mark.slow
 def test_env_gets_processes_of_its_own():
     pooled = {r[0] for r in run_distributed(whoami, 2)}
     own = run_distributed(whoami, 2, env={"POOL_TEST": "mine"})

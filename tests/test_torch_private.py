@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -106,6 +107,7 @@ def fsdp_attributes(rank, world):
     return out
 
 
+@pytest.mark.slow
 def test_fsdp2_attributes():
     r = run_distributed(fsdp_attributes, 4)[0]
     assert r["params"] == [True, True] and r["unsharded_before"] and r["unsharded_after"], r
@@ -140,6 +142,7 @@ def _refused_without(rank, world, owner: str, name: str):
     return None
 
 
+@pytest.mark.slow
 def test_another_torch_without_a_listed_attribute_is_refused_in_one_line():
     for owner, name, label in (("state", "_states_to_forward_prefetch", "FSDPState._states_to_forward_prefetch"),
                                ("group", "reduce_scatter_unused_params",

@@ -101,6 +101,7 @@ def test_missing_data_path_names_the_file(corpus, tmp_path):
         train.main(args)
 
 
+@pytest.mark.slow
 def test_topology_error_is_one_line_and_exit_2(corpus, tmp_path):
     """--ranks-per-node that does not divide the job: a clear message, exit status 2."""
     import subprocess

@@ -79,6 +79,7 @@ def wait_for(predicate, timeout=120):
     return False
 
 
+@pytest.mark.slow
 def test_sigterm_saves_and_exits_0(corpus, tmp_path):  # noqa: F811
     """The scheduler's SIGTERM reaches both ranks: they finish the step, save it and exit 0."""
     save = tmp_path / "ckpt"
@@ -100,6 +101,7 @@ def test_sigterm_saves_and_exits_0(corpus, tmp_path):  # noqa: F811
     assert rc == 0 and f"at iteration {it}," in log and sorted(losses(log)) == [it + 1, it + 2], log
 
 
+@pytest.mark.slow
 def test_sigint_single_process_exits_0(corpus, tmp_path):  # noqa: F811
     cmd = [sys.executable, "train.py", *flags(corpus, tmp_path, 100000, ["--log-interval", "1",
                                                                           "--eval-interval", "100000"])]
@@ -179,6 +181,7 @@ def test_nonfinite_loss_stops_with_last_good_checkpoint(corpus, tmp_path, capsys
     assert all(torch.isfinite(w).all() for w in weights.values())
 
 
+@pytest.mark.slow
 def test_async_save_writes_the_same_checkpoints(corpus, tmp_path):  # noqa: F811
     """--async-save: training goes on while each checkpoint is written; every checkpoint (and so every
     resume) is bit-identical to the synchronous run's, and each one is complete before the next."""

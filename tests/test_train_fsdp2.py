@@ -18,6 +18,7 @@ COMMON = ["--ranks-per-node", "2", "--micro-batch-size", "1", "--global-batch-si
 ZEROPP = ["--zero-quantized-weights", "--zero-hpz-size", "2", "--zero-quantized-gradients", "--zero-loco"]
 
 
+@pytest.mark.slow
 def test_fsdp2_with_every_switch_resumes_bit_for_bit(corpus, tmp_path):  # noqa: F811
     """bf16, dropout on, 2 micro-batches per step, LoCo's error carried: 6 iterations in one go against
     3, stop, resume for 3 more; the losses and the weights are identical."""
@@ -76,6 +77,7 @@ def test_fsdp2_refuses_a_bucket_size_from_the_json(corpus, tmp_path, monkeypatch
         parse_args(argv)
 
 
+@pytest.mark.slow
 def test_fsdp2_fp16_skips_overflows_and_keeps_locos_error_finite(corpus, tmp_path):  # noqa: F811
     """fp16 (FSDP2's MixedPrecisionPolicy) with a loss scale of 2^32: the first steps overflow on every rank and
     are skipped together (the scale halves), LoCo's error is not committed from them, and training then learns."""

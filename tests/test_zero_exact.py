@@ -105,6 +105,7 @@ def test_fp64_reference_is_the_engines_arithmetic(reference, exact):
                 assert (reference[ckpt][2][k].double() - v).abs().max() <= 1e-3 * v.abs().max() + 1e-6, k
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage, world_size", [(0, 2), (1, WORLD), (2, WORLD), (3, WORLD)])
 def test_stage_matches_single_process(stage, world_size, reference, exact):
     results = run_distributed(train_all, world_size=world_size, args=(stage,))

@@ -151,6 +151,7 @@ def mlp_fp64():
     return fp64_reference(model, steps, lr=1e-2, clip=1.0)[2]
 
 
+@pytest.mark.slow
 def test_shared_weight_mlp_stage3_matches_reference():
     ref_losses, ref_weights = mlp_run(0, 1, 0)
     exact = mlp_fp64()
@@ -161,6 +162,7 @@ def test_shared_weight_mlp_stage3_matches_reference():
     assert ref_losses[-1] < ref_losses[0]
 
 
+@pytest.mark.slow
 def test_stage3_eval_logits_and_comm_volume():
     results = run_distributed(gpt_stage3_checks, world_size=WORLD)
     for weights, logits, logits_grad_mode, stats, held, psi, held_first in results:
@@ -201,6 +203,7 @@ def fp16_overflow_all(rank, world_size):
     return {stage: fp16_overflow_run(rank, world_size, stage) for stage in (1, 2, 3)}
 
 
+@pytest.mark.slow
 def test_fp16_overflow_on_one_rank_skips_everywhere():
     per_rank = run_distributed(fp16_overflow_all, world_size=WORLD)  # stages 1, 2, 3 in one launch
     for stage in (1, 2, 3):
@@ -216,6 +219,7 @@ def test_fp16_overflow_on_one_rank_skips_everywhere():
                 assert torch.equal(snaps[2][k], results[0][1][2][k])
 
 
+@pytest.mark.slow
 def test_model_state_memory_matches_formula():
     reports = run_distributed(memory_run, world_size=WORLD)
     for per_rank in reports:
@@ -269,6 +273,7 @@ def checkpoint_run(rank, world_size):
     return out
 
 
+@pytest.mark.slow
 def test_checkpoint_round_trip_is_exact():
     for per_rank in run_distributed(checkpoint_run, world_size=WORLD):
         assert per_rank == {1: True, 2: True, 3: True}

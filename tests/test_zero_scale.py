@@ -77,6 +77,7 @@ def construct_whole(rank, world_size):
     return growth, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+@pytest.mark.slow
 def test_sharded_construction_holds_only_shards_and_equals_a_whole_build():
     # RSS bound (Linux VmHWM, reset before construction): each of 4 ranks may grow by
     # its stage-3 shards (fp32 weight + gradient partition = 2 x 4 B/param / 4) plus
@@ -162,6 +163,7 @@ def branchy_all(rank, world_size):
             for stage in (1, 2, 3) for reuse in ((0, 10**9) if stage == 3 else (0,))}
 
 
+@pytest.mark.slow
 def test_parameter_without_gradient_on_some_ranks_trains_and_matches():
     ref, exact = branchy_reference(), branchy_fp64()
     for per_rank in run_distributed(branchy_all, world_size=WORLD):
@@ -186,6 +188,7 @@ def branchy_eval_between(rank, world_size):
     return engine.module_state_dict()
 
 
+@pytest.mark.slow
 def test_eval_between_forward_and_backward_keeps_the_backward_schedule():
     """The eval forward must not replace the record backward's order comes from:
     without that order, backward gathers on demand, and ranks where `aux` gets no
@@ -249,6 +252,7 @@ def bf16_both(rank, world_size):
     return {stage: bf16_accumulate(rank, world_size, stage) for stage in (2, 3)}
 
 
+@pytest.mark.slow
 def test_bf16_gradients_accumulate_in_fp32():
     (exact, naive), = run_distributed(bf16_reference, world_size=1, args=(2,))
     naive_err = max(((naive[n].double() - exact[n]).norm() / exact[n].norm()).item()

@@ -147,6 +147,7 @@ def test_qgz_matches_reduce_scatter_within_int4_bound_on_4_ranks():
     check_qgz(run_distributed(qgz_collective, 4, args=([2], [129, 1031], ["bf16", "fp16"])))
 
 
+@pytest.mark.slow
 def test_qgz_matches_reduce_scatter_within_int4_bound_on_8_ranks():
     # 2 x 4, 4 x 2, 1 x 8
     check_qgz(run_distributed(qgz_collective, 8, args=([4, 2, 8], [5, 1000], ["fp32", "bf16"]),
@@ -238,10 +239,12 @@ def check_hpz(results, hpz):
             assert mem["measured_bytes"]["parameters"] >= mem["hpz_secondary_bytes"]
 
 
+@pytest.mark.slow
 def test_hpz_bit_identical_to_zero3_and_backward_stays_in_node():
     check_hpz(run_distributed(hpz_vs_zero3, 4, args=(2, 2)), hpz=2)
 
 
+@pytest.mark.slow
 def test_hpz_subgroups_inside_bigger_nodes():
     # 8 ranks as 2 nodes x 4, hpZ groups of 2: {0,1}, {2,3}, ...
     check_hpz(run_distributed(hpz_vs_zero3, 8, args=(4, 2), timeout=300), hpz=2)
@@ -268,6 +271,7 @@ def train_switches(rank, world_size):
             for name, zero in (("zero3", {}), ("qwz", QWZ), ("qgz", QGZ), ("all3", ALL3))}
 
 
+@pytest.mark.slow
 def test_qwz_qgz_and_all_three_train_like_zero3():
     runs = run_distributed(train_switches, 4)[0]
     base, base_norms = runs["zero3"]
@@ -369,6 +373,7 @@ def awkward_reference():
     return engine.module_state_dict()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size, ranks_per_node", [(4, 2), (8, 4)])
 def test_awkward_parameter_sizes_under_every_switch(world_size, ranks_per_node):
     results = run_distributed(awkward_all, world_size, args=(ranks_per_node,), timeout=300)
@@ -418,6 +423,7 @@ def reload_run(rank, world_size, zero):
     return uninterrupted, [step(2), step(3)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("zero", [HPZ, ALL3], ids=["hpz", "all3"])
 def test_weight_load_invalidates_secondary_partition(zero):
     for uninterrupted, resumed in run_distributed(reload_run, 4, args=(zero,)):
@@ -442,6 +448,7 @@ def overflow_run(rank, world_size):
     return results, weights
 
 
+@pytest.mark.slow
 def test_fp16_overflow_under_qgz_skips_on_every_rank():
     for results, weights in run_distributed(overflow_run, 4):
         assert [r.skipped for r in results] == [False, True, False]
@@ -477,6 +484,7 @@ def bytes_run(rank, world_size):
     return out
 
 
+@pytest.mark.slow
 def test_cross_node_bytes_match_theory():
     """bf16, W = 4 ranks as N = 2 nodes x L = 2, weights released after forward
     and gathered again in backward (reuse distance 0), but for those backward
@@ -610,6 +618,7 @@ def reference_logits(weights):
         return ref(tokens(0, 99)[:, :-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("zero", [QWZ, ALL3], ids=["qwz", "all3"])
 def test_qwz_evaluates_with_exact_weights(zero):
     runs = run_distributed(eval_after_training, 4, args=(zero,))

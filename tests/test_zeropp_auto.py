@@ -157,6 +157,7 @@ def probe_run(rank, world_size):
     return m, wall, res.config.zero_optimization, res.lines, comm.stats.total_bytes
 
 
+@pytest.mark.slow
 def test_probe_on_four_gloo_ranks_is_fast_and_identical():
     results = run_distributed(probe_run, 4)
     (m, _, zero, lines, _) = results[0]
@@ -180,6 +181,7 @@ def absent_peer_run(rank, world_size):
     return str(e.value), time.perf_counter() - start
 
 
+@pytest.mark.slow
 def test_probe_that_cannot_run_is_a_clear_error():
     # fresh: rank 0 gives up on a probe that rank 1 never joins, leaving the world half-used
     results, error = spawn_ranks(absent_peer_run, 2, timeout=60, fresh=True)
@@ -196,6 +198,7 @@ def train_run(rank, world_size, corpus_dir, out):
     return buf.getvalue()
 
 
+@pytest.mark.slow
 def test_train_zeropp_auto_end_to_end(corpus, tmp_path):  # noqa: F811 - the fixture
     out = run_distributed(train_run, 4, (corpus, tmp_path))[0]
     auto = [line for line in out.splitlines() if line.startswith("> ZeRO++ auto:")]

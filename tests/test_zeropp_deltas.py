@@ -192,6 +192,7 @@ def gathered_errors(rank, world_size, interval, steps, dequant_elements=None, bi
                 pools=pools["gather_buffers_peak"] <= pools["gather_buffers_bound"])
 
 
+@pytest.mark.slow
 def test_every_gathered_weight_is_within_the_bound_and_errors_do_not_pile_up():
     """40 steps without a refresh: the bound holds at the last step as at the first (the delta
     is taken against what receivers hold, so the error of a step does not carry into the next)."""
@@ -202,6 +203,7 @@ def test_every_gathered_weight_is_within_the_bound_and_errors_do_not_pile_up():
         assert sum(r["per_step"][-10:]) > 0.5 * 10 * r["weights"], r   # most weights go as deltas
 
 
+@pytest.mark.slow
 def test_int2_deltas_keep_int4s_bound_and_their_errors_do_not_pile_up():
     for r in run_distributed(gathered_errors, 4, args=(1000, 30, None, 2)):
         assert r["worst"] <= 1.0 and r["pools"], r
@@ -209,6 +211,7 @@ def test_int2_deltas_keep_int4s_bound_and_their_errors_do_not_pile_up():
         assert sum(r["per_step"][-10:]) > 0.5 * 10 * r["weights"], r
 
 
+@pytest.mark.slow
 def test_a_full_gather_every_interval():
     """Also: receivers dequantize two members of a weight at a time (a large weight's way)."""
     for r in run_distributed(gathered_errors, 4, args=(3, 7, 2 * 96 * 32 // 4)):
@@ -274,6 +277,7 @@ def train_all(rank, world_size):
              ("deltas2", {**QWZ, **DELTAS, **QGZ, **INT2}))}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["deltas", "deltas2"])
 def test_deltas_train_like_zero3_send_int4_or_int2_across_nodes_and_count_their_memory(name):
     runs = run_distributed(train_all, 4)
@@ -335,6 +339,7 @@ def deltas_load(rank, world, path, ranks_per_node):
     return first, engine.weights.sources.deltas.sent, losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world, ranks_per_node", [(4, 2), (8, 4)], ids=["same layout", "2x4 ranks"])
 def test_a_load_goes_on_with_deltas(tmp_path, world, ranks_per_node):
     """Saved on 2 x 2 ranks after 4 steps, loaded on the same layout or on 2 x 4 (another world

@@ -121,6 +121,7 @@ def one_node_exact(rank, world_size):
     return torch.allclose(mine, every[:, rank].sum(0), rtol=1e-6, atol=1e-6), comm.stats.inter_node_bytes
 
 
+@pytest.mark.slow
 def test_one_node_reduces_exactly():
     """Nothing crosses a node, so nothing is quantized: the exact reduce-scatter."""
     for exact, inter in run_distributed(one_node_exact, 2):
@@ -152,6 +153,7 @@ def train_both(rank, world_size):
     return {name: train(rank, world_size, zero) for name, zero in (("zero3", {}), ("qgz", QGZ), ("loco", LOCO))}
 
 
+@pytest.mark.slow
 def test_loco_trains_like_zero3_sends_what_qgz_sends_across_nodes_and_counts_its_memory():
     runs = run_distributed(train_both, 4)
     base, qgz, loco = (runs[0][k]["losses"] for k in ("zero3", "qgz", "loco"))
@@ -211,6 +213,7 @@ def loco_load(rank, world, path, ranks_per_node):
     return loaded, dict(ef.reductions), train_steps(engine, rank, world, range(3, 6))
 
 
+@pytest.mark.slow
 def test_error_feedback_is_saved_and_restored_exactly(tmp_path):
     path = str(tmp_path / "save")
     saved = run_distributed(loco_save, 4, (path, True))
@@ -224,6 +227,7 @@ def test_error_feedback_is_saved_and_restored_exactly(tmp_path):
         assert losses == uninterrupted   # bit for bit: nothing of the state was lost
 
 
+@pytest.mark.slow
 def test_error_feedback_resets_where_the_layout_cannot_carry_it(tmp_path):
     """Saved on 2 x 2 ranks, loaded on 2 x 1 (another world size): the error starts from zero,
     training goes on; saved without error feedback: the same."""

@@ -66,7 +66,9 @@ class UnitReduce:
         for i, fsdp_param in enumerate(self.fsdp_params):
             p = unsharded_param(fsdp_param)
             if p is not None and p.requires_grad and id(p) not in self._watched:
-                p.register_post_accumulate_grad_hook(lambda _, i=i: self.marked.add(i))
+                # the hook holds the set, not self: self holds p, and a cycle through a tensor's
+                # hooks is one Python's collector cannot see (the model and its groups would leak)
+                p.register_post_accumulate_grad_hook(lambda _, i=i, marked=self.marked: marked.add(i))
                 self._watched[id(p)] = p
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -115,7 +117,8 @@ class UnitReduce:
         """The indices of the parameters this reduction holds (FSDP2 reduces those that got a
         gradient, or every trainable one with `set_reduce_scatter_unused_params`); None if the
         marks do not add up to the reduction's size."""
-        marked, self.marked = tuple(sorted(self.marked)), set()
+        marked = tuple(sorted(self.marked))
+        self.marked.clear()
         if sum(self.numels[i] for i in marked) == numel:
             return marked
         if reduces_unused(self.group) and self.trained_numel == numel:
