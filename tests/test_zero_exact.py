@@ -147,6 +147,7 @@ def plain_reduce_on_gloo(rank, world_size):
             (comm.stats.issued_inter_node_bytes, sent))
 
 
+@pytest.mark.slow
 def test_plain_reduce_scatter_on_gloo_is_an_all_to_all_summed_in_fp32():
     """gloo's reduce_scatter_tensor is an all-reduce (twice a ring's bytes): ShardReduce sends
     the rows by one all-to-all (a ring's (n-1) rows per member) and sums them in fp32, charged
