@@ -33,9 +33,9 @@ import torch
 
 from bench import ROOT
 from bench.groups_sites import heal_interrupted, link_outage
-from bench.jobs import (FIGURES, RUN, TIMEOUT, VALIDATION, finals, finish, free_port, iterations, launch, launch_group,
-                        problem, samples_in_order, script, start_lighthouse, stood_still, stop, tensorboard, wait_for,
-                        worker_ranks)
+from bench.jobs import (FIGURES, RUN, TIMEOUT, VALIDATION, clean_stop, finals, finish, free_port, iterations, launch,
+                        launch_group, problem, samples_in_order, script, start_lighthouse, stood_still, stop,
+                        tensorboard, wait_for, worker_ranks)
 
 # -- the cells ---------------------------------------------------------------------------------------
 
@@ -149,7 +149,8 @@ def freeze_one_group(base, tmp: Path, iters: int = 1500, seconds: float = 15.0) 
 def lighthouse_restart(base, tmp: Path, iters: int = 1000) -> str:
     """The Lighthouse killed while two groups exchange, and started again on its port 5 s later:
     both go on alone meanwhile (no step lost, no exchange past its chain of timeouts) and
-    exchange together again after it returns."""
+    exchange together again after it returns. Once both have, and have trained a while past
+    the chain of timeouts, each is stopped as a scheduler stops it (SIGTERM: it saves, exits 0)."""
     lh, url = start_lighthouse(tmp / "lighthouse.log")
     argv = [*RUN, "--train-iters", str(iters)]
     logs = [tmp / "group0.log", tmp / "group1.log"]
@@ -162,6 +163,10 @@ def lighthouse_restart(base, tmp: Path, iters: int = 1000) -> str:
         time.sleep(5)
         back = time.time()
         lh, _ = start_lighthouse(tmp / "lighthouse_again.log", port=int(url.rsplit(":", 1)[1]))
+        met_again = r"goes on alone[\s\S]*quorum of 2 group\(s\), was 1"
+        if all(wait_for(log, met_again, 6 * TIMEOUT + 60, p) for log, p in zip(logs, procs)):
+            time.sleep(max(0.0, back + TIMEOUT + 8 - time.time()))
+            clean_stop(*procs)
         rcs = [p.wait(timeout=600) for p in procs]
     finally:
         stop(*procs, lh)
@@ -169,8 +174,10 @@ def lighthouse_restart(base, tmp: Path, iters: int = 1000) -> str:
         return problem(logs[0], f"exit status {rcs}")
     for log in logs:
         seen = iterations(log)
-        if [it for _, it in seen][-1] != iters or len({it for _, it in seen}) != len(seen) or not samples_in_order(log):
+        if len({it for _, it in seen}) != len(seen) or not samples_in_order(log):
             return problem(log, "an iteration was repeated, or a sample skipped or repeated")
+        if f"saved checkpoint at iteration {seen[-1][1]} " not in log.read_text(errors="replace"):
+            return problem(log, "the group did not save its last iteration when stopped")
         # torchft's Lighthouse numbers quorums from 1 again after a restart: a group whose last
         # quorum had the same number but other members keeps its process group, and one exchange
         # can then wait out each of its steps in turn (quorum, reconfiguration, heal, header,
@@ -187,7 +194,8 @@ def lighthouse_restart(base, tmp: Path, iters: int = 1000) -> str:
 
 def late_start_and_clean_stop(base, tmp: Path, iters: int = 800) -> str:
     """With scripts/launch_groups.sh: group 0 trains alone; group 1 starts late, heals and joins;
-    `stop 1` makes it save and leave (exit 0); group 0 goes on alone to the end, no step lost."""
+    `stop 1` makes it save and leave (exit 0); group 0 goes on alone, no step lost, until
+    `stop 0` (or the last iteration) ends it the same way."""
     env = {"GROUPS_DIR": str(tmp / "run"), "LIGHTHOUSE_PORT": str(free_port()), "JOIN_TIMEOUT_MS": "2000"}
     flags = [*base(tmp / "out"), *RUN, "--train-iters", str(iters), "--outer-timeout", str(TIMEOUT)]
     logs = [tmp / "run" / "group0.log", tmp / "run" / "group1.log"]
@@ -200,9 +208,12 @@ def late_start_and_clean_stop(base, tmp: Path, iters: int = 800) -> str:
         g1 = script("group", "1", "2", "2", *flags, env=env)
         if not wait_for(logs[1], r"quorum: 2 groups", 120, g1):
             return problem(logs[1], "the late group never exchanged with group 0")
-        subprocess.run(["bash", str(ROOT / "scripts" / "launch_groups.sh"), "stop", "1"], env=dict(os.environ, **env),
-                       check=True, capture_output=True)
+        stop_group = ["bash", str(ROOT / "scripts" / "launch_groups.sh"), "stop"]
+        subprocess.run([*stop_group, "1"], env=dict(os.environ, **env), check=True, capture_output=True)
         rc1 = g1.wait(timeout=120)
+        if wait_for(logs[0], r"quorum of 1 group\(s\), was 2", 6 * TIMEOUT + 60, g0):
+            time.sleep(3)   # a few iterations alone
+            subprocess.run([*stop_group, "0"], env=dict(os.environ, **env), check=True, capture_output=True)
         rc0 = g0.wait(timeout=600)
     finally:
         stop(*[p for p in (g0, g1, lh) if p is not None])
@@ -213,8 +224,10 @@ def late_start_and_clean_stop(base, tmp: Path, iters: int = 800) -> str:
         return problem(logs[1], "the late group did not heal, or did not save when stopped")
     seen = iterations(logs[0])
     text = logs[0].read_text(errors="replace")
-    if [it for _, it in seen] != list(range(1, iters + 1)):
+    if [it for _, it in seen] != list(range(1, len(seen) + 1)):
         return problem(logs[0], "group 0 did not log every iteration exactly once")
+    if f"saved checkpoint at iteration {seen[-1][1]} " not in text:
+        return problem(logs[0], "group 0 did not save its last iteration when stopped")
     if not re.search(r"quorum of 2 group\(s\), was 1[\s\S]*quorum of 1 group\(s\), was 2", text):
         return problem(logs[0], "group 0 did not see the late group join and then leave")
     return ""
@@ -349,9 +362,7 @@ def punisher(base, tmp: Path, minutes: float = 10.0, mtbf_s: float = 90.0, group
             logs[g].append(tmp / f"group{g}_{len(logs[g])}.log")
             procs[g] = launch_group(g, groups, url, [*flags[g], "--load", str(tmp / f"g{g}" / "ckpt")], logs[g][-1])
         time.sleep(max(0.0, end - time.time()))
-        for p in procs.values():   # a clean stop: each rank saves and exits 0, and so does torchrun
-            for pid in worker_ranks(p).values():
-                os.kill(pid, signal.SIGTERM)
+        clean_stop(*procs.values())
         rcs = {g: p.wait(timeout=300) for g, p in procs.items()}
     finally:
         stop(*procs.values(), lh)

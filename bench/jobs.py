@@ -105,6 +105,17 @@ def stop(*procs, grace: float = 0):
         p.wait()
 
 
+def clean_stop(*procs):
+    """Each torchrun job stopped as a scheduler stops it: SIGTERM to its ranks, which save and
+    exit 0 (and so does torchrun). Wait for them with the job's `wait()`."""
+    for p in procs:
+        for pid in worker_ranks(p).values():
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+
 def finish(proc: subprocess.Popen, timeout: float) -> tuple[str, bool]:
     """A piped job's output and whether it hung: a job still running after `timeout` s is killed."""
     try:

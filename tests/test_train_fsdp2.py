@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.test_train import corpus, flags  # noqa: F401  (corpus is a fixture)
-from tests.distributed import train_ranks
+from tests.distributed import run_distributed, train_ranks
 from tests.test_train_faults import losses
 from tools.export_checkpoint import consolidated_state_dict
 from training.args import parse_args
@@ -90,3 +90,36 @@ def test_fsdp2_fp16_skips_overflows_and_keeps_locos_error_finite(corpus, tmp_pat
     loss = losses(log)
     finite = [float(v) for v in loss.values() if v.lower() not in ("nan", "inf")]
     assert finite[-1] < finite[0], loss
+
+
+def checkpoint_gathers(rank, world_size):
+    from bench.fault_cells import build, train
+    engine = build({"stage": 3}, "fp32", 1, "fsdp2")
+    train(engine, [0, 1])
+    gathered, all_gather = [], engine.comm.all_gather
+    engine.comm.all_gather = lambda out, inp, **kw: (gathered.append(out.numel()), all_gather(out, inp, **kw))[1]
+    state = engine.checkpoint_state()
+    engine.comm.all_gather = all_gather
+    whole = {n: p.full_tensor() for n, p in engine.module.named_parameters()}
+    return gathered, {k: v.local.clone() for k, v in state.items() if k != "optim.step"}, whole
+
+
+def test_an_fsdp2_save_gathers_in_a_few_collectives_and_never_the_whole_state():
+    """FSDP2 shards rows, the checkpoint is flat chunks: the conversion gathers the tensors several
+    at a time (one collective per tensor was hundreds per save, each latency-bound) yet never more
+    at once than a rank's own share of them (its rows, padded), or one tensor; every rank's chunks
+    put together are the model."""
+    world = 2
+    ranks = run_distributed(checkpoint_gathers, world)
+    gathered, whole = ranks[0][0], ranks[0][2]
+    states = [r[1] for r in ranks]
+    padded = {n: -(-t.shape[0] // world) * (t.numel() // t.shape[0]) for n, t in whole.items()}   # a rank's rows
+    moments = len([k for k in states[0] if k.startswith("optim.")]) // len(whole)
+    share = sum(padded.values()) * (1 + moments)
+    total = sum(t.numel() for t in whole.values()) * (1 + moments)
+    assert len(states[0]) >= len(whole) * (1 + moments) > 3 * world
+    assert 1 < len(gathered) <= 2 * world, gathered
+    assert max(gathered) <= max(share, world * max(padded.values())) < total, (gathered, share, total)
+    for name, value in whole.items():
+        flat = torch.cat([s["model." + name] for s in states])
+        assert torch.equal(flat, value.reshape(-1).float()), name

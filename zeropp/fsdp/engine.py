@@ -10,7 +10,8 @@ root) with ZeRO++ as the plug-in (zeropp/fsdp/apply.py), behind the engine's int
   refused in one line.
 - Checkpoints: the engine's format (`model.<name>`, `optim.<moment>.<name>`, flat, each rank a
   torch.chunk of the flattened tensor), so either engine loads the other's. FSDP2 shards rows,
-  so a tensor is converted one parameter at a time (one full parameter alive at once).
+  so tensors are converted by gathering them whole, several per collective (one per tensor is
+  latency-bound: hundreds per save), at most a rank's own share of them gathered at once.
 """
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ from zeropp.config import ZeroConfig
 from zeropp.fsdp.apply import apply_zeropp
 from zeropp.stages.engine import Engine, compute_dtype, split_decay
 from zeropp.stages.init import ParamInit, full_value
+
+GATHER_BUCKET = 1 << 25   # elements gathered per collective by a checkpoint conversion (or one larger tensor)
 
 # zero_optimization keys FSDP2 has no place for: they must keep their defaults
 _NO_PLACE = {"reduce_bucket_size": "FSDP2 reduces one unit (block) at a time",
@@ -128,60 +131,80 @@ class FSDP2Engine(Engine):
     @torch.no_grad()
     def checkpoint_state(self, for_load: bool = False, optimizer: bool = True) -> dict[str, FlatState]:
         self._reshard()
-        out = {}
+        tensors = {}
         for name, p in self._named():
-            out["model." + name] = self._flat(p, for_load)
+            tensors["model." + name] = p
             if optimizer:
                 for key in self._moment_names():
-                    out[f"optim.{key}.{name}"] = self._flat(self._moment(p, key, for_load), for_load)
+                    tensors[f"optim.{key}.{name}"] = self._moment(p, key, for_load)
+        if for_load:
+            out = {k: FlatState(torch.zeros(self._chunk(t.numel())[1], dtype=torch.float32, device=self.device),
+                                t.numel(), sharded=True) for k, t in tensors.items()}
+        else:   # each tensor whole from every rank's rows (torch.chunk's along dim 0), this rank's chunk of it
+            keys = list(tensors)
+            rows = [self._rows(tensors[k]) for k in keys]
+            out = {}
+            for i, full in self._gathered(rows):
+                start, mine = self._chunk(tensors[keys[i]].numel())
+                out[keys[i]] = FlatState(full[start:start + mine].float().clone(), tensors[keys[i]].numel(),
+                                         sharded=True)
         if optimizer:
             out["optim.step"] = self._step_entry(self.params)
             for part in self.zeropp.carried.values():
                 out.update(part.checkpoint_state(self.world))
         return out
 
-    def _flat(self, t, for_load: bool) -> FlatState:
-        """This rank's torch.chunk of the flattened tensor (a DTensor FSDP2 shards by rows)."""
-        numel = t.numel()
+    def _chunk(self, numel: int) -> tuple[int, int]:
+        """Where this rank's torch.chunk of a flattened tensor starts, and its length."""
         c = -(-numel // self.world)
-        mine = max(0, min(c, numel - self.rank * c))
-        if for_load:
-            return FlatState(torch.zeros(mine, dtype=torch.float32, device=self.device), numel, sharded=True)
-        full = self._full(t)
-        return FlatState(full[self.rank * c:self.rank * c + mine].float().clone(), numel, sharded=True)
+        return self.rank * c, max(0, min(c, numel - self.rank * c))
 
-    def _full(self, t) -> torch.Tensor:
-        """The whole tensor, flat, from every rank's rows (torch.chunk's along dim 0). Our gather, not
-        DTensor's full_tensor(): under hpZ that one left the run after a save off its bits."""
+    def _rows(self, t) -> tuple[torch.Tensor, int]:
+        """This rank's rows of DTensor `t`, flat, and the size every rank pads them to. Our gather,
+        not DTensor's full_tensor(): under hpZ that one left the run after a save off its bits."""
         rows = t.shape[0] if t.ndim else 1
-        per_row = t.numel() // max(rows, 1)
-        c = -(-rows // self.world) * per_row
-        local = t.to_local().reshape(-1)
-        padded = torch.zeros(c, dtype=local.dtype, device=self.device)
-        padded[:local.numel()].copy_(local)
-        full = torch.empty(c * self.world, dtype=local.dtype, device=self.device)
-        self.comm.all_gather(full, padded)
-        return full[:t.numel()]   # only the last non-empty rank is short, and nothing follows it
+        return t.to_local().reshape(-1), -(-rows // self.world) * (t.numel() // max(rows, 1))
+
+    def _gathered(self, pieces: list[tuple[torch.Tensor, int]]):
+        """(i, every rank's pieces[i] padded to its size, one after another) for each (tensor,
+        padded size) of `pieces` (sizes equal on every rank), one all_gather per bucket of
+        same-dtype pieces. A bucket gathers at most this rank's own share of them all (and
+        GATHER_BUCKET elements), or one larger piece: no rank holds the whole state at once. Only
+        the last non-empty rank's piece is short, and nothing follows it: [:numel] is the tensor."""
+        limit = min(GATHER_BUCKET, sum(size for _, size in pieces))
+        i = 0
+        while i < len(pieces):
+            j, total = i, 0
+            while j < len(pieces) and pieces[j][0].dtype == pieces[i][0].dtype and \
+                    (j == i or (total + pieces[j][1]) * self.world <= limit):
+                total += pieces[j][1]
+                j += 1
+            send = torch.zeros(total, dtype=pieces[i][0].dtype, device=self.device)
+            offset = 0
+            for local, size in pieces[i:j]:
+                send[offset:offset + local.numel()].copy_(local)
+                offset += size
+            recv = torch.empty(total * self.world, dtype=send.dtype, device=self.device)
+            self.comm.all_gather(recv, send)
+            per_rank, offset = recv.view(self.world, total), 0
+            for k in range(i, j):
+                yield k, per_rank[:, offset:offset + pieces[k][1]].reshape(-1)
+                offset += pieces[k][1]
+            i = j
 
     @torch.no_grad()
     def checkpoint_loaded(self, state: dict[str, FlatState]):
+        targets = []
         for name, p in self._named():
-            targets = [("model." + name, p)] + [(f"optim.{k}.{name}", self._moment(p, k, True))
-                                                for k in self._moment_names() if f"optim.{k}.{name}" in state]
-            for key, t in targets:
-                self._set_rows(t, state[key])
+            targets += [("model." + name, p)] + [(f"optim.{k}.{name}", self._moment(p, k, True))
+                                                 for k in self._moment_names() if f"optim.{k}.{name}" in state]
+        chunks = [(state[key].local, -(-state[key].numel // self.world)) for key, _ in targets]
+        for i, full in self._gathered(chunks):   # each tensor whole from the flat chunks; FSDP2's rows of it
+            key, t = targets[i]
+            rows = torch.chunk(full[:state[key].numel].view(t.shape), self.world, dim=0)
+            if self.rank < len(rows):
+                t.to_local().copy_(rows[self.rank])
         self._set_optimizer_step(state, self.params)
-
-    def _set_rows(self, t, flat: FlatState):
-        """Gather the flat chunks into the full tensor, keep FSDP2's rows of it."""
-        c = -(-flat.numel // self.world)
-        padded = torch.zeros(c, dtype=torch.float32, device=self.device)
-        padded[:flat.local.numel()].copy_(flat.local)
-        full = torch.empty(c * self.world, dtype=torch.float32, device=self.device)
-        self.comm.all_gather(full, padded)
-        rows = torch.chunk(full[:flat.numel].view(t.shape), self.world, dim=0)
-        if self.rank < len(rows):
-            t.to_local().copy_(rows[self.rank])
 
     def scalar_state(self) -> dict:
         out = super().scalar_state()
