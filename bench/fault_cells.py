@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import hashlib
 import io
 import json
@@ -106,6 +107,20 @@ def pooled_groups():
         yield
     finally:
         dist.new_group = new_group
+
+
+def rank_entry(fn):
+    """A rank's entry to a matrix: the groups pooled_groups() made die with it, so a process that
+    runs several matrices (the tests' pooled ranks, which destroy a call's groups) starts each
+    on new ones and lets the old ones go."""
+    @functools.wraps(fn)
+    def entry(*args, **kwargs):
+        _GROUPS.clear()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _GROUPS.clear()
+    return entry
 
 
 def build(zero: dict, precision: str, ranks_per_node: int, sharding: str = "zero", topology=None):

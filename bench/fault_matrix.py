@@ -25,7 +25,7 @@ import tempfile
 import torch
 
 from bench.fault_cells import (FAULTS, SHORT, SWITCH_VALUES, accepted, check_auto, check_load_elsewhere,
-                               check_resume, check_skip, name, run_cell)
+                               check_resume, check_skip, name, rank_entry, run_cell)
 from parallel.spawn import run_distributed
 
 
@@ -69,6 +69,7 @@ def toggles(zero: dict, world: int, ranks_per_node: int) -> list[dict]:
     return out
 
 
+@rank_entry
 def rank_main(rank, world_size, combos: list[dict], faults: tuple[str, ...], ranks_per_node: int, tmp: str):
     """Every cell of the matrix for `combos` on this layout (collective: every rank runs it)."""
     torch.use_deterministic_algorithms(False)
@@ -98,6 +99,7 @@ def rank_main(rank, world_size, combos: list[dict], faults: tuple[str, ...], ran
     return table
 
 
+@rank_entry
 def on_fewer_ranks(rank, world_size, combos: list[dict], tmp: str, saved_layout: tuple[int, int]) -> dict:
     """Each combination's checkpoint (saved by rank_main on `saved_layout`) loaded on this smaller
     world, one rank a node, with hpZ off there (and the deltas with it, where the validator says
@@ -114,15 +116,16 @@ def on_fewer_ranks(rank, world_size, combos: list[dict], tmp: str, saved_layout:
 
 
 def run_matrix(combos: list[dict], faults=FAULTS, world: int = 4, ranks_per_node: int = 2,
-               timeout: float = 3000) -> dict:
+               timeout: float = 3000, pool: bool = False) -> dict:
     """{combination name: {fault: {"ok", "why", "seconds"}}} for `combos` on this layout; with
-    "world" among the faults, each checkpoint is loaded on half the ranks too."""
+    "world" among the faults, each checkpoint is loaded on half the ranks too. `pool`: on kept
+    rank processes (parallel/spawn.py; the tests'), else fresh ones."""
     with tempfile.TemporaryDirectory() as tmp:
         table = run_distributed(rank_main, world, args=(combos, tuple(faults), ranks_per_node, tmp),
-                                timeout=timeout)[0]
+                                timeout=timeout, pool=pool)[0]
         if "world" in faults and "resume" in faults and world > 1:
             fewer = run_distributed(on_fewer_ranks, world // 2, args=(combos, tmp, (world, world // ranks_per_node)),
-                                    timeout=timeout)[0]
+                                    timeout=timeout, pool=pool)[0]
             for combo, row in fewer.items():
                 table[combo].update(row)
     return table

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from bench.fault_cells import (FAULT_AT, STEPS, accepted, batch, build, check_resume, check_skip, differences, load,
-                               name, nonfinite, run_cell, save, state, train)
+                               name, nonfinite, rank_entry, run_cell, save, state, train)
 from parallel.spawn import run_distributed
 from parallel.topology import topology_from_env
 from zeropp.collectives.partition import Partition
@@ -287,6 +287,7 @@ def check_outer_toggle(inner: dict, per_node: int, nodes: int, settings: OuterSe
     return "; ".join(problems)
 
 
+@rank_entry
 def diloco_rows(rank, world_size, rows: list[tuple[str, OuterSettings]], faults: tuple[str, ...], tmp: str):
     """{layout: {row name: {fault: cell}}} for each (layout of DILOCO_LAYOUTS, outer settings)
     (collective: every rank runs it)."""
@@ -356,6 +357,7 @@ def check_crossload(zero: dict, path: str, ranks_per_node: int) -> str:
     return "; ".join(problems)
 
 
+@rank_entry
 def fsdp2_rows(rank, world_size, combos: list[dict], faults: tuple[str, ...], ranks_per_node: int, tmp: str):
     torch.use_deterministic_algorithms(False)
     table = {}
@@ -376,15 +378,17 @@ def fsdp2_rows(rank, world_size, combos: list[dict], faults: tuple[str, ...], ra
     return table
 
 
-def run_diloco(rows: list[tuple[str, OuterSettings]], faults=DILOCO_FAULTS, timeout: float = 3000) -> dict:
+def run_diloco(rows: list[tuple[str, OuterSettings]], faults=DILOCO_FAULTS, timeout: float = 3000,
+               pool: bool = False) -> dict:
     """{layout: {row name: {fault: {"ok", "why", "seconds"}}}} for DiLoCo on 4 ranks, a row per
     (layout, outer settings), all in one set of processes."""
     with tempfile.TemporaryDirectory() as tmp:
-        return run_distributed(diloco_rows, 4, args=(rows, tuple(faults), tmp), timeout=timeout)[0]
+        return run_distributed(diloco_rows, 4, args=(rows, tuple(faults), tmp), timeout=timeout, pool=pool)[0]
 
 
 def run_fsdp2(combos: list[dict], faults=FSDP2_FAULTS, world: int = 4, ranks_per_node: int = 2,
-              timeout: float = 3000) -> dict:
-    """{combination name: {fault: cell}} for FSDP2 + the plug-in."""
+              timeout: float = 3000, pool: bool = False) -> dict:
+    """{combination name: {fault: cell}} for FSDP2 + the plug-in (`pool`: as run_matrix's)."""
     with tempfile.TemporaryDirectory() as tmp:
-        return run_distributed(fsdp2_rows, world, args=(combos, tuple(faults), ranks_per_node, tmp), timeout=timeout)[0]
+        return run_distributed(fsdp2_rows, world, args=(combos, tuple(faults), ranks_per_node, tmp), timeout=timeout,
+                               pool=pool)[0]

@@ -13,7 +13,8 @@ node (`--ranks-per-node 2 --group-size 1`), a 2-layer GPT on a tiny corpus.
 import pytest
 import torch
 
-from bench.diloco_job import GROUPS, TOPK2, diverge_one_group, finish, launch, short_export, short_run, signal_one_group
+from bench.diloco_job import GROUPS, SHORT, TOPK2, diverge_one_group, short_export, signal_one_group
+from tests.distributed import train_ranks
 from tests.test_cli_errors import fails, good
 from tests.test_cli_errors import corpus as cli_corpus   # noqa: F401 (a fixture)
 from tests.test_train import corpus, flags   # noqa: F401 (corpus: the fixture)
@@ -50,9 +51,11 @@ def test_a_loss_diverging_in_one_group_stops_every_group_with_a_loadable_checkpo
 
 @pytest.fixture(scope="module")
 def short_run_done(corpus, tmp_path_factory):  # noqa: F811
-    """6 iterations with H = 100: no exchange before the end; evaluated and saved at 3 and 6."""
+    """6 iterations with H = 100: no exchange before the end; evaluated and saved at 3 and 6
+    (bench/diloco_job.py's short run, on pooled ranks: the launcher is not under test here)."""
     tmp = tmp_path_factory.mktemp("short")
-    argv, out, rc = short_run(base(corpus, tmp))
+    argv = [*base(corpus, tmp), *GROUPS, *SHORT]
+    rc, out = train_ranks(4, argv)
     assert rc == 0, out[-3000:]
     return argv, out, tmp / "ckpt"
 
@@ -101,9 +104,8 @@ def test_validation_is_the_global_parameters_on_the_plain_runs_samples(short_run
 @pytest.mark.slow
 def test_a_warm_up_as_long_as_the_run_validates_as_the_run_without_groups(corpus, tmp_path):  # noqa: F811
     def run(name, *extra):
-        proc = launch(4, [*base(corpus, tmp_path / name), "--train-iters", "8", "--eval-interval", "8", *extra])
-        out, hung = finish(proc, 180)
-        assert not hung and proc.returncode == 0, out
+        rc, out = train_ranks(4, [*base(corpus, tmp_path / name), "--train-iters", "8", "--eval-interval", "8", *extra])
+        assert rc == 0, out
         return out, [float(line.split("lm loss value: ")[1].split(" ")[0])
                      for line in out.splitlines() if "validation loss at iteration 8 |" in line]
 

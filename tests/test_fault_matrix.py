@@ -50,7 +50,7 @@ def assert_all_pass(table: dict):
 @pytest.mark.parametrize("world, ranks_per_node", [(4, 2), (2, 1), (4, 4)], ids=["2x2", "2x1", "1x4"])
 def test_quick_matrix(world, ranks_per_node):
     combos = quick(combinations(world, ranks_per_node))
-    table = run_matrix(combos, FAULTS, world, ranks_per_node)
+    table = run_matrix(combos, FAULTS, world, ranks_per_node, pool=True)
     assert set(table) == {name(z) for z in combos}
     assert all(set(row) >= {"overflow", "nan", "resume", "reshard", "world", "toggle"} for row in table.values())
     assert_all_pass(table)
@@ -97,7 +97,7 @@ def assert_rows(table: dict, rows: list[str], faults):
 
 def assert_diloco(settings_of):
     rows = [(layout, s) for layout in DILOCO_LAYOUTS for s in settings_of(layout)]
-    tables = run_diloco(rows)
+    tables = run_diloco(rows, pool=True)
     assert set(tables) == set(DILOCO_LAYOUTS)
     for layout, table in tables.items():
         assert_rows(table, [f"{name(DILOCO_LAYOUTS[layout][2])}+{settings_name(s)}" for s in settings_of(layout)],
@@ -113,7 +113,7 @@ def test_quick_diloco_rows():
 def test_fsdp2_with_every_switch():
     combos = [max(combinations(4, 2, "fsdp2"), key=lambda z: len(name(z)))]
     assert name(combos[0]) == "s3+qwZ+hpZ2+qgZ+LoCo+Hadamard+INT2"
-    assert_rows(run_fsdp2(combos), [name(combos[0])], FSDP2_FAULTS)
+    assert_rows(run_fsdp2(combos, pool=True), [name(combos[0])], FSDP2_FAULTS)
 
 
 @pytest.mark.slow
@@ -122,7 +122,7 @@ def test_quick_fsdp2_rows():
     every = max(combinations(4, 2, "fsdp2"), key=lambda z: len(name(z)))
     combos = [z for z in quick(combinations(4, 2, "fsdp2")) if z != every]
     assert len(combos) > 1 and all(z["stage"] == 3 for z in combos)
-    assert_rows(run_fsdp2(combos), [name(z) for z in combos], FSDP2_FAULTS)
+    assert_rows(run_fsdp2(combos, pool=True), [name(z) for z in combos], FSDP2_FAULTS)
 
 
 @pytest.mark.slow
