@@ -30,6 +30,9 @@ def checkout_name(root: Path) -> str:
     try:
         commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True, check=True).stdout.strip()
+        if subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                          capture_output=True, text=True, check=True).stdout.strip():
+            commit += " with uncommitted changes"   # the result is not that commit's
     except (OSError, subprocess.CalledProcessError):
         commit = (root / "COMMIT").read_text().strip() if (root / "COMMIT").is_file() else ""
     return f"{root} ({commit})" if commit else str(root)

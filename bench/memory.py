@@ -1,6 +1,7 @@
 """Memory: what a rank holds, measured (peak RSS, Linux VmHWM) against what it should hold.
 
     python -m bench.memory [large]      # a model larger than a rank may hold, built shard by shard and trained
+                                        # (--sharding fsdp2: on torch's FSDP2 with the plug-in)
     python -m bench.memory bound        # peak RSS rise per rank against its budget, ZeRO-3 and ZeRO++
     python -m bench.memory matrix       # the same in every precision x optimizer x budget
     python -m bench.memory train        # train.py's own peak under torchrun, pool by pool (needs the corpus)
@@ -13,7 +14,9 @@
   minutes on 2 cores. --checkpoint DIR adds a sharded save (DCP: each rank its fp32 master
   slices and moments) and a load into a fresh engine: RSS before, peak increase during each,
   seconds, bytes written against 4 x (1 + moments) x params / N, a CRC round trip (exact),
-  `du` of DIR (left in place).
+  `du` of DIR (left in place). --sharding fsdp2 runs the same on the FSDP2 engine (its checkpoint
+  converts FSDP2's row shards to the flat format a bucket at a time: the save's peak is the
+  measure of that).
 - bound, matrix: what is measured is below; limit: rise <= RSS_LIMIT (115%) of (model
   states + buffer bounds + activations + gloo staging), every pool's peak within its bound,
   ZeRO++'s excess over ZeRO-3 within hpZ's copy + 10% of ZeRO-3's rise. Default: 417 M
@@ -91,7 +94,8 @@ def checkpoint_phase(a, cfg, ds, comm, optim, trained: dict, param_shapes, steps
     cfg2 = dataclasses.replace(cfg, init_seed=cfg.init_seed + 1)
     with torch.device("meta"):
         model2 = GPT(cfg2)
-    engine2 = zeropp.initialize(model2, ds, comm, torch.device("cpu"), optim, param_init=model2.init_parameter)
+    engine2 = zeropp.initialize(model2, ds, comm, torch.device("cpu"), optim, param_init=model2.init_parameter,
+                                sharding=a.sharding)
     fresh = state_crcs(engine2)
     gc.collect()
     dist.barrier()
@@ -131,7 +135,8 @@ def rank_main(rank, world, a):
         model = GPT(cfg)
     param_shapes = {n: list(p.shape) for n, p in model.named_parameters()}
     optim = zeropp.OptimizerSettings(type=a.optimizer, lr=1e-4, momentum=0.0)
-    engine = zeropp.initialize(model, ds, comm, torch.device("cpu"), optim, param_init=model.init_parameter)
+    engine = zeropp.initialize(model, ds, comm, torch.device("cpu"), optim, param_init=model.init_parameter,
+                               sharding=a.sharding)
     construct_s = time.time() - t0
     after_construct = rss_mb("VmHWM")
     g = torch.Generator().manual_seed(rank)
@@ -208,7 +213,8 @@ def large(a) -> dict:
     k = (0 if a.dtype == "fp32" else 4) + (8 if a.optimizer == "adamw" else 0)   # fp32 master, moments
     whole = psi * ((4 if a.dtype == "fp32" else 2) + 4 + k)   # weights + fp32 gradient + optimizer
     print(f"GPT {a.num_layers} layers, hidden {a.hidden}, vocab {a.vocab}: {psi:,} parameters "
-          f"({psi * 4 / 2**30:.2f} GiB in fp32); {a.world} ranks, ZeRO-3{' + ZeRO++' if a.zeropp else ''}, "
+          f"({psi * 4 / 2**30:.2f} GiB in fp32); {a.world} ranks, {'FSDP2' if a.sharding == 'fsdp2' else 'ZeRO-3'}"
+          f"{' + ZeRO++' if a.zeropp else ''}, "
           f"{a.dtype}, {a.optimizer}")
     print(f"model states per rank: unsharded {whole / 2**30:.2f} GiB, ZeRO-3 {whole / a.world / 2**30:.2f} GiB")
     print(f"{'rank':>4} {'construct s':>11} {'RSS after build MB':>18} {'peak RSS MB':>11} "
@@ -218,7 +224,7 @@ def large(a) -> dict:
         print(f"{r['rank']:>4} {r['construct_s']:>11.1f} {r['peak_rss_after_construction_mb']:>18.0f} "
               f"{r['peak_rss_mb']:>11.0f} {r['step_s'][-1]:>8.1f} {r['losses'][-1]:>8.4f} "
               f"{r['peaks'].get('gathered_weights_peak', 0) / 2**20:>16.0f} "
-              f"{r['peaks']['gradient_buckets_peak'] / 2**20:>17.0f} "
+              f"{r['peaks'].get('gradient_buckets_peak', 0) / 2**20:>17.0f} "
               f"{r['peaks']['hpz_secondary_bytes'] / 2**20:>6.0f} {r['swap_after_steps_mb']:>7.0f}")
     out = {"args": vars(a), "num_parameters": psi, "unsharded_model_states_gib_per_rank": whole / 2**30,
            "zero3_model_states_gib_per_rank": whole / a.world / 2**30, "ranks": results}
@@ -244,6 +250,8 @@ def main(argv=None):
     p.add_argument("--overlap", action="store_true", help="overlap_comm: keeps up to 3 gradient buckets alive")
     p.add_argument("--zeropp", action="store_true", help="large: ZeRO++ (qwZ, hpZ over --ranks-per-node, qgZ)")
     p.add_argument("--checkpoint", metavar="DIR", help="large: then save a sharded checkpoint to DIR and load it")
+    p.add_argument("--sharding", choices=["zero", "fsdp2"], default="zero",
+                   help="large: our ZeRO-3 engine or torch's FSDP2 with the plug-in")
     p.add_argument("--systems", help="bound, matrix: zero3,zeropp[,zeropp-deltas,zeropp-all] (the last two add "
                                      "INT4 weight deltas, and LoCo: their limit adds their state)")
     p.add_argument("--dtypes", help="matrix: fp32,bf16,fp16")
@@ -256,6 +264,9 @@ def main(argv=None):
     p.add_argument("--out", help="the JSON (default bench/results/ large_model.json, large_model_bound.json, "
                                  "large_model_bound_matrix.json, train_memory.json)")
     a = p.parse_args(argv)
+    if a.sharding == "fsdp2" and (a.what != "large" or a.bucket or a.max_live or a.overlap):
+        p.error("--sharding fsdp2 goes with `large` and without --bucket, --max-live, --overlap "
+                "(FSDP2 gathers and reduces one block at a time)")
     for k, v in DEFAULTS[a.what].items():
         if getattr(a, k) is None:
             setattr(a, k, v)

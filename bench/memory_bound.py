@@ -108,6 +108,8 @@ def ds_config(a, zeropp_on: bool, beyond: tuple = ()) -> zeropp.DeepSpeedConfig:
                                  "stage3_prefetch_bucket_size": a.bucket,
                                  "stage3_max_live_parameters": a.max_live,
                                  "stage3_max_reuse_distance": 0, "overlap_comm": a.overlap}}
+    if getattr(a, "sharding", "zero") == "fsdp2":   # FSDP2 gathers and reduces a unit at a time: no budgets
+        raw["zero_optimization"] = {"stage": 3}
     if zeropp_on:  # qwZ, hpZ over each emulated node, qgZ
         raw["zero_optimization"].update(zero_quantized_weights=True, zero_quantized_gradients=True,
                                         zero_hpz_partition_size=a.ranks_per_node)

@@ -118,6 +118,12 @@ FIGURES = {
                                  "large_model_bound_matrix_fp16.json", "large_model_bound_matrix_fp16_default.json"],
                           command="python -m bench.memory matrix --num-layers 8 --hidden 2048 --heads 16 "
                                   "--vocab 4096 --seq 32 --world 8 --steps 1"),
+    "checkpoint_memory": dict(
+        section="Memory", title="A sharded save and load: peak RSS rise per rank, our ZeRO-3 and FSDP2",
+        render="checkpoint_memory",
+        files=[f"checkpoint_memory_{s}_{d}.json" for s in ("zero", "fsdp2") for d in ("fp32", "bf16")],
+        command="python -m bench.memory large --sharding S --dtype D --num-layers 8 --hidden 768 --heads 12 "
+                "--vocab 8192 --seq 64 --optimizer adamw --checkpoint DIR"),
     "fault_matrix": dict(section="Faults", title="The fault matrix", render="fault_matrix", files=["fault_matrix.json"],
                          command="python -m bench.faults"),
     "groups_job": dict(section="Faults", title="Groups that survive each other", render="groups_job",

@@ -4,6 +4,7 @@ formats and the files' own order keep the output deterministic, so tests/test_re
 compare the committed pages with a fresh render exactly."""
 
 MB = 1e6
+MIB = 2**20
 MIB = 2 ** 20
 
 
@@ -157,6 +158,24 @@ def memory_matrix(files, opts):
                   "within limit", "pools within bound"], rows)
 
 
+
+def checkpoint_memory(files, opts):
+    """bench.memory large --checkpoint: the worst rank's peak RSS rise during a sharded save and a
+    load, against what the rank keeps of the state and the whole fp32 state (MiB: RSS is in KiB)."""
+    rows = []
+    for name, data in files:
+        a, ck = data["args"], data["checkpoint"]
+        save = max(r["save_peak_increase_mb"] for r in ck["ranks"])
+        load = max(r["load_peak_increase_mb"] for r in ck["ranks"])
+        rows.append([a.get("sharding", "zero"), a["dtype"], a["optimizer"], f(data["num_parameters"] / 1e6, 1),
+                     a["world"], f(ck["expected_bytes_per_rank"] / MIB, 0), f(save, 0), f(load, 0),
+                     f(ck["moments_created_by_load_bytes_per_rank"] / MIB, 0),
+                     f(ck["full_model_and_moments_fp32_bytes"] / MIB, 0),
+                     "yes" if ck["round_trip_exact_all_ranks"] else "no"])
+    return table(["engine", "dtype", "optimizer", "M params", "ranks", "rank's share MiB", "save peak rise MiB",
+                  "load peak rise MiB", "moments the load creates MiB", "whole fp32 state MiB", "exact round trip"], rows)
+
+
 # --- Faults --------------------------------------------------------------------------------
 
 def cells_passed(tree):
@@ -256,5 +275,5 @@ def quant_host_cost(files, opts):
 
 
 RENDERERS = {fn.__name__: fn for fn in (fsdp2_time_split, quant_host_cost, slow_link, slow_link_diloco, planner_calibration, convergence,
-                                        train_memory, memory_bound, memory_matrix, fault_matrix, groups_job,
+                                        train_memory, memory_bound, memory_matrix, checkpoint_memory, fault_matrix, groups_job,
                                         zeropp_comm, quant_bench, hadamard_cost)}

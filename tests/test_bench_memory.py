@@ -47,9 +47,19 @@ def test_bound_verdicts():
 
 @pytest.mark.slow
 def test_large_model_tiny(tmp_path):
-    assert main([*TINY, "--out", str(tmp_path / "large.json")]) == 0
+    """On FSDP2 with a checkpoint round trip: the ZeRO-3 engine runs in the other modes."""
+    assert main([*TINY, "--sharding", "fsdp2", "--optimizer", "adamw", "--checkpoint", str(tmp_path / "ck"),
+                 "--out", str(tmp_path / "large.json")]) == 0
     out = json.loads((tmp_path / "large.json").read_text())
     assert len(out["ranks"]) == 2 and out["provenance"]["machine"]["cpu"]
+    assert out["checkpoint"]["round_trip_exact_all_ranks"] and out["args"]["sharding"] == "fsdp2"
+
+
+def test_fsdp2_goes_with_large_and_no_budget(capsys):
+    for argv in (["bound", "--sharding", "fsdp2"], ["--sharding", "fsdp2", "--bucket", "1000"]):
+        with pytest.raises(SystemExit) as done:
+            main(argv)
+        assert done.value.code == 2 and "--sharding fsdp2 goes with `large`" in capsys.readouterr().err
 
 
 @pytest.mark.slow

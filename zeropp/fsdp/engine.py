@@ -28,7 +28,7 @@ from zeropp.fsdp.apply import apply_zeropp
 from zeropp.stages.engine import Engine, compute_dtype, split_decay
 from zeropp.stages.init import ParamInit, full_value
 
-GATHER_BUCKET = 1 << 25   # elements gathered per collective by a checkpoint conversion (or one larger tensor)
+GATHER_BUCKET = 1 << 22   # elements gathered per collective by a checkpoint conversion (or one larger tensor)
 
 # zero_optimization keys FSDP2 has no place for: they must keep their defaults
 _NO_PLACE = {"reduce_bucket_size": "FSDP2 reduces one unit (block) at a time",
@@ -140,14 +140,13 @@ class FSDP2Engine(Engine):
         if for_load:
             out = {k: FlatState(torch.zeros(self._chunk(t.numel())[1], dtype=torch.float32, device=self.device),
                                 t.numel(), sharded=True) for k, t in tensors.items()}
-        else:   # each tensor whole from every rank's rows (torch.chunk's along dim 0), this rank's chunk of it
+        else:   # each tensor gathered from every rank's rows (torch.chunk's along dim 0); this rank's chunk of it
             keys = list(tensors)
-            rows = [self._rows(tensors[k]) for k in keys]
             out = {}
-            for i, full in self._gathered(rows):
+            for i, per_rank in self._gathered([self._rows(tensors[k]) for k in keys]):
                 start, mine = self._chunk(tensors[keys[i]].numel())
-                out[keys[i]] = FlatState(full[start:start + mine].float().clone(), tensors[keys[i]].numel(),
-                                         sharded=True)
+                out[keys[i]] = FlatState(_flat_range(per_rank, start, start + mine).float(),
+                                         tensors[keys[i]].numel(), sharded=True)
         if optimizer:
             out["optim.step"] = self._step_entry(self.params)
             for part in self.zeropp.carried.values():
@@ -166,11 +165,12 @@ class FSDP2Engine(Engine):
         return t.to_local().reshape(-1), -(-rows // self.world) * (t.numel() // max(rows, 1))
 
     def _gathered(self, pieces: list[tuple[torch.Tensor, int]]):
-        """(i, every rank's pieces[i] padded to its size, one after another) for each (tensor,
+        """(i, every rank's pieces[i] padded to its size, a (world, size) view) for each (tensor,
         padded size) of `pieces` (sizes equal on every rank), one all_gather per bucket of
-        same-dtype pieces. A bucket gathers at most this rank's own share of them all (and
-        GATHER_BUCKET elements), or one larger piece: no rank holds the whole state at once. Only
-        the last non-empty rank's piece is short, and nothing follows it: [:numel] is the tensor."""
+        same-dtype pieces. A bucket gathers at most GATHER_BUCKET elements and this rank's own
+        share of them all, or one larger piece: no rank holds the whole state, nor more than a
+        bucket beside what it keeps. Only the last non-empty rank's piece is short, and nothing
+        follows it: the tensor is the view's first numel elements in row-major order."""
         limit = min(GATHER_BUCKET, sum(size for _, size in pieces))
         i = 0
         while i < len(pieces):
@@ -186,10 +186,12 @@ class FSDP2Engine(Engine):
                 offset += size
             recv = torch.empty(total * self.world, dtype=send.dtype, device=self.device)
             self.comm.all_gather(recv, send)
+            del send
             per_rank, offset = recv.view(self.world, total), 0
             for k in range(i, j):
-                yield k, per_rank[:, offset:offset + pieces[k][1]].reshape(-1)
+                yield k, per_rank[:, offset:offset + pieces[k][1]]
                 offset += pieces[k][1]
+            del recv, per_rank   # before the next bucket's
             i = j
 
     @torch.no_grad()
@@ -199,11 +201,13 @@ class FSDP2Engine(Engine):
             targets += [("model." + name, p)] + [(f"optim.{k}.{name}", self._moment(p, k, True))
                                                  for k in self._moment_names() if f"optim.{k}.{name}" in state]
         chunks = [(state[key].local, -(-state[key].numel // self.world)) for key, _ in targets]
-        for i, full in self._gathered(chunks):   # each tensor whole from the flat chunks; FSDP2's rows of it
+        for i, per_rank in self._gathered(chunks):   # each tensor from the flat chunks; FSDP2's rows of it
             key, t = targets[i]
-            rows = torch.chunk(full[:state[key].numel].view(t.shape), self.world, dim=0)
-            if self.rank < len(rows):
-                t.to_local().copy_(rows[self.rank])
+            local = t.to_local()
+            if local.numel():
+                rows = t.shape[0] if t.ndim else 1
+                start = self.rank * -(-rows // self.world) * (t.numel() // rows)
+                local.copy_(_flat_range(per_rank, start, start + local.numel()).view(local.shape))
         self._set_optimizer_step(state, self.params)
 
     def scalar_state(self) -> dict:
@@ -240,6 +244,15 @@ class FSDP2Engine(Engine):
 
     def peak_buffers(self) -> dict:
         return {}
+
+
+def _flat_range(per_rank: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Elements [start, end) of a (world, size) view read in row-major order, copied out without
+    copying the rest of it."""
+    size = per_rank.shape[1]
+    parts = [per_rank[r, max(start - r * size, 0):min(end - r * size, size)]
+             for r in range(start // size, -(-end // size))] if end > start else []
+    return torch.cat(parts) if parts else per_rank.new_zeros(0)
 
 
 def _materialize(module, param_init, device, rank: int, world: int):
