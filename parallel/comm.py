@@ -319,13 +319,27 @@ class Communicator:
                             async_op, phase, t0)
 
     def all_to_all(self, output, input, group=None, async_op=False, phase="other", plain=True,
-                   charge_as="all_to_all"):
+                   charge_as="all_to_all", output_splits=None, input_splits=None):
         """Chunk j of flat `input` goes to member j; chunk j of `output` comes from it.
         `charge_as="reduce_scatter"`: this all-to-all carries a reduce-scatter's rows (the
-        receiver sums them), charged as the ring reduce-scatter of one chunk it stands for."""
+        receiver sums them), charged as the ring reduce-scatter of one chunk it stands for.
+        `input_splits`, `output_splits`: uneven chunks (elements per member, in group order),
+        charged as what goes to each member."""
         if self._size(group) == 1:
             output.copy_(input)
             return Work()
+        if input_splits is not None:
+            ranks, me, size = self.group_ranks(group), self.topology.global_rank, input.element_size()
+            node = self.topology.node_of
+            intra = sum(n * size for r, n in zip(ranks, input_splits) if r != me and node(r) == node(me))
+            inter = sum(n * size for r, n in zip(ranks, input_splits) if r != me and node(r) != node(me))
+            self.stats.add("all_to_all", phase, intra, inter)
+            self.stats.issued_inter_node_bytes += inter
+            if plain:
+                self.stats.add_plain(intra, inter)
+            t0 = time.perf_counter()
+            return self._issued(dist.all_to_all_single(output, input, output_splits, input_splits,
+                                                       group=self._pg(group), async_op=async_op), async_op, phase, t0)
         nbytes = self._nbytes(input)
         if charge_as not in ("all_to_all", "reduce_scatter"):
             raise ValueError(f"charge_as must be all_to_all or reduce_scatter, got {charge_as!r}")

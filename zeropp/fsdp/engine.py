@@ -9,9 +9,10 @@ root) with ZeRO++ as the plug-in (zeropp/fsdp/apply.py), behind the engine's int
   has no place for (bucket sizes, INT4 weight deltas, an hpZ group other than the node) is
   refused in one line.
 - Checkpoints: the engine's format (`model.<name>`, `optim.<moment>.<name>`, flat, each rank a
-  torch.chunk of the flattened tensor), so either engine loads the other's. FSDP2 shards rows,
-  so tensors are converted by gathering them whole, several per collective (one per tensor is
-  latency-bound: hundreds per save), at most a rank's own share of them gathered at once.
+  torch.chunk of the flattened tensor), so either engine loads the other's. FSDP2 shards rows:
+  where a rank's rows are its flat chunk (rows divisible by the world) the checkpoint reads and
+  fills FSDP2's storage in place; the other tensors move in uneven all-to-alls, a rank sending
+  only what another keeps, several tensors per collective (one per tensor is latency-bound).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from zeropp.fsdp.apply import apply_zeropp
 from zeropp.stages.engine import Engine, compute_dtype, split_decay
 from zeropp.stages.init import ParamInit, full_value
 
-GATHER_BUCKET = 1 << 22   # elements gathered per collective by a checkpoint conversion (or one larger tensor)
+GATHER_BUCKET = 1 << 22   # elements of chunks moved per collective by a checkpoint conversion (or one larger tensor)
 
 # zero_optimization keys FSDP2 has no place for: they must keep their defaults
 _NO_PLACE = {"reduce_bucket_size": "FSDP2 reduces one unit (block) at a time",
@@ -137,78 +138,100 @@ class FSDP2Engine(Engine):
             if optimizer:
                 for key in self._moment_names():
                     tensors[f"optim.{key}.{name}"] = self._moment(p, key, for_load)
-        if for_load:
-            out = {k: FlatState(torch.zeros(self._chunk(t.numel())[1], dtype=torch.float32, device=self.device),
-                                t.numel(), sharded=True) for k, t in tensors.items()}
-        else:   # each tensor gathered from every rank's rows (torch.chunk's along dim 0); this rank's chunk of it
+        out = {}
+        if for_load:   # where FSDP2's rows are the flat chunk, its own storage is filled in place
+            for key, t in tensors.items():
+                rows, flat = self._spans(t)
+                local = t.to_local()
+                start, end = flat[self.rank]
+                in_place = rows == flat and local.dtype == torch.float32
+                out[key] = FlatState(local.view(-1) if in_place else
+                                     torch.zeros(end - start, dtype=torch.float32, device=self.device),
+                                     t.numel(), sharded=True)
+        else:   # views where the rows are the chunk (no copy), the rest moved from the ranks holding it
             keys = list(tensors)
-            out = {}
-            for i, per_rank in self._gathered([self._rows(tensors[k]) for k in keys]):
-                start, mine = self._chunk(tensors[keys[i]].numel())
-                out[keys[i]] = FlatState(_flat_range(per_rank, start, start + mine).float(),
-                                         tensors[keys[i]].numel(), sharded=True)
+            for i, mine in self._moved([(tensors[k].to_local().view(-1), *self._spans(tensors[k])) for k in keys]):
+                out[keys[i]] = FlatState(mine.float(), tensors[keys[i]].numel(), sharded=True)
         if optimizer:
             out["optim.step"] = self._step_entry(self.params)
             for part in self.zeropp.carried.values():
                 out.update(part.checkpoint_state(self.world))
         return out
 
-    def _chunk(self, numel: int) -> tuple[int, int]:
-        """Where this rank's torch.chunk of a flattened tensor starts, and its length."""
-        c = -(-numel // self.world)
-        return self.rank * c, max(0, min(c, numel - self.rank * c))
-
-    def _rows(self, t) -> tuple[torch.Tensor, int]:
-        """This rank's rows of DTensor `t`, flat, and the size every rank pads them to. Our gather,
-        not DTensor's full_tensor(): under hpZ that one left the run after a save off its bits."""
-        rows = t.shape[0] if t.ndim else 1
-        return t.to_local().reshape(-1), -(-rows // self.world) * (t.numel() // max(rows, 1))
-
-    def _gathered(self, pieces: list[tuple[torch.Tensor, int]]):
-        """(i, every rank's pieces[i] padded to its size, a (world, size) view) for each (tensor,
-        padded size) of `pieces` (sizes equal on every rank), one all_gather per bucket of
-        same-dtype pieces. A bucket gathers at most GATHER_BUCKET elements and this rank's own
-        share of them all, or one larger piece: no rank holds the whole state, nor more than a
-        bucket beside what it keeps. Only the last non-empty rank's piece is short, and nothing
-        follows it: the tensor is the view's first numel elements in row-major order."""
-        limit = min(GATHER_BUCKET, sum(size for _, size in pieces))
-        i = 0
-        while i < len(pieces):
-            j, total = i, 0
-            while j < len(pieces) and pieces[j][0].dtype == pieces[i][0].dtype and \
-                    (j == i or (total + pieces[j][1]) * self.world <= limit):
-                total += pieces[j][1]
-                j += 1
-            send = torch.zeros(total, dtype=pieces[i][0].dtype, device=self.device)
-            offset = 0
-            for local, size in pieces[i:j]:
-                send[offset:offset + local.numel()].copy_(local)
-                offset += size
-            recv = torch.empty(total * self.world, dtype=send.dtype, device=self.device)
-            self.comm.all_gather(recv, send)
-            del send
-            per_rank, offset = recv.view(self.world, total), 0
-            for k in range(i, j):
-                yield k, per_rank[:, offset:offset + pieces[k][1]]
-                offset += pieces[k][1]
-            del recv, per_rank   # before the next bucket's
-            i = j
-
     @torch.no_grad()
     def checkpoint_loaded(self, state: dict[str, FlatState]):
-        targets = []
+        items, targets = [], []
         for name, p in self._named():
-            targets += [("model." + name, p)] + [(f"optim.{k}.{name}", self._moment(p, k, True))
-                                                 for k in self._moment_names() if f"optim.{k}.{name}" in state]
-        chunks = [(state[key].local, -(-state[key].numel // self.world)) for key, _ in targets]
-        for i, per_rank in self._gathered(chunks):   # each tensor from the flat chunks; FSDP2's rows of it
-            key, t = targets[i]
-            local = t.to_local()
-            if local.numel():
-                rows = t.shape[0] if t.ndim else 1
-                start = self.rank * -(-rows // self.world) * (t.numel() // rows)
-                local.copy_(_flat_range(per_rank, start, start + local.numel()).view(local.shape))
+            for key, t in [("model." + name, p)] + [(f"optim.{k}.{name}", self._moment(p, k, True))
+                                                    for k in self._moment_names() if f"optim.{k}.{name}" in state]:
+                rows, flat = self._spans(t)
+                chunk, local = state[key].local, t.to_local()
+                if rows == flat and chunk.data_ptr() == local.data_ptr():
+                    continue   # loaded in place
+                items.append((chunk, flat, rows))
+                targets.append(local)
+        for i, mine in self._moved(items):   # FSDP2's rows from the ranks holding their flat chunks
+            targets[i].copy_(mine.view(targets[i].shape))
         self._set_optimizer_step(state, self.params)
+
+    def _spans(self, t) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """Every rank's [start, end) of flattened `t`: FSDP2's rows (torch.chunk along dim 0), and
+        the checkpoint's flat chunk (torch.chunk of the flattened tensor). The same on every rank."""
+        numel, rows = t.numel(), (t.shape[0] if t.ndim else 1)
+        per_row, by_rows, by_flat = numel // max(rows, 1), -(-rows // self.world), -(-numel // self.world)
+        return ([(min(r * by_rows, rows) * per_row, min((r + 1) * by_rows, rows) * per_row) for r in range(self.world)],
+                [(min(r * by_flat, numel), min((r + 1) * by_flat, numel)) for r in range(self.world)])
+
+    def _moved(self, items: list[tuple[torch.Tensor, list, list]]):
+        """(i, this rank's part of tensor i under the spans `dst`) for each (this rank's part under
+        `src`, src, dst) of `items` (spans of _spans, the same on every rank). Where src is dst
+        the part is the tensor given (a view); the rest goes in one uneven all_to_all per bucket
+        of same-dtype tensors, each rank sending only what another keeps: at most GATHER_BUCKET
+        elements of chunks per bucket, or one larger tensor."""
+        me, moving = self.rank, []
+        for i, (local, src, dst) in enumerate(items):
+            if src == dst:
+                yield i, local
+            else:
+                moving.append(i)
+        for bucket in self._buckets(moving, items):
+            sends, recv_sizes = [[] for _ in range(self.world)], [[0] * len(bucket) for _ in range(self.world)]
+            for b, i in enumerate(bucket):
+                local, src, dst = items[i]
+                for q in range(self.world):
+                    lo, hi = max(src[me][0], dst[q][0]), min(src[me][1], dst[q][1])
+                    if hi > lo:
+                        sends[q].append(local[lo - src[me][0]:hi - src[me][0]])
+                    recv_sizes[q][b] = max(0, min(src[q][1], dst[me][1]) - max(src[q][0], dst[me][0]))
+            dtype = items[bucket[0]][0].dtype
+            flat_sends = [part for parts in sends for part in parts]
+            send = torch.cat(flat_sends) if flat_sends else torch.zeros(0, dtype=dtype, device=self.device)
+            recv = torch.empty(sum(map(sum, recv_sizes)), dtype=dtype, device=self.device)
+            self.comm.all_to_all(recv, send, output_splits=[sum(r) for r in recv_sizes],
+                                 input_splits=[sum(p.numel() for p in parts) for parts in sends])
+            del send
+            pieces, offset = [[] for _ in bucket], 0
+            for q in range(self.world):   # from rank q: its piece of each tensor, in bucket order
+                for b, size in enumerate(recv_sizes[q]):
+                    pieces[b].append(recv[offset:offset + size])
+                    offset += size
+            for b, i in enumerate(bucket):
+                yield i, torch.cat(pieces[b])
+            del recv, pieces
+
+    def _buckets(self, moving: list[int], items) -> list[list[int]]:
+        """`moving` in runs of one dtype of at most GATHER_BUCKET elements of flat chunks (sized
+        the same on every rank), or one larger tensor."""
+        buckets, total = [], 0
+        for i in moving:
+            size = -(-sum(e - s for s, e in items[i][1]) // self.world)
+            if buckets and items[buckets[-1][0]][0].dtype == items[i][0].dtype and total + size <= GATHER_BUCKET:
+                buckets[-1].append(i)
+                total += size
+            else:
+                buckets.append([i])
+                total = size
+        return buckets
 
     def scalar_state(self) -> dict:
         out = super().scalar_state()
@@ -244,15 +267,6 @@ class FSDP2Engine(Engine):
 
     def peak_buffers(self) -> dict:
         return {}
-
-
-def _flat_range(per_rank: torch.Tensor, start: int, end: int) -> torch.Tensor:
-    """Elements [start, end) of a (world, size) view read in row-major order, copied out without
-    copying the rest of it."""
-    size = per_rank.shape[1]
-    parts = [per_rank[r, max(start - r * size, 0):min(end - r * size, size)]
-             for r in range(start // size, -(-end // size))] if end > start else []
-    return torch.cat(parts) if parts else per_rank.new_zeros(0)
 
 
 def _materialize(module, param_init, device, rank: int, world: int):
