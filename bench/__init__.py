@@ -30,9 +30,10 @@ def checkout_name(root: Path) -> str:
     try:
         commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True, check=True).stdout.strip()
-        if subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+        if subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no", "--", ".",
+                           ":!bench/results", ":!docs/results.md", ":!README.md"],
                           capture_output=True, text=True, check=True).stdout.strip():
-            commit += " with uncommitted changes"   # the result is not that commit's
+            commit += " with uncommitted changes"   # the result is not that commit's (results aside)
     except (OSError, subprocess.CalledProcessError):
         commit = (root / "COMMIT").read_text().strip() if (root / "COMMIT").is_file() else ""
     return f"{root} ({commit})" if commit else str(root)

@@ -167,13 +167,15 @@ def checkpoint_memory(files, opts):
         a, ck = data["args"], data["checkpoint"]
         save = max(r["save_peak_increase_mb"] for r in ck["ranks"])
         load = max(r["load_peak_increase_mb"] for r in ck["ranks"])
+        seconds = [max(r[k] for r in ck["ranks"]) for k in ("save_s", "load_s")]
         rows.append([a.get("sharding", "zero"), a["dtype"], a["optimizer"], f(data["num_parameters"] / 1e6, 1),
                      a["world"], f(ck["expected_bytes_per_rank"] / MIB, 0), f(save, 0), f(load, 0),
                      f(ck["moments_created_by_load_bytes_per_rank"] / MIB, 0),
-                     f(ck["full_model_and_moments_fp32_bytes"] / MIB, 0),
+                     f(ck["full_model_and_moments_fp32_bytes"] / MIB, 0), f(seconds[0], 1), f(seconds[1], 1),
                      "yes" if ck["round_trip_exact_all_ranks"] else "no"])
     return table(["engine", "dtype", "optimizer", "M params", "ranks", "rank's share MiB", "save peak rise MiB",
-                  "load peak rise MiB", "moments the load creates MiB", "whole fp32 state MiB", "exact round trip"], rows)
+                  "load peak rise MiB", "moments the load creates MiB", "whole fp32 state MiB", "save s", "load s",
+                  "exact round trip"], rows)
 
 
 # --- Faults --------------------------------------------------------------------------------
