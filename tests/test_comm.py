@@ -282,3 +282,20 @@ def test_topology_layout_and_bad_ranks_per_node():
     assert t.node_ranks(1) == [4, 5, 6, 7] and t.peer_ranks(1) == [1, 5]
     with pytest.raises(ValueError, match="--ranks-per-node 4 must divide the world size 6"):
         Topology(world_size=6, rank=0, ranks_per_node=4)
+
+
+def uneven_all_to_all(rank, world_size):
+    comm = Communicator(topology_from_env(ranks_per_node=2))   # 4 ranks as 2 nodes x 2
+    sends = [j + 1 for j in range(world_size)]                 # rank j gets j + 1 elements
+    x = torch.cat([torch.full((n,), 100.0 * rank + j) for j, n in enumerate(sends)])
+    out = torch.empty(world_size * (rank + 1))
+    comm.all_to_all(out, x, output_splits=[rank + 1] * world_size, input_splits=sends)
+    return out, (comm.stats.intra_node_bytes, comm.stats.inter_node_bytes), comm.stats.calls["other"]
+
+
+def test_an_uneven_all_to_all_delivers_each_part_and_charges_what_goes_to_each_rank():
+    for rank, (out, charged, calls) in enumerate(run_distributed(uneven_all_to_all, world_size=4)):
+        assert torch.equal(out, torch.tensor([100.0 * i + rank for i in range(4)]).repeat_interleave(rank + 1))
+        peer = rank ^ 1   # the other rank of my node
+        assert charged == (4 * (peer + 1), 4 * sum(j + 1 for j in range(4) if j // 2 != rank // 2)), rank
+        assert calls == 1
