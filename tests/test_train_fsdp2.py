@@ -10,7 +10,6 @@ from tests.test_train import corpus, flags  # noqa: F401  (corpus is a fixture)
 from tests.distributed import run_distributed, train_ranks
 from tests.test_train_faults import losses
 from tools.export_checkpoint import consolidated_state_dict
-from zeropp.fsdp import engine as fsdp_engine
 from training.args import parse_args
 from common.errors import ConfigError
 
@@ -94,14 +93,26 @@ def test_fsdp2_fp16_skips_overflows_and_keeps_locos_error_finite(corpus, tmp_pat
 
 
 def conversion(rank, world_size, bucket):
+    """conversion_steps() with checkpoint conversions in buckets of `bucket` elements (None: the
+    engine's), put back after: the rank processes are kept for later tests."""
+    import zeropp.fsdp.engine as fsdp_engine
+    default = getattr(fsdp_engine, "MOVE_BUCKET", None)
+    if bucket:
+        fsdp_engine.MOVE_BUCKET = bucket
+    try:
+        return conversion_steps()
+    finally:
+        fsdp_engine.MOVE_BUCKET = default
+
+
+def conversion_steps():
     """A save after two steps (counting what each all_to_all brings in), the chunks against the
     model, then a step and a load of that save: (received sizes, own share of the tensors that
     moved, chunks, whole model, keys whose chunk is FSDP2's storage, keys that moved, keys that
     differ after the load)."""
-    import zeropp.fsdp.engine as fsdp_engine
     from bench.fault_cells import build, train
     from tests.distributed import restore, snapshot
-    fsdp_engine.GATHER_BUCKET = bucket
+    world_size = torch.distributed.get_world_size()
     engine = build({"stage": 3}, "bf16", 1, "fsdp2")
     train(engine, [0, 1])
     received, all_to_all = [], engine.comm.all_to_all
@@ -118,7 +129,7 @@ def conversion(rank, world_size, bucket):
     storage = {p.to_local().data_ptr() for p in engine.module.parameters() if p.to_local().numel()}
     in_place = sorted(k for k, v in state.items() if v.local.numel() and v.local.data_ptr() in storage)
     share = sum(v.local.numel() for k, v in state.items() if k != "optim.step"
-                and engine._spans(engine_tensor(engine, k))[0] != engine._spans(engine_tensor(engine, k))[1])
+                and not rows_are_chunks(engine_tensor(engine, k).shape, world_size))
     chunks = {k: v.local.clone() for k, v in state.items() if k != "optim.step"}
     whole = {n: p.full_tensor() for n, p in engine.module.named_parameters()}
     saved = snapshot(engine)
@@ -128,6 +139,13 @@ def conversion(rank, world_size, bucket):
     again = snapshot(engine)[0]
     return saves, received[len(saves):], share, chunks, whole, in_place, moved, \
         sorted(k for k in saved[0] if not torch.equal(saved[0][k], again[k]))
+
+
+def rows_are_chunks(shape, world: int) -> bool:
+    """Whether torch.chunk along dim 0 and torch.chunk of the flattened tensor cut at the same places."""
+    t = torch.arange(torch.Size(shape).numel()).view(shape)
+    by_rows = [c.numel() for c in torch.chunk(t, world, dim=0)]
+    return by_rows == [c.numel() for c in torch.chunk(t.reshape(-1), world)]
 
 
 def engine_tensor(engine, key):
@@ -145,7 +163,7 @@ def test_an_fsdp2_checkpoint_keeps_rows_that_are_chunks_in_place_and_moves_only_
     its own chunks of them. Every rank's chunks put together are the model; a load brings back
     what was saved."""
     for world in (2, 3):
-        ranks = run_distributed(conversion, world, args=(fsdp_engine.GATHER_BUCKET,))
+        ranks = run_distributed(conversion, world, args=(None,))
         for saves, loads, share, chunks, whole, in_place, moved, differ in ranks:
             assert len(moved) > 10 and not differ, (moved, differ)
             if world == 2:
@@ -158,7 +176,7 @@ def test_an_fsdp2_checkpoint_keeps_rows_that_are_chunks_in_place_and_moves_only_
 
 
 def test_an_fsdp2_checkpoint_in_buckets_smaller_than_a_tensor_loads_back_exactly():
-    """A bucket holds at most GATHER_BUCKET elements of chunks or one larger tensor: with a bucket
+    """A bucket holds at most MOVE_BUCKET elements of chunks or one larger tensor: with a bucket
     below the largest tensor, on 3 ranks (rows and chunks end at different places), the tensors
     move in several collectives, and the save loads back to the same chunks on every rank."""
     world, bucket = 3, 500

@@ -29,7 +29,7 @@ from zeropp.fsdp.apply import apply_zeropp
 from zeropp.stages.engine import Engine, compute_dtype, split_decay
 from zeropp.stages.init import ParamInit, full_value
 
-GATHER_BUCKET = 1 << 22   # elements of chunks moved per collective by a checkpoint conversion (or one larger tensor)
+MOVE_BUCKET = 1 << 22   # elements of chunks moved per collective by a checkpoint conversion (or one larger tensor)
 
 # zero_optimization keys FSDP2 has no place for: they must keep their defaults
 _NO_PLACE = {"reduce_bucket_size": "FSDP2 reduces one unit (block) at a time",
@@ -186,7 +186,7 @@ class FSDP2Engine(Engine):
         """(i, this rank's part of tensor i under the spans `dst`) for each (this rank's part under
         `src`, src, dst) of `items` (spans of _spans, the same on every rank). Where src is dst
         the part is the tensor given (a view); the rest goes in one uneven all_to_all per bucket
-        of same-dtype tensors, each rank sending only what another keeps: at most GATHER_BUCKET
+        of same-dtype tensors, each rank sending only what another keeps: at most MOVE_BUCKET
         elements of chunks per bucket, or one larger tensor."""
         me, moving = self.rank, []
         for i, (local, src, dst) in enumerate(items):
@@ -220,12 +220,12 @@ class FSDP2Engine(Engine):
             del recv, pieces
 
     def _buckets(self, moving: list[int], items) -> list[list[int]]:
-        """`moving` in runs of one dtype of at most GATHER_BUCKET elements of flat chunks (sized
+        """`moving` in runs of one dtype of at most MOVE_BUCKET elements of flat chunks (sized
         the same on every rank), or one larger tensor."""
         buckets, total = [], 0
         for i in moving:
             size = -(-sum(e - s for s, e in items[i][1]) // self.world)
-            if buckets and items[buckets[-1][0]][0].dtype == items[i][0].dtype and total + size <= GATHER_BUCKET:
+            if buckets and items[buckets[-1][0]][0].dtype == items[i][0].dtype and total + size <= MOVE_BUCKET:
                 buckets[-1].append(i)
                 total += size
             else:
