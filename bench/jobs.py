@@ -164,9 +164,10 @@ RUN = ["--global-batch-size", "8", "--zero-stage", "3", "--outer-sync-interval",
        "--log-interval", "1", "--eval-interval", "100000"]
 LIGHTHOUSE = str(Path(sys.executable).parent / "torchft_lighthouse")
 FIGURES: dict = {}   # a cell's measured figures, beside its verdict in the JSON
-LINE = re.compile(r"^ \[([0-9: -]+)\] iteration +(\d+)/", re.M)
-SAMPLES = re.compile(r"^ \[[0-9: -]+\] iteration +\d+/ *\d+ \| consumed samples: +(\d+) .*global batch size: +(\d+)",
-                     re.M)
+# not anchored to a line's start: another process writing to the same log (torchft's logger) can
+# leave its text in front of a training line
+LINE = re.compile(r" \[([0-9: -]+)\] iteration +(\d+)/")
+SAMPLES = re.compile(r" \[[0-9: -]+\] iteration +\d+/ *\d+ \| consumed samples: +(\d+) .*global batch size: +(\d+)")
 VALIDATION = re.compile(r"validation loss at iteration +(\d+) on validation set \| lm loss value: ([0-9.E+-]+)")
 
 
@@ -219,9 +220,9 @@ def stood_still(log: Path, timeouts: int = 1) -> str:
     if gap <= timeouts * TIMEOUT + 5:
         return ""
     lines = log.read_text(errors="replace").splitlines()
-    start_ = next(n for n, line in enumerate(lines) if (m := LINE.match(line + "\n")) and int(m[2]) == seen[at][1])
+    start_ = next(n for n, line in enumerate(lines) if (m := LINE.search(line)) and int(m[2]) == seen[at][1])
     meanwhile = lines[start_:start_ + 1 + next((k for k, line in enumerate(lines[start_ + 1:])
-                                               if LINE.match(line + "\n")), 40)]
+                                               if LINE.search(line)), 40)]
     return "\n".join([f"{log.name} stood still for {gap:.0f} s after iteration {seen[at][1]} (the exchange "
                       f"timeout is {TIMEOUT} s, {timeouts} allowed); meanwhile:", *meanwhile[:60]])
 

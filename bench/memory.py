@@ -15,8 +15,8 @@
   slices and moments) and a load into a fresh engine: RSS before, peak increase during each,
   seconds, bytes written against 4 x (1 + moments) x params / N, a CRC round trip (exact),
   `du` of DIR (left in place). --sharding fsdp2 runs the same on the FSDP2 engine (its checkpoint
-  converts FSDP2's row shards to the flat format a bucket at a time: the save's peak is the
-  measure of that).
+  writes FSDP2's row shards as flat chunks: views where a rank's rows are its chunk, the rest
+  moved in bounded all_to_alls; the save's and load's peaks are the measure of that).
 - bound, matrix: what is measured is below; limit: rise <= RSS_LIMIT (115%) of (model
   states + buffer bounds + activations + gloo staging), every pool's peak within its bound,
   ZeRO++'s excess over ZeRO-3 within hpZ's copy + 10% of ZeRO-3's rise. Default: 417 M

@@ -7,7 +7,7 @@ import pytest
 
 from bench import ROOT
 from bench.faults import main, pick
-from bench.jobs import listed
+from bench.jobs import iterations, listed, samples_in_order
 from tests.test_bench_slow_link_smoke import EVERY_COMMAND
 
 
@@ -25,6 +25,18 @@ def test_flags_pick_parts_and_columns():
         listed("c", ("a", "b"))
     assert pick(("overflow", "nan", "resume"), ["nan", "toggle"]) == ("nan",)
     assert pick(("overflow",), None) == ("overflow",)
+
+
+def test_a_group_log_is_read_whatever_another_writer_left_in_front_of_a_line(tmp_path):
+    """torchft's logger shares a group's log: its timestamp can land in front of a training line."""
+    line = (" [2026-11-28 12:35:{s:02d}] iteration {it:8d}/     3 | consumed samples: {n:12d} | "
+            "global batch size:     8 | lm loss: 1.0")
+    lines = [line.format(s=it, it=it, n=8 * it) for it in (1, 2, 3)]
+    log = tmp_path / "group0.log"
+    log.write_text("\n".join([lines[0], "2026-11-28T12:35:02.644" + lines[1], lines[2]]) + "\n")
+    assert [it for _, it in iterations(log)] == [1, 2, 3] and samples_in_order(log)
+    log.write_text("\n".join([lines[0], lines[2]]) + "\n")   # a batch skipped
+    assert not samples_in_order(log)
 
 
 @pytest.mark.slow
