@@ -16,6 +16,7 @@ changes what it means. Nothing else in the product touches a private torch name.
 | FSDPParamGroup._all_reduce_hook, .gradient_divide_factor, .reduce_scatter_unused_params | what reads a reduction |
 | FSDPParam.sharded_param, ._unsharded_param, .offload_to_cpu, ._orig_size | one parameter's state |
 | FSDPParam.post_forward_mesh_info, ._init_sharded_post_forward_param_metadata | hpZ's post-forward shard |
+| FSDPMeshInfo.mesh, .shard_mesh_size | the DeviceMesh a group shards over, and its size |
 | torch.distributed.fsdp._fully_shard._fsdp_init._get_post_forward_mesh_info | fully_shard(reshard_after_forward=int)'s mesh |
 """
 from __future__ import annotations
@@ -45,6 +46,8 @@ ATTRIBUTES = (
     "FSDPParam._orig_size",
     "FSDPParam.post_forward_mesh_info",
     "FSDPParam._init_sharded_post_forward_param_metadata",
+    "FSDPMeshInfo.mesh",
+    "FSDPMeshInfo.shard_mesh_size",
     "torch.distributed.fsdp._fully_shard._fsdp_init._get_post_forward_mesh_info",
 )
 
@@ -77,8 +80,10 @@ _FSDP_NEEDS = {   # where each FSDP2 attribute above lives on a live model: (own
               "reduce_scatter_unused_params"),
     "param": ("sharded_param", "offload_to_cpu", "_orig_size", "post_forward_mesh_info",
               "_init_sharded_post_forward_param_metadata"),
+    "mesh info": ("mesh", "shard_mesh_size"),
 }
-_OWNER = {"module": "FSDPModule", "state": "FSDPState", "group": "FSDPParamGroup", "param": "FSDPParam"}
+_OWNER = {"module": "FSDPModule", "state": "FSDPState", "group": "FSDPParamGroup", "param": "FSDPParam",
+          "mesh info": "FSDPMeshInfo"}
 
 
 def missing_fsdp_internals(model) -> list[str]:
@@ -87,7 +92,7 @@ def missing_fsdp_internals(model) -> list[str]:
     halfway through an install on another torch."""
     from torch.distributed.fsdp import FSDPModule
     lacking: list[str] = []
-    owners = {"module": model, "state": None, "group": None, "param": None}
+    owners = {"module": model, "state": None, "group": None, "param": None, "mesh info": None}
     for module in model.modules():   # the first unit that manages parameters gives a group and a param
         if isinstance(module, FSDPModule) and hasattr(module, "_get_fsdp_state"):
             state = module._get_fsdp_state()
@@ -95,6 +100,7 @@ def missing_fsdp_internals(model) -> list[str]:
             groups = getattr(state, "_fsdp_param_groups", None) or []
             if groups and list(getattr(groups[0], "fsdp_params", None) or []):
                 owners.update(state=state, group=groups[0], param=list(groups[0].fsdp_params)[0])
+                owners["mesh info"] = getattr(groups[0], "mesh_info", None)
                 break
     for owner, names in _FSDP_NEEDS.items():
         obj = owners[owner]
@@ -172,12 +178,27 @@ def post_forward_ranks(group) -> int | None:
     return None if info is None else info.shard_mesh_size
 
 
-def set_post_forward_ranks(group, ranks: int) -> None:
+def post_forward_mesh(group):
+    """The DeviceMesh the group reshards to after forward (None: it keeps its weights gathered)."""
+    info = group.post_forward_mesh_info
+    return None if info is None else info.mesh
+
+
+def set_post_forward_ranks(group, ranks: int, made: dict) -> None:
     """What `fully_shard(reshard_after_forward=ranks)` sets on a group (torch 2.13's
-    `set_reshard_after_forward` takes only a bool)."""
+    `set_reshard_after_forward` takes only a bool), on a mesh shared through `made`: every
+    DeviceMesh is process groups of its own (two a rank here, each a communicator under NCCL),
+    and fully_shard makes one per unit over the same ranks, so a model would hold two a layer, and more at each
+    eval toggle. A group already on `ranks` keeps its mesh and offers it to the others."""
+    mesh = group.mesh_info.mesh   # fully_shard without a mesh makes one per call: key by its ranks
+    key = (mesh.device_type, tuple(mesh.mesh.flatten().tolist()), ranks)
+    if post_forward_ranks(group) == ranks:
+        made.setdefault(key, group.post_forward_mesh_info)
+        return
     from torch.distributed.fsdp._fully_shard._fsdp_init import _get_post_forward_mesh_info
-    info = _get_post_forward_mesh_info(ranks, group.mesh_info)
-    group.post_forward_mesh_info = info
+    if key not in made:
+        made[key] = _get_post_forward_mesh_info(ranks, group.mesh_info)
+    info = group.post_forward_mesh_info = made[key]
     for p in group.fsdp_params:
         p.post_forward_mesh_info = info
         if info is not None:

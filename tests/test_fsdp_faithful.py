@@ -206,10 +206,26 @@ def test_evaluation_between_backward_and_step_trains_fsdp2s_bits():
 
 
 # -- 7. FSDP2's eval toggle keeps hpZ ----------------------------------------------------------------
+def node_meshes(model) -> set:
+    """The meshes the units reshard to after forward (hpZ: a node's)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from common import torch_private as tp
+    return {id(tp.post_forward_mesh(g)) for m in model.modules()
+            if isinstance(m, FSDPModule) and (g := tp.param_group(m)) is not None and tp.post_forward_mesh(g)}
+
+
+def threads() -> int:
+    """This process's threads: each process group gloo makes starts some."""
+    import os
+    return len(os.listdir("/proc/self/task"))
+
+
 def toggle(rank, world, toggled):
     model, opt, zpp = build(HPZ)
     loop(model, opt, rank, 1)
-    if toggled:
+    meshes, before = node_meshes(model), threads()
+    for _ in range(3 if toggled else 0):
         model.set_reshard_after_forward(False)
         with torch.no_grad():
             model(batch(rank, 99)[0])
@@ -218,16 +234,20 @@ def toggle(rank, world, toggled):
     loop(model, opt, rank, 1)   # the units still hold the evaluation's weights: this step reshards them
     zpp.comm.reset_stats()
     loop(model, opt, rank, 1)
-    return {k: v["inter_node_bytes"] for k, v in zpp.stats.as_dict()["by_phase"].items() if v["inter_node_bytes"]}
+    inter = {k: v["inter_node_bytes"] for k, v in zpp.stats.as_dict()["by_phase"].items() if v["inter_node_bytes"]}
+    return inter, len(meshes), node_meshes(model) == meshes, threads() - before
 
 
 @pytest.mark.slow
 def test_fsdp2s_eval_toggle_keeps_hpz_and_books_bytes_by_pass():
+    """...on one node mesh for every unit (each mesh is process groups of its own: a mesh a unit,
+    or new ones at each toggle, would be communicators without end under NCCL)."""
     toggled = run_distributed(toggle, 4, args=(True,))
     untouched = run_distributed(toggle, 4, args=(False,))
-    for a, b in zip(toggled, untouched):
+    for (a, *_), (b, *_) in zip(toggled, untouched):
         assert a == b and a.get("backward_gather", 0) == 0, (a, b)
-    assert toggled[1]["forward_gather"] > 0
+    assert toggled[1][0]["forward_gather"] > 0
+    assert all(r[1:] == (1, True, 0) for r in toggled + untouched), (toggled, untouched)
 
 
 # -- 8. the small ones -------------------------------------------------------------------------------

@@ -83,8 +83,13 @@ def fsdp_attributes(rank, world):
     out["params"] = [tp.sharded_param(p) is q for p, q in zip(params, model[0].parameters())]
     out["unsharded_before"] = tp.unsharded_param(params[0]) is None
     out["ranks"] = (tp.post_forward_ranks(group), tp.post_forward_ranks(tp.param_group(model)))
-    tp.set_post_forward_ranks(group, 2)
+    made: dict = {}
+    tp.set_post_forward_ranks(group, 2, made)
+    tp.set_post_forward_ranks(tp.param_group(model), 2, made)
     out["set"] = tp.post_forward_ranks(group)
+    mesh = tp.post_forward_mesh(group)
+    out["one mesh"] = (mesh is tp.post_forward_mesh(tp.param_group(model)), tuple(mesh.mesh.shape), len(made))
+    tp.set_post_forward_ranks(tp.param_group(model), 4, made)   # back to the world, as FSDP2 had it
     out["prefetch"] = tp.has_forward_prefetch(model)
     model.set_modules_to_forward_prefetch([model[0]])
     out["prefetch"] = (out["prefetch"], tp.has_forward_prefetch(model))
@@ -113,6 +118,7 @@ def test_fsdp2_attributes():
     assert r["params"] == [True, True] and r["unsharded_before"] and r["unsharded_after"], r
     # each reshards to the world until the first forward makes the root keep its weights
     assert r["ranks"] == (4, 4) and r["set"] == 2 and r["root_after"] is None, r
+    assert r["one mesh"] == (True, (2, 2), 1), r
     assert r["prefetch"] == (False, True), r
     assert r["reads"] == [[], ["an all-reduce hook", "a gradient divide factor", "a post-accumulate-grad hook"]], r
     assert r["factor"] == 3.0 and r["unused"] == (False, True) and r["offload"] == ["CPU offload"], r

@@ -87,7 +87,7 @@ def apply_zeropp(model: torch.nn.Module, topology: Topology | int | None = None,
     units = _units(model)
     _check_world(model, topology)
     ranks = topology.ranks_per_node if hpz and 1 < topology.ranks_per_node < topology.world_size else None
-    _check_reshard(units, ranks, topology.world_size)
+    hpz_meshes = _check_reshard(units, ranks, topology.world_size)
     device = next(model.parameters()).device
     plugin = ZeroPP(topology, zero, device, overlap, max_inflight_reductions, communicator)
     gather, totals = NodeAwareGather(plugin, plugin.gather), {}
@@ -102,7 +102,7 @@ def apply_zeropp(model: torch.nn.Module, topology: Topology | int | None = None,
             module.register_forward_hook(reduce.watch)
             if ranks:
                 module.register_forward_hook(_world_shard_after_eval(group, topology.world_size))
-                _keep_hpz_when_toggled(module, ranks)
+                _keep_hpz_when_toggled(module, ranks, hpz_meshes)
     if overlap and device.type == "cpu":   # on CUDA FSDP2 overlaps through its streams
         set_unshard_async(model, True)
         # each unit (the root first) issues the gathers of the next PREFETCH units: on a slow link
@@ -139,24 +139,27 @@ def _units(model) -> list[tuple[list, object]]:
     return list(units.values())
 
 
-def _check_reshard(units, ranks: int | None, world: int):
+def _check_reshard(units, ranks: int | None, world: int) -> dict:
     """hpZ is FSDP2's reshard_after_forward=<ranks per node>: keep it where the user passed it to
-    fully_shard, set it where FSDP2 reshards to the world (the root keeps FSDP2's choice not to)."""
+    fully_shard, set it where FSDP2 reshards to the world (the root keeps FSDP2's choice not to),
+    every unit on one node mesh. Returns the meshes made, for the eval toggle to set again."""
+    made: dict = {}
     if ranks is None:
-        return
+        return made
     for modules, group in units:
         now = post_forward_ranks(group)
         if now is not None and now not in (ranks, world):
             raise PluginError(f"apply_zeropp(hpz=True) keeps the weights over a node's {ranks} ranks after forward; "
                               f"{type(modules[0]).__name__} was wrapped with fully_shard(reshard_after_forward={now}): "
                               f"pass {ranks} or True")
-        if now == world:
-            set_post_forward_ranks(group, ranks)
+        if now in (ranks, world):
+            set_post_forward_ranks(group, ranks, made)
+    return made
 
 
-def _keep_hpz_when_toggled(module, ranks: int):
+def _keep_hpz_when_toggled(module, ranks: int, made: dict):
     """FSDP2's `set_reshard_after_forward(True)` (its eval toggle) sets the world's mesh: set the
-    node's again, as fully_shard(reshard_after_forward=ranks) had."""
+    node's again, as fully_shard(reshard_after_forward=ranks) had, the same mesh as before."""
     from torch.distributed.fsdp import FSDPModule
     original = module.set_reshard_after_forward
 
@@ -165,7 +168,7 @@ def _keep_hpz_when_toggled(module, ranks: int):
         if reshard_after_forward is True:
             for m in (module.modules() if recurse else [module]):
                 if isinstance(m, FSDPModule) and (group := param_group(m)) is not None:
-                    set_post_forward_ranks(group, ranks)
+                    set_post_forward_ranks(group, ranks, made)
     module.set_reshard_after_forward = set_reshard_after_forward
 
 
