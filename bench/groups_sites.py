@@ -9,6 +9,7 @@ Addresses are in 198.51.100.0/24 (a documentation range), which exists only insi
 namespaces. Needs root and iproute2 (ip, bridge veth)."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -89,6 +90,12 @@ def in_hub(argv: list[str]) -> list[str]:
 def link(g: int, up: bool):
     """Site g's link to the hub (and through it to every other site) up or down."""
     sh("ip", "-n", HUB, "link", "set", f"h{g}", "up" if up else "down")
+
+
+def bytes_into(g: int) -> int:
+    """What the hub has sent site g over its link so far."""
+    shown = sh("ip", "-n", HUB, "-s", "-j", "link", "show", f"h{g}").stdout
+    return json.loads(shown)[0]["stats64"]["tx"]["bytes"]
 
 
 def link_outage(base, tmp: Path, iters: int = 2400, seconds: float = 60.0) -> str:
@@ -176,6 +183,10 @@ def heal_interrupted(base, tmp: Path, iters: int = 3000, rate_mbit: float = 4, s
         procs.append(launch[1]())
         if not wait_for(logs[1], r"healing is required", 120, procs[1]):
             return problem(logs[1], "the late group never started to heal")
+        # cut once the outer state flows (the process group's set-up before it is a few KiB)
+        start, end = bytes_into(1), time.time() + 60
+        while bytes_into(1) - start < 32 * 1024 and time.time() < end:
+            time.sleep(0.05)
         link(1, up=False)
         cut = len(logs[1].read_text(errors="replace"))
         time.sleep(seconds)

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from common import ConfigError
-from common.torchft_private import forget_failed_quorum
+from common.torchft_private import forget_failed_quorum, gloo_within
 from parallel.comm import Work
 
 JOINING = -1   # the fragment of a member that is not at an exchange of its own (a start, a rejoin)
@@ -91,13 +91,12 @@ class TorchftGroups:
 
     def __init__(self, comm, group_id: int, lighthouse: str, timeout_s: float, quorum_timeout_s: float):
         from torchft.manager import Manager
-        from torchft.process_group import ProcessGroupGloo
 
         topology = comm.topology
         self.comm, self.group_id = comm, group_id
         self.fingerprint = 0
         self.manager = Manager(
-            pg=ProcessGroupGloo(timeout=timedelta(seconds=timeout_s)), load_state_dict=None,
+            pg=gloo_within(timedelta(seconds=timeout_s)), load_state_dict=None,
             state_dict=None, min_replica_size=1, use_async_quorum=False, init_sync=False,
             timeout=timedelta(seconds=timeout_s), quorum_timeout=timedelta(seconds=quorum_timeout_s),
             # reconnecting to a Lighthouse that went away waits no longer than an exchange (default: 60 s)

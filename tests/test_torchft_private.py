@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+from datetime import timedelta
 from importlib.metadata import version
 
 import pytest
@@ -53,3 +54,35 @@ def test_no_private_torchft_attribute_outside_the_one_module():
             if isinstance(node, ast.Attribute) and node.attr in names:
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node)}")
     assert not found, found
+
+
+def test_a_process_group_is_made_in_configure_with_the_wrappers_timeout():
+    """What gloo_within relies on: configure makes the backend through `_create_pg`, after the
+    store client, and `_create_pg` hands gloo `self._timeout`."""
+    pg_module = pytest.importorskip("torchft.process_group")
+    configure = inspect.getsource(pg_module.ProcessGroupWrapper.configure)
+    assert configure.index("create_store_client(") < configure.index("self._create_pg(")
+    assert "BaseProcessGroupGloo(store, rank, world_size, self._timeout)" in inspect.getsource(
+        pg_module.ProcessGroupGloo._create_pg)
+
+
+def test_gloo_within_connects_on_a_fifth_of_the_timeout_and_gives_collectives_all_of_it(monkeypatch):
+    """The connection's part (gloo waits GLOO_CONNECT_WAITS of it for a first connection:
+    tests/test_membership_cut.py shows it under a cut link); the collectives' timeout is the whole."""
+    import torch
+    import torch.distributed as dist
+    pg_module = pytest.importorskip("torchft.process_group")
+    made, gloo = [], pg_module.BaseProcessGroupGloo
+
+    def backend(store, rank, world_size, timeout):
+        made.append((timeout, gloo(store, rank, world_size, timeout)))
+        return made[-1][1]
+    monkeypatch.setattr(pg_module, "BaseProcessGroupGloo", backend)
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    pg = ftp.gloo_within(timedelta(seconds=10))
+    pg.configure(f"127.0.0.1:{store.port}/q1", "r0", 0, 1)
+    assert [t for t, _ in made] == [timedelta(seconds=10) / ftp.GLOO_CONNECT_WAITS]
+    assert made[0][1].options._timeout == timedelta(seconds=10)
+    t = torch.ones(2)
+    pg.allreduce([t], dist.AllreduceOptions()).wait()
+    assert t.tolist() == [1.0, 1.0]
