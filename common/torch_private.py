@@ -188,8 +188,9 @@ def set_post_forward_ranks(group, ranks: int, made: dict) -> None:
     """What `fully_shard(reshard_after_forward=ranks)` sets on a group (torch 2.13's
     `set_reshard_after_forward` takes only a bool), on a mesh shared through `made`: every
     DeviceMesh is process groups of its own (two a rank here, each a communicator under NCCL),
-    and fully_shard makes one per unit over the same ranks, so a model would hold two a layer, and more at each
-    eval toggle. A group already on `ranks` keeps its mesh and offers it to the others."""
+    and fully_shard makes one per unit over the same ranks, so a model would hold two a layer,
+    and more at each eval toggle. A group already on `ranks` keeps its mesh and offers it to
+    the others."""
     mesh = group.mesh_info.mesh   # fully_shard without a mesh makes one per call: key by its ranks
     key = (mesh.device_type, tuple(mesh.mesh.flatten().tolist()), ranks)
     if post_forward_ranks(group) == ranks:
