@@ -13,7 +13,8 @@ import pytest
 
 from bench.groups_sites import NO_SITES, address, can_make_sites, in_site, link, sites_down, sites_up
 
-pytestmark = [pytest.mark.skipif(importlib.util.find_spec("torchft") is None, reason="torchft is not installed"),
+pytestmark = [pytest.mark.slow,   # a 15 s outage
+              pytest.mark.skipif(importlib.util.find_spec("torchft") is None, reason="torchft is not installed"),
               pytest.mark.skipif(not can_make_sites(), reason=NO_SITES)]
 
 TIMEOUT, PORT, DOWN = 5.0, 29530, 15.0
