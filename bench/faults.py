@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from bench import RESULTS, provenance, write_result
-from bench.jobs import listed
+from bench.jobs import check_data, listed, usage_error
 
 PARTS = ("engine", "diloco", "job", "groups", "fsdp2")
 
@@ -103,8 +103,12 @@ def groups(a) -> tuple[dict, list]:
     from bench.groups_job import CELLS, MORE
     cells = {**CELLS, **MORE}
     rows = {}
+    names = listed(a.cells or ",".join([*CELLS, "three-groups-two-kills"]), cells, "--cells")
+    if a.workdir is not None and (there := [c for c in names if (Path(a.workdir) / c).exists()]):
+        usage_error(f"--workdir {a.workdir}: {', '.join(there)} is there from an earlier run; pass a new folder")
+    check_data()
     with tempfile.TemporaryDirectory() if a.workdir is None else contextlib.nullcontext(a.workdir) as tmp:
-        for cell in listed(a.cells or ",".join([*CELLS, "three-groups-two-kills"]), cells, "--cells"):
+        for cell in names:
             (Path(tmp) / cell).mkdir(parents=True)
             start = time.perf_counter()
             why = cells[cell](demo_flags, Path(tmp) / cell)
@@ -119,7 +123,6 @@ def groups(a) -> tuple[dict, list]:
 
 def inputs(a) -> tuple[dict, list]:
     from bench.cli_errors import base, cases, checkpoint_cases, files, run
-    from bench.jobs import check_data
     check_data()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -20,19 +20,23 @@ DATA_PREFIX = "work_dir/kjv_text_document"   # the bundled corpus (scripts/quick
 TOKENIZER = "work_dir/kjv_sp.model"
 
 
+def usage_error(message: str):
+    """A careless input to a benchmark, as argparse reports one: a line on stderr, exit status 2."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def check_data():
     missing = [p for p in (DATA_PREFIX + ".bin", DATA_PREFIX + ".idx", TOKENIZER) if not (ROOT / p).is_file()]
     if missing:
-        sys.exit(f"error: missing {', '.join(missing)}: build the bundled corpus first (`bash scripts/quickstart.sh "
-                 f"--train-iters 1`, or its data commands: python -m data.corpus, data.train_tokenizer, data.preprocess)")
+        usage_error(f"missing {', '.join(missing)}: build the bundled corpus first (`bash scripts/prepare_demo_data.sh`)")
 
 
 def listed(value: str | None, known, flag: str = "") -> list[str]:
     """The names of a comma-separated flag (None: all of `known`), each one of `known`."""
     names = list(known) if value is None else value.split(",")
     if set(names) - set(known):
-        raise SystemExit(f"error: {flag}: unknown {', '.join(sorted(set(names) - set(known)))}; "
-                         f"choose from {', '.join(known)}")
+        usage_error(f"{flag}: unknown {', '.join(sorted(set(names) - set(known)))}; choose from {', '.join(known)}")
     return names
 
 

@@ -21,8 +21,9 @@ def test_help_says_what_it_measures_and_its_limit(capsys):
 
 def test_flags_pick_parts_and_columns():
     assert listed(None, ("a", "b")) == ["a", "b"] and listed("b", ("a", "b")) == ["b"]
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as done:
         listed("c", ("a", "b"))
+    assert done.value.code == 2
     assert pick(("overflow", "nan", "resume"), ["nan", "toggle"]) == ("nan",)
     assert pick(("overflow",), None) == ("overflow",)
 
@@ -67,3 +68,12 @@ def test_careless_inputs(tmp_path):
 def test_groups_cell(tmp_path):
     assert main(["groups", "--cells", "different-models", "--out", str(tmp_path / "g.json")]) == 0
     assert json.loads((tmp_path / "g.json").read_text())["cells"]["different-models"]["ok"]
+
+
+def test_a_groups_workdir_kept_from_an_earlier_run_is_one_line_before_any_job(tmp_path, capsys):
+    (tmp_path / "link-outage").mkdir()
+    with pytest.raises(SystemExit) as done:
+        main(["groups", "--cells", "link-outage", "--workdir", str(tmp_path), "--out", str(tmp_path / "o.json")])
+    assert done.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--workdir" in err and "link-outage" in err
