@@ -11,8 +11,13 @@ gloo. Its return value (picklable) comes back in rank order. The first rank to
 fail, die, or the timeout, ends the run: the other ranks may be waiting in a
 collective, so they are killed.
 
-By default each call spawns fresh processes (the benchmarks measure a process's
-memory from its start). With `pool=True` (the tests' default, tests/distributed.py)
+By default each call starts fresh processes (the benchmarks measure a process's
+memory from its start). They are forked from a server process that imported
+torch once (multiprocessing's forkserver): a rank started from nothing spends
+about 5 s of CPU importing torch and torch._dynamo (which torch's optimizers
+import on their first call), seconds that add up over a suite on 2 cores. A
+call with `env=` starts its ranks from nothing (spawn), so that torch's imports
+see that environment too. With `pool=True` (the tests' default, tests/distributed.py)
 the call runs on a kept set of rank processes of that world size, spawned and
 joined by gloo once: importing torch and joining the group cost seconds per rank
 on a small machine, the test bodies milliseconds. Between calls a pooled rank
@@ -40,6 +45,7 @@ import torch.multiprocessing as mp
 
 MAX_THREADS = 32   # a pooled rank past this many threads is replaced (gloo groups a body kept alive keep their loops)
 MAX_POOLS = 3   # world sizes kept alive at once (the least recently used goes first): 1, 2 and 4 are the common ones
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]   # what the fork server imports once for every rank
 
 
 def _free_port() -> int:
@@ -87,7 +93,19 @@ def _restore_state(saved: tuple) -> bool:
         return True
 
 
+def _alive(pid: int) -> bool:
+    """Whether the caller still runs (a forked rank's parent is the fork server, not the caller)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # it runs, as another user: the pid was taken again
+        return False
+    return True
+
+
 def _worker(rank, world_size, port, conn, env, init_process_group, parent_pid):
+    os.environ.clear()   # a forked rank has the fork server's environment: the caller's, as it is now, instead
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
@@ -98,8 +116,8 @@ def _worker(rank, world_size, port, conn, env, init_process_group, parent_pid):
             dist.init_process_group("gloo", rank=rank, world_size=world_size)
         while True:
             if not conn.poll(1.0):
-                if os.getppid() != parent_pid:   # the test process is gone (killed): leave at once,
-                    os._exit(0)                  # without a group teardown that would wait for peers
+                if not _alive(parent_pid):   # the caller is gone (killed): leave at once,
+                    os._exit(0)              # without a group teardown that would wait for peers
                 continue
             try:
                 task = conn.recv_bytes()
@@ -136,12 +154,16 @@ class _Ranks:
     """world_size rank processes, each serving calls over its own pipe."""
 
     def __init__(self, world_size: int, env: dict | None = None, init_process_group: bool = True):
-        ctx = mp.get_context("spawn")
+        if env:   # torch's imports may read it: a process started from nothing
+            ctx = mp.get_context("spawn")
+        else:
+            ctx = mp.get_context("forkserver")
+            ctx.set_forkserver_preload(PRELOAD)   # read when the server starts (once per caller)
         self.world_size = world_size
         port = _free_port()
         pipes = [ctx.Pipe() for _ in range(world_size)]
         self.conns = [mine for mine, _ in pipes]
-        self.procs = [ctx.Process(target=_worker, args=(r, world_size, port, theirs, env or {},
+        self.procs = [ctx.Process(target=_worker, args=(r, world_size, port, theirs, {**os.environ, **(env or {})},
                                                        init_process_group, os.getpid()))
                       for r, (_, theirs) in enumerate(pipes)]
         for p in self.procs:

@@ -107,3 +107,56 @@ def test_env_gets_processes_of_its_own():
     pooled = {r[0] for r in run_distributed(whoami, 2)}
     own = run_distributed(whoami, 2, env={"POOL_TEST": "mine"})
     assert [r[4] for r in own] == ["mine", "mine"] and not pooled & {r[0] for r in own}
+
+
+def test_a_fresh_world_sees_the_callers_environment_as_it_is_now(monkeypatch):
+    """Fresh ranks are forked from a server started with the first of them: the caller's
+    environment must still reach them as it is at the call, as it would reach a spawned process."""
+    run_distributed(whoami, 2, fresh=True)   # the fork server is up
+    monkeypatch.setenv("POOL_TEST", "set after the server started")
+    assert [r[4] for r in run_distributed(whoami, 2, fresh=True)] == ["set after the server started"] * 2
+
+
+CALLER = """
+import sys, time
+from parallel import spawn
+sys.path.insert(0, {root!r})
+from tests.test_spawn_pool import whoami
+if __name__ == "__main__":
+    print(*[r[0] for r in spawn.run_distributed(whoami, 2, pool=True)], flush=True)
+    time.sleep(300)
+"""
+
+
+def test_ranks_leave_when_their_caller_is_killed(tmp_path):
+    """A killed test process (SIGKILL: no atexit) must not leave its pooled ranks waiting for
+    work: a forked rank's parent is the fork server, so each rank watches the caller itself."""
+    import signal
+    import subprocess
+    import sys
+    script = tmp_path / "caller.py"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script.write_text(CALLER.format(root=root))
+    caller = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=root)
+    try:
+        pids = [int(p) for p in caller.stdout.readline().split()]
+        assert len(pids) == 2, "the caller never ran its ranks"
+        caller.kill()
+        caller.wait()
+        deadline = time.time() + 30
+        while time.time() < deadline and any(_running(p) for p in pids):
+            time.sleep(0.2)
+        assert not [p for p in pids if _running(p)], "ranks outlived their killed caller"
+    finally:
+        caller.kill()
+        for p in pids if "pids" in locals() else []:
+            if _running(p):
+                os.kill(p, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"   # a zombie has left
+    except FileNotFoundError:
+        return False
