@@ -108,13 +108,17 @@ def link_outage(base, tmp: Path, iters: int = 2400, seconds: float = 60.0) -> st
     if not can_make_sites():
         return NO_SITES
     groups, cut_off = 3, 2
-    sites_up(groups)
-    lh, url = start_lighthouse(tmp / "lighthouse.log", port=LIGHTHOUSE_PORT, host=HUB_ADDR, wrap=in_hub)
     argv = [*RUN, "--train-iters", str(iters), "--global-batch-size", str(4 * groups)]
     logs = [tmp / f"group{g}.log" for g in range(groups)]
-    procs = [launch_group(g, groups, url, [*base(tmp / f"g{g}"), *argv], logs[g], wrap=lambda a, g=g: in_site(g, a))
-             for g in range(groups)]
+    started, procs = [], []   # whatever fails from here, these are stopped and the namespaces go
     try:
+        sites_up(groups)
+        lh, url = start_lighthouse(tmp / "lighthouse.log", port=LIGHTHOUSE_PORT, host=HUB_ADDR, wrap=in_hub)
+        started.append(lh)
+        for g in range(groups):
+            procs.append(launch_group(g, groups, url, [*base(tmp / f"g{g}"), *argv], logs[g],
+                                      wrap=lambda a, g=g: in_site(g, a)))
+            started.append(procs[-1])
         if not wait_for(logs[cut_off], rf"quorum: {groups} groups", 300, procs[cut_off]):
             return problem(logs[cut_off], "the three groups never exchanged together")
         link(cut_off, up=False)
@@ -124,7 +128,7 @@ def link_outage(base, tmp: Path, iters: int = 2400, seconds: float = 60.0) -> st
         back = time.time()
         rcs = [p.wait(timeout=1800) for p in procs]
     finally:
-        stop(*procs, lh)
+        stop(*reversed(started))
         sites_down(groups)
     if any(rcs):
         return problem(logs[next(g for g, rc in enumerate(rcs) if rc)], f"exit statuses {rcs}")
@@ -167,20 +171,24 @@ def heal_interrupted(base, tmp: Path, iters: int = 3000, rate_mbit: float = 4, s
     if not can_make_sites():
         return NO_SITES
     from bench.netns import tbf_burst
-    sites_up(2)
-    lh, url = start_lighthouse(tmp / "lighthouse.log", port=LIGHTHOUSE_PORT, host=HUB_ADDR, wrap=in_hub)
     argv = [*RUN, "--train-iters", str(iters)]
     logs = [tmp / "group0.log", tmp / "group1.log"]
-    launch = [lambda g=g: launch_group(g, 2, url, [*base(tmp / f"g{g}"), *argv], logs[g], wrap=lambda a: in_site(g, a))
-              for g in (0, 1)]
-    procs = [launch[0]()]
+    started, procs = [], []   # whatever fails from here, these are stopped and the namespaces go
+
+    def launch(g):
+        procs.append(launch_group(g, 2, url, [*base(tmp / f"g{g}"), *argv], logs[g], wrap=lambda a: in_site(g, a)))
+        started.append(procs[-1])
     try:
+        sites_up(2)
+        lh, url = start_lighthouse(tmp / "lighthouse.log", port=LIGHTHOUSE_PORT, host=HUB_ADDR, wrap=in_hub)
+        started.append(lh)
+        launch(0)
         if not wait_for(logs[0], r"iteration +20/", 120, procs[0]):
             return problem(logs[0], "group 0 never trained")
         # slow only while group 1 heals (what reaches its site: the outer state it fetches)
         sh("tc", "-n", HUB, "qdisc", "add", "dev", "h1", "root", "tbf", "rate", f"{int(rate_mbit * 1000)}kbit",
            "burst", str(tbf_burst(rate_mbit)), "latency", "400ms")
-        procs.append(launch[1]())
+        launch(1)
         if not wait_for(logs[1], r"healing is required", 120, procs[1]):
             return problem(logs[1], "the late group never started to heal")
         # cut once the outer state flows (the process group's set-up before it is a few KiB)
@@ -196,7 +204,7 @@ def heal_interrupted(base, tmp: Path, iters: int = 3000, rate_mbit: float = 4, s
         back = time.time()
         rcs = [p.wait(timeout=1200) for p in procs]
     finally:
-        stop(*procs, lh)
+        stop(*reversed(started))
         sites_down(2)
     if any(rcs):
         return problem(logs[next(g for g, rc in enumerate(rcs) if rc)], f"exit statuses {rcs}")

@@ -93,6 +93,7 @@ class TestFlags:
         ("--seed", "-1", "in [0, 2**32)"),
         ("--keep-last", "0", "must be >= 1"),
         ("--max-nan-iters", "0", "must be >= 1"),
+        ("--outer-timeout", "0.004", "must be >= 1 (seconds)"),   # gloo would read 0.8 ms as no timeout
     ])
     def test_out_of_range(self, corpus, capsys, flag, value, says):
         fails(good(corpus, flag, value), capsys, flag, says)

@@ -62,6 +62,9 @@ _non_negative = ranged(real, ">= 0", lambda v: v >= 0)
 _below_one = ranged(real, "in [0, 1)", lambda v: 0 <= v < 1)       # dropout, betas, momentum
 _fraction = ranged(real, "in [0, 1]", lambda v: 0 <= v <= 1)
 _topk_fraction = ranged(real, "in (0, 0.1]", lambda v: 0 < v <= 0.1)
+# gloo counts in whole milliseconds and waits a fifth of S for a connection: below a second a
+# connection's wait rounds towards 0 ms, which gloo reads as no timeout at all
+_seconds = ranged(real, ">= 1 (seconds)", lambda v: v >= 1)
 _power_of_two = ranged(real, "a power of two (e.g. 65536)", lambda v: v > 0 and math.log2(v).is_integer())
 def _zeropp_mode(text) -> str:
     if text != "auto":
@@ -306,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--group-id", type=_count, default=None, help="with --lighthouse: this job is group ID (0, 1, ...)")
     g.add_argument("--num-groups", type=_int, default=None,
                    help="with --lighthouse: the groups of the run (each reads 1/N of every global batch)")
-    g.add_argument("--outer-timeout", type=_positive, default=60.0, metavar="S",
+    g.add_argument("--outer-timeout", type=_seconds, default=60.0, metavar="S",
                    help="with --lighthouse: seconds an exchange or a quorum waits for a group before going on "
                         "without it")
 
