@@ -117,6 +117,18 @@ def test_a_fresh_world_sees_the_callers_environment_as_it_is_now(monkeypatch):
     assert [r[4] for r in run_distributed(whoami, 2, fresh=True)] == ["set after the server started"] * 2
 
 
+def imported(rank, world):
+    import sys
+    return [m for m in spawn.PRELOAD if m in sys.modules]
+
+
+def test_fresh_ranks_start_with_torch_and_the_project_imported():
+    """Fresh ranks are forked from a server that imported them once (seconds of CPU a rank
+    otherwise); a call with env= starts from nothing, so imports see that environment."""
+    assert run_distributed(imported, 2, fresh=True) == [spawn.PRELOAD] * 2
+    assert run_distributed(imported, 2, env={"POOL_TEST": "mine"}) == [["torch", "torch.distributed"]] * 2
+
+
 CALLER = """
 import sys, time
 from parallel import spawn
