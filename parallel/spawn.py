@@ -18,7 +18,7 @@ about 5 s of CPU importing torch and torch._dynamo (which a torch optimizer
 imports when it is made), seconds that add up over a suite on 2 cores. A
 call with `env=` starts its ranks from nothing (spawn), so that torch's imports
 see that environment too. With `pool=True` (the tests' default, tests/distributed.py)
-the call runs on a kept set of rank processes of that world size, spawned and
+the call runs on a kept set of rank processes of that world size, started and
 joined by gloo once: importing torch and joining the group cost seconds per rank
 on a small machine, the test bodies milliseconds. Between calls a pooled rank
 puts back what a body may leave behind (os.environ, cwd, torch's default dtype,
@@ -100,9 +100,7 @@ def _alive(pid: int) -> bool:
     """Whether the caller still runs (a forked rank's parent is the fork server, not the caller)."""
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:   # it runs, as another user: the pid was taken again
+    except (ProcessLookupError, PermissionError):   # gone, or its pid taken again by another user's process
         return False
     return True
 
