@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 import zeropp
+from common import forget_notes
 from data.gpt_dataset import build_train_valid_test_datasets
 from data.sampler import build_data_loader
 from model import GPT, flops_per_iteration, num_parameters
@@ -47,6 +48,7 @@ _UNFREED = []
 
 def main(argv=None):
     _UNFREED.clear()   # a caller that runs main() again (tests) frees the last run's objects here
+    forget_notes()     # and hears this run's notes
     args = parse_args(argv)
     if args.dry_run:  # the planner: no process group, no memory, no data
         from planner.auto import print_dry_run

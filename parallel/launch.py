@@ -11,7 +11,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from common import ConfigError
+from common import ConfigError, job_rank
 
 
 def default_backend() -> str:
@@ -106,7 +106,8 @@ def _agent_store(timeout_s: float):
 
 
 def rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+    """The process group's rank, or torchrun's (RANK) before the group exists."""
+    return job_rank()
 
 
 def world_size() -> int:

@@ -2,6 +2,7 @@
 that uses a fixture which trains on several ranks or launches train.py is slow, as the fixture is."""
 import pytest
 
+from common import forget_notes
 from parallel import spawn
 
 # module fixtures that train (several ranks, or a train.py process) before their tests read the result
@@ -18,3 +19,9 @@ def pytest_collection_modifyitems(items):
 def _close_rank_pools():
     yield
     spawn.close_pools()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_notes():
+    """Each test hears its own notes (a note is printed once per process)."""
+    forget_notes()

@@ -1,6 +1,7 @@
 """Command-line parsing: Megatron flags, YAML, DeepSpeed JSON, and bad input."""
 import functools
 import json
+import re
 import warnings
 
 import pytest
@@ -39,12 +40,12 @@ def test_yaml_values_and_flag_override(tmp_path):
     assert args.data_path == ["x"] and args.split == "90,10,0"
 
 
-def test_flag_wins_over_json_and_conflict_is_reported(tmp_path):
+def test_flag_wins_over_json_and_conflict_is_reported(tmp_path, capsys):
     ds = tmp_path / "ds.config"  # the tutorial's extension works too
     ds.write_text(json.dumps({"zero_optimization": {"stage": 2, "reduce_bucket_size": "5e8"},
                               "train_micro_batch_size_per_gpu": 4}))
-    with pytest.warns(UserWarning, match="--zero-stage 3 conflicts with zero_optimization.stage=2"):
-        args = parse_args(REQUIRED + ["--deepspeed_config", str(ds), "--zero-stage", "3"])
+    args = parse_args(REQUIRED + ["--deepspeed_config", str(ds), "--zero-stage", "3"])
+    assert "> note: --zero-stage 3 conflicts with zero_optimization.stage=2" in capsys.readouterr().out
     assert args.ds_config.zero_optimization.stage == 3
     assert args.ds_config.zero_optimization.reduce_bucket_size == 500_000_000
     assert args.micro_batch_size == 4    # taken from the JSON when no flag says otherwise
@@ -164,28 +165,28 @@ CONFLICTS = [
 
 
 @pytest.mark.parametrize("flags, config, message, where, value", CONFLICTS, ids=[c[0][0] for c in CONFLICTS])
-def test_every_flag_json_conflict_warns_and_the_flag_wins(tmp_path, flags, config, message, where, value):
-    with pytest.warns(UserWarning, match=message):
-        args = parse_args(REQUIRED + ["--deepspeed_config", write_ds(tmp_path, config)] + flags)
+def test_every_flag_json_conflict_notes_and_the_flag_wins(tmp_path, capsys, flags, config, message, where, value):
+    args = parse_args(REQUIRED + ["--deepspeed_config", write_ds(tmp_path, config)] + flags)
+    assert re.search("> note: " + message, capsys.readouterr().out)
     assert functools.reduce(getattr, where.split("."), args) == value
 
 
-def test_yaml_against_json_conflict_warns(tmp_path):
+def test_yaml_against_json_conflict_notes(tmp_path, capsys):
     cfg = tmp_path / "run.yaml"
     cfg.write_text("micro-batch-size: 2\nfp16: false\n")
     ds = write_ds(tmp_path, {"train_micro_batch_size_per_gpu": 4, "fp16": {"enabled": True}})
-    with pytest.warns(UserWarning) as record:
-        args = parse_args(REQUIRED + ["--config", str(cfg), "--deepspeed_config", ds])
-    messages = " ".join(str(w.message) for w in record)
+    args = parse_args(REQUIRED + ["--config", str(cfg), "--deepspeed_config", ds])
+    messages = capsys.readouterr().out
     assert "--micro-batch-size 2 conflicts" in messages and "--fp16 False conflicts" in messages
     assert args.micro_batch_size == 2 and not args.fp16 and not args.ds_config.fp16.enabled
 
 
-def test_agreeing_flags_and_json_are_quiet(tmp_path):
+def test_agreeing_flags_and_json_are_quiet(tmp_path, capsys):
     ds = write_ds(tmp_path, {"optimizer": ADAM, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 7})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         args = parse_args(REQUIRED + ["--deepspeed_config", ds, "--micro-batch-size", "2", "--adam-beta2", "0.95"])
+    assert "note" not in capsys.readouterr().out
     assert args.log_interval == 7          # steps_per_print is --log-interval's default
 
 

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import math
 import os
-import warnings
 
-from common import ConfigError
+from common import ConfigError, note
 from zeropp.config import AUTO, DeepSpeedConfig, LocoConfig, OptimizerSettings, load_json
 
 
@@ -106,8 +105,7 @@ def _auto_wins(args, dest: str, explicit: set[str]) -> bool:
 
 
 def _conflict(dest: str, value, json_key: str, json_value, path: str):
-    warnings.warn(f"--{dest.replace('_', '-')} {value} conflicts with {json_key}={json_value} "
-                  f"in {path}; using the flag", UserWarning, stacklevel=3)
+    note(f"--{dest.replace('_', '-')} {value} conflicts with {json_key}={json_value} in {path}; using the flag")
 
 
 def _optimizer_settings(args, ds: DeepSpeedConfig, explicit: set[str], in_file: set[str],

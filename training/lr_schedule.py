@@ -12,11 +12,10 @@ describe different curves and neither can be partly overridden by the other.
 from __future__ import annotations
 
 import math
-import warnings
 from functools import partial
 from typing import Callable
 
-from common import ConfigError
+from common import ConfigError, note
 
 # Flags that shape Megatron's schedule; a JSON scheduler replaces all of them.
 MEGATRON_SCHEDULE_FLAGS = ("lr_decay_style", "lr_decay_iters", "lr_warmup_iters", "lr_warmup_fraction", "min_lr",
@@ -103,6 +102,6 @@ def build_lr_schedule(args) -> Callable[[int], float]:
                           f"--config YAML) or the JSON scheduler section")
     total = scheduler.params.get("total_num_steps")
     if scheduler.type == "WarmupCosineLR" and args.train_iters is not None and args.train_iters > total + 1:
-        warnings.warn(f"--train-iters {args.train_iters} exceeds scheduler total_num_steps {total}: "
-                      f"DeepSpeed's cosine rises again after it", UserWarning, stacklevel=2)
+        note(f"--train-iters {args.train_iters} exceeds scheduler total_num_steps {total}: "
+             f"DeepSpeed's cosine rises again after it")
     return partial(deepspeed_learning_rate, kind=scheduler.type, params=scheduler.params, base_lr=args.lr)
