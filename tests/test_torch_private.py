@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import ast
 import importlib.util
-import tomllib
+import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -37,12 +38,22 @@ def test_a_release_outside_the_range_is_refused_in_one_line():
 
 def test_pyproject_declares_the_supported_range():
     """pip installs what SUPPORTED says: every release inside, none outside."""
-    dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    spec = next(r.specifier for r in map(Requirement, dependencies) if r.name == "torch")
+    spec = Requirement(re.search(r'^    "(torch[<>=!~].*?)",', (ROOT / "pyproject.toml").read_text(), re.M)[1]).specifier
     for major, minor in [(1, 13)] + [(2, m) for m in range(0, 30)] + [(3, 0)]:
         inside = tp.SUPPORTED[0] <= (major, minor) <= tp.SUPPORTED[1]
         for patch in (0, 1, 9):
             assert spec.contains(f"{major}.{minor}.{patch}") == inside, (f"{major}.{minor}.{patch}", str(spec))
+
+
+def test_setup_refuses_a_release_outside_the_range_before_installing():
+    for version in ("2.10.0", f"{tp.SUPPORTED[1][0]}.{tp.SUPPORTED[1][1] + 1}.0"):
+        venv = ROOT / f".venv-torch{version.rsplit('.', 1)[0]}"
+        assert not venv.exists(), venv
+        done = subprocess.run(["bash", "scripts/setup.sh", "--torch", version], cwd=ROOT, capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 2 and done.stdout == "", (done.returncode, done.stdout, done.stderr)
+        assert done.stderr.count("\n") == 1 and f"torch {version} is outside pyproject.toml" in done.stderr, done.stderr
+        assert not venv.exists(), venv
 
 
 def test_moved_attributes_cover_the_range_once():
