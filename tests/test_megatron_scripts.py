@@ -86,18 +86,20 @@ MDS_125M_JSON = {"train_batch_size": 256, "train_micro_batch_size_per_gpu": 2, "
                  "wall_clock_breakdown": False}
 
 # Megatron-LM, examples/pretrain_gpt.sh (345M) and examples/gpt3/train_gpt3_175b_distributed.sh.
-MLM_345M = """--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 --max-position-embeddings 1024
---micro-batch-size 4 --global-batch-size 8 --lr 0.00015 --train-iters 500000 --lr-decay-iters 320000
---lr-decay-style cosine --min-lr 1.0e-5 --weight-decay 1e-2 --lr-warmup-fraction .01 --clip-grad 1.0 --fp16
---data-impl mmap --split 949,50,1 --log-interval 100 --save-interval 10000 --eval-interval 1000 --eval-iters 10
---distributed-backend nccl --save ckpt --load ckpt""".split() + DATA
-MLM_175B = """--num-layers 96 --hidden-size 12288 --num-attention-heads 96 --seq-length 2048 --max-position-embeddings 2048
---attention-backend auto --micro-batch-size 1 --global-batch-size 1536 --step-batch-size-schedule
-0:16_2.4B:320_4.8B:624_7.2B:928_9.6B:1232_12B:1536 --train-iters 500000 --weight-decay 0.1 --adam-beta1 0.9
---adam-beta2 0.95 --init-method-std 0.006 --clip-grad 1.0 --fp16 --lr 6.0e-5 --lr-decay-style cosine --min-lr 6.0e-6
---lr-warmup-fraction .001 --lr-decay-iters 430000 --tensor-model-parallel-size 8 --pipeline-model-parallel-size 16
---split 949,50,1 --log-interval 100 --save-interval 10000 --eval-interval 1000 --save ckpt --load ckpt --eval-iters 10
---tensorboard-dir tb""".split() + DATA
+MLM_345M = """--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024
+--max-position-embeddings 1024 --micro-batch-size 4 --global-batch-size 8 --lr 0.00015 --train-iters
+500000 --lr-decay-iters 320000 --lr-decay-style cosine --min-lr 1.0e-5 --weight-decay 1e-2
+--lr-warmup-fraction .01 --clip-grad 1.0 --fp16 --data-impl mmap --split 949,50,1 --log-interval 100
+--save-interval 10000 --eval-interval 1000 --eval-iters 10 --distributed-backend nccl --save ckpt
+--load ckpt""".split() + DATA
+MLM_175B = """--num-layers 96 --hidden-size 12288 --num-attention-heads 96 --seq-length 2048
+--max-position-embeddings 2048 --attention-backend auto --micro-batch-size 1 --global-batch-size
+1536 --step-batch-size-schedule 0:16_2.4B:320_4.8B:624_7.2B:928_9.6B:1232_12B:1536 --train-iters
+500000 --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --init-method-std 0.006 --clip-grad 1.0
+--fp16 --lr 6.0e-5 --lr-decay-style cosine --min-lr 6.0e-6 --lr-warmup-fraction .001
+--lr-decay-iters 430000 --tensor-model-parallel-size 8 --pipeline-model-parallel-size 16 --split
+949,50,1 --log-interval 100 --save-interval 10000 --eval-interval 1000 --save ckpt --load ckpt
+--eval-iters 10 --tensorboard-dir tb""".split() + DATA
 MLM_175B = [a.replace("_", " ") if a.startswith("0:16") else a for a in MLM_175B]   # one quoted argument there
 # Megatron's functional test tests/functional_tests/test_scripts/gpt3/pretrain_gpt3_distributed_test.sh
 # (TP_SIZE=1, PP_SIZE=1, local transformer, fp16).

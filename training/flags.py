@@ -88,8 +88,9 @@ _seed = ranged(whole, "in [0, 2**32)", lambda v: 0 <= v < 2**32)   # numpy's Ran
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(description="GPT-2 pretraining with ZeRO / ZeRO++. A value flag given '' (--tokenizer-model '') "
-                                  "takes its default, whatever --config sets.",
+    p = OneLineParser(prog="train.py", usage="[torchrun ...] %(prog)s [--flag value ...]",
+                      description="GPT-2 pretraining with ZeRO / ZeRO++, Megatron-LM's flags. A flag given '' "
+                                  "(--tokenizer-model '') takes its default, whatever --config sets.",
                       allow_abbrev=False, exit_on_error=False, formatter_class=_HelpFormatter)
     p.add_argument("--config", help="YAML file of flag values (keys as flag names); flags override it")
 

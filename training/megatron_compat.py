@@ -30,7 +30,7 @@ class NoOp(argparse.Action):
         self.reason = reason
         shown = f"no effect here: {reason}"
         super().__init__(option_strings, dest, nargs=nargs, choices=choices, default=None, help=shown,
-                         metavar=None if nargs == 0 else "X")
+                         metavar=None if nargs == 0 or choices else "X")
 
     def __call__(self, parser, namespace, values, option_string=None):
         setattr(namespace, self.dest, values if values != [] else True)
