@@ -108,6 +108,11 @@ def test_megatrons_checkpoint_and_stop_flags(corpus, tmp_path, capsys):
     meta = json.loads((saved / "meta.json").read_text())
     assert meta["optimizer_saved"] is False and meta["rng"] == []
     assert not [k for k in dcp.FileSystemReader(str(saved)).read_metadata().state_dict_metadata if "optim" in k]
+    from training.args import parse_args
+    args = parse_args(flags(corpus, tmp_path, 2, ["--load", str(first / "ckpt"), "--use-checkpoint-args",
+                                                  "--num-layers", "5", "--hidden-size", "64"]))
+    assert (args.num_layers, args.hidden_size) == (2, 32)   # the checkpoint's, over the flags
+    assert f"--use-checkpoint-args: --num-layers 2, --hidden-size 32 from {saved}" in capsys.readouterr().out
     second = tmp_path / "second"
     train.main(flags(corpus, second, 2, ["--load", str(first / "ckpt"), "--finetune"]))
     out = capsys.readouterr().out

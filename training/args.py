@@ -90,16 +90,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _say_notes(parser, args):
     """What the run should know and is not an error: each a `> note:` line, once per job."""
+    import torch
+    on_cpu = not args.dry_run and not torch.cuda.is_available()
     for text in args.notes:   # the flags' conflicts with the JSON, --use-checkpoint-args
         note(text)
+    if on_cpu and args.log_memory_to_tensorboard:
+        args.no_op_extra.append("--log-memory-to-tensorboard on CPU (CUDA's allocator statistics; memory/peak-MB "
+                                "holds the peak resident memory)")
     text = no_op_note(parser, args)
     if text:
         note(text)
-    if args.fp16 and not args.dry_run:
-        import torch
-        if not torch.cuda.is_available():
-            note("--fp16 on CPU is slower than fp32 (CPUs have no fast fp16 matrix kernels); use --bf16 or "
-                 "drop --fp16")
+    if on_cpu and args.fp16:
+        note("--fp16 on CPU is slower than fp32 (CPUs have no fast fp16 matrix kernels); use --bf16 or drop --fp16")
 
 
 def flag(args, dest: str, value=None) -> str:
@@ -125,8 +127,12 @@ def _take_checkpoint_args(args):
     for dest in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
                  "make_vocab_size_divisible_by"):
         value = meta["model_config"].get(dest)
-        if value is not None and getattr(args, dest) != value:
+        # what the flags would give: unset sizes are derived (model/gpt.py, _derive)
+        now = getattr(args, dest) or {"ffn_hidden_size": 4 * args.hidden_size,
+                                      "max_position_embeddings": args.seq_length}.get(dest)
+        if value is not None and now != value:
             taken.append(f"{flag(args, dest)} {value}")
+        if value is not None:
             setattr(args, dest, value)
             args.explicit.add(dest)
     if taken:

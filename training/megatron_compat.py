@@ -130,7 +130,7 @@ def no_op_note(parser: argparse.ArgumentParser, args) -> str | None:
     by_reason: dict[str, list[str]] = {}
     for action in parser._actions:
         value = getattr(args, action.dest, None)
-        if isinstance(action, NoOp) and value is not None:
+        if isinstance(action, NoOp) and value not in (None, False):   # False: a YAML `key: false`
             shown = action.option_strings[0] + ("" if value is True else f" {value}")
             by_reason.setdefault(action.reason, []).append(shown)
     by_reason.update({reason: [] for reason in getattr(args, "no_op_extra", ())})
