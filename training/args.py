@@ -79,7 +79,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if not problems and not later:
             with later.collect():
                 build_lr_schedule(args)  # a JSON scheduler against Megatron's schedule flags fails here, early
-    names = [re.compile(re.escape("--" + d.replace("_", "-")) + r"(?![\w-])") for d in bad]
+    names = [re.compile(re.escape(name) + r"(?![\w-])") for d in bad
+             for name in {"--" + d.replace("_", "-"), args.spelled.get(d, "")} if name]
     for message in later.messages:
         if not any(name.search(message) for name in names):
             problems.add(message)

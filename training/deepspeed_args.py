@@ -37,8 +37,8 @@ def merge_deepspeed_config(args, explicit: set[str], problems: Problems) -> Deep
             section = Problems()
             with section.collect():
                 getattr(ds, name).validate(f"{path}: {name}")
-            if section:   # reported; the flags' own go on being checked
-                problems.messages += section.messages
+            for message in section.messages:   # reported; the flags' own go on being checked
+                problems.add(message)
                 setattr(ds, name, None)
     in_file = _dotted_keys(raw)
     zero = ds.zero_optimization
