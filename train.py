@@ -33,7 +33,7 @@ from training.args import parse_args, resolve_batch
 from training.checkpoint import (Checkpointer, Progress, check_save_dir, checkpoint_bytes, load_checkpoint,
                                  optimizer_moments)
 from training.checkpoint_files import CheckpointError
-from training.logger import TrainingLogger
+from training.logger import TensorBoardOptions, TrainingLogger
 from training.lr_schedule import build_lr_schedule
 from training.model_args import model_config
 from training.outer import attach_outer, data_partition, engine_comm, join_groups
@@ -84,11 +84,12 @@ def main(argv=None):
     progress = resume(args, engine, cfg) if args.load else Progress()
     progress.iteration = join_groups(engine, progress.iteration)   # --lighthouse: meet (and heal from) the others
 
-    logger = TrainingLogger(args.tensorboard_dir)
+    logger = TrainingLogger(args.tensorboard_dir, TensorBoardOptions.from_args(args, topology.world_size))
     train_batches = iter(build_data_loader(train_ds, progress.consumed_train_samples, args.micro_batch_size,
                                            data_rank, data_world, args.num_workers))
     checkpointer = Checkpointer(args.save, engine, checkpoint_meta(args, cfg, model, argv), keep_last=args.keep_last,
-                                async_save=args.async_save) if args.save else None
+                                async_save=args.async_save, save_optim=not args.no_save_optim,
+                                save_rng=not args.no_save_rng) if args.save else None
     trainer = Trainer(args, engine, comm, device, schedule, logger, checkpointer, train_batches, valid_ds, test_ds,
                       flops_per_iteration(cfg, args.global_batch_size, args.seq_length, args.checkpoint_activations),
                       progress, job_comm=Communicator(topology) if comm.topology.groups > 1 else comm)
@@ -131,6 +132,9 @@ def resume(args, engine, cfg) -> Progress:
         raise zeropp.ConfigError(str(e)) from None
     if meta is None:
         print_rank0(f"> no checkpoint in {args.load}; starting from scratch")
+        return Progress()
+    if args.finetune:   # Megatron's: the weights only (parse_args set --no-load-optim/-rng), from iteration 0
+        print_rank0(f"> --finetune: weights from {args.load}; training starts at iteration 0")
         return Progress()
     iteration, consumed = meta["iteration"], meta["consumed_train_samples"]
     print_rank0(f"> resumed from {args.load} at iteration {iteration}, {consumed} samples consumed "
