@@ -106,8 +106,7 @@ class TestFlags:
         (["--lr-decay-samples", "100"], ["--lr-decay-samples needs --train-samples"]),
         (["--data-impl", "lazy"], ["--data-impl lazy", "mmap"]),
         (["--model-parallel-size", "2"], ["--model-parallel-size 2 is not supported", "use 1"]),
-        (["--checkpoint-in-cpu"], ["--checkpoint-in-cpu is not supported"]),
-        (["--use-flash-attn"], ["--use-flash-attn is not supported"]),
+        (["--cpu-optimizer"], ["--cpu-optimizer is not supported"]),
         (["--sequence-parallel"], ["--sequence-parallel is not supported"]),
         (["--num-layer", "2"], ["--num-layer", "did you mean --num-layers"]),
         (["--vocab-file", "v.json"], ["--vocab-file", "no effect with --tokenizer-type SentencePieceTokenizer"]),
@@ -140,10 +139,10 @@ class TestFlags:
         for flag in ("--lr", "--train-iters"):
             del argv[argv.index(flag):argv.index(flag) + 2]
         line = fails(argv + ["--num-layers", "four", "--hiden-size", "8", "--model-parallel-size", "2",
-                             "--use-flash-attn", "--config", str(tmp_path / "run.yaml"),
+                             "--cpu-optimizer", "--config", str(tmp_path / "run.yaml"),
                              "--deepspeed_config", str(tmp_path / "ds.json")], capsys)
         assert line.startswith("error: 9 problems: (1) argument --num-layers: expected a whole number, got 'four'")
-        for name in ("unrecognized arguments: --hiden-size 8; did you mean --hidden-size?", "--use-flash-attn is not",
+        for name in ("unrecognized arguments: --hiden-size 8; did you mean --hidden-size?", "--cpu-optimizer is not",
                      "unknown key 'hiden-size'", "--model-parallel-size 2 is not supported",
                      "offload_param is not supported", "sub_group_size", "unknown key 'wall_clock_breakdwn'",
                      "--lr, --train-iters (or --train-samples) are required"):
@@ -166,7 +165,7 @@ class TestYaml:
         ("lr: [1, 2]\n", ["lr takes one value"]),
         ("num-layers: 2\n  bad: indent\n", ["is not valid YAML at line"]),
         ("- a list\n", ["must be a mapping"]),
-        ("checkpoint-in-cpu: true\n", ["checkpoint-in-cpu is not supported"]),
+        ("cpu-optimizer: true\n", ["cpu-optimizer is not supported"]),
         ("min-lr: 0.5\n", ["--min-lr 0.5 (from", "is above --lr 0.001"]),
     ])
     def test_bad_yaml(self, corpus, tmp_path, capsys, text, names):

@@ -74,7 +74,6 @@ REFUSED = [
     ({"amp": {"enabled": True}}, "amp"),
     ({"pipeline": {"stages": 2}}, "pipeline"),
     ({"bfloat16": {"enabled": True}}, "bfloat16"),
-    ({"activation_checkpointing": {"cpu_checkpointing": True}}, "activation_checkpointing.cpu_checkpointing"),
     ({"fp16": {"enabled": True, "auto_cast": True}}, "fp16.auto_cast"),
     ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}}, "fp16_master_weights_and_grads"),
     ({"data_types": {"grad_accum_dtype": "bf16"}}, "data_types.grad_accum_dtype"),

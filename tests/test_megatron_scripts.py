@@ -137,11 +137,10 @@ MAX_GRAD_NORM = "optimizer.params.max_grad_norm is not supported"
 # (name, flags, JSON or None, what fails: every problem, as a fragment of its message; [] = it parses)
 SCRIPTS = [
     ("v1.1.5 ZeRO-3", V115_ZERO3, V115_ZERO3_JSON,
-     ["--checkpoint-in-cpu is not supported", "unknown key 'stage3_param_persitence_threshold'; did you mean "
-                                              "'stage3_param_persistence_threshold'"]),
+     ["unknown key 'stage3_param_persitence_threshold'; did you mean 'stage3_param_persistence_threshold'"]),
     ("v1.1.5 ZeRO-2", " ".join(V115_ZERO3).replace("--zero-stage 3", "--zero-stage 2").replace(
         "--num-layers 5", "--num-layers 24").split(), V115_ZERO2_JSON,
-     ["--checkpoint-in-cpu is not supported", MAX_GRAD_NORM]),
+     [MAX_GRAD_NORM]),
     ("v1.1.5 model parallel 4", V115_MP4, V115_ZERO2_JSON, ["--model-parallel-size 4 is not supported", MAX_GRAD_NORM]),
     ("Megatron-DeepSpeed GPT-2", MDS_GPT2, MDS_GPT2_JSON, [MAX_GRAD_NORM]),
     ("Megatron-DeepSpeed GPT-2, the JSON without max_grad_norm", MDS_GPT2,
@@ -189,8 +188,7 @@ def test_scripts_run_unchanged_or_name_every_refusal_at_once(tmp_path, capsys, n
 
 
 def test_what_the_old_names_and_the_no_ops_become(tmp_path, capsys):
-    args = run(tmp_path, V115_ZERO3[:V115_ZERO3.index("--checkpoint-in-cpu")] + V115_ZERO3[
-        V115_ZERO3.index("--checkpoint-in-cpu") + 1:], {**V115_ZERO3_JSON, "zero_optimization": {"stage": 3}})
+    args = run(tmp_path, V115_ZERO3, {**V115_ZERO3_JSON, "zero_optimization": {"stage": 3}})
     zero = args.ds_config.zero_optimization
     assert args.tensor_model_parallel_size == 1 and args.micro_batch_size == 4
     assert args.lr_warmup_fraction == 0.01 and args.lr_warmup_iters == 3200          # --warmup: of the decay
@@ -201,8 +199,19 @@ def test_what_the_old_names_and_the_no_ops_become(tmp_path, capsys):
     notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("> note: no effect here")]
     assert len(notes) == 1
     for flag in ("--scattered-embeddings", "--split-transformers", "--partition-activations",
-                 "--synchronize-each-layer", "--contigious-checkpointing"):
+                 "--synchronize-each-layer", "--contigious-checkpointing", "--checkpoint-in-cpu"):
         assert flag in notes[0]
+
+
+def test_flags_that_change_nothing_in_training_are_accepted(tmp_path, capsys):
+    """Flash attention and host-side checkpointing change memory and speed, not what is trained: noted;
+    Megatron's overlap switches are overlap_comm."""
+    args = run(tmp_path, MLM_345M + ["--use-flash-attn-v2", "--checkpoint-in-cpu", "--overlap-grad-reduce",
+                                     "--overlap-param-gather", "--zero-stage", "2"], None)
+    assert args.ds_config.zero_optimization.overlap_comm is True   # stage 2's default is off
+    note = [line for line in capsys.readouterr().out.splitlines() if "no effect here" in line]
+    assert len(note) == 1 and "--use-flash-attn-v2" in note[0] and "--checkpoint-in-cpu" in note[0]
+    assert run(tmp_path, MLM_345M + ["--zero-stage", "2"], None).ds_config.zero_optimization.overlap_comm is None
 
 
 def test_tokens_become_iterations(tmp_path):

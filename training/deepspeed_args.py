@@ -63,6 +63,7 @@ def merge_deepspeed_config(args, explicit: set[str], problems: Problems) -> Deep
     merge("zero_allgather_bucket_size", "zero_optimization.allgather_bucket_size", zero, "allgather_bucket_size")
     merge("zero_contigious_gradients", "zero_optimization.contiguous_gradients", zero, "contiguous_gradients")
     merge("zero_reduce_scatter", "zero_optimization.reduce_scatter", zero, "reduce_scatter")
+    merge("overlap_comm", "zero_optimization.overlap_comm", zero, "overlap_comm")
     if args.accumulate_allreduce_grads_in_fp32:
         merge("accumulate_allreduce_grads_in_fp32", "communication_data_type", ds, "communication_data_type",
               value="fp32", shown="(fp32)")

@@ -172,6 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="contiguous_gradients (Megatron-DeepSpeed's spelling): always on")
     g.add_argument("--zero-reduce-scatter", action="store_true", default=None,
                    help="reduce_scatter: always on")
+    g.add_argument("--overlap-grad-reduce", "--overlap-param-gather", dest="overlap_comm", action="store_true",
+                   default=None, help="overlap the gradient reductions and weight gathers with compute "
+                                      "(zero_optimization.overlap_comm; on by default at stage 3)")
     g.add_argument("--accumulate-allreduce-grads-in-fp32", "--fp32-allreduce", action="store_true", default=None,
                    help="reduce gradients in fp32 (communication_data_type fp32); they always accumulate in fp32")
     g.add_argument("--zeropp", type=_zeropp_mode, default=None, metavar="auto",

@@ -71,6 +71,11 @@ NO_OP_FLAGS = [
     ("--log-num-zeros-in-grad", 0, None, "the gradient shards are consumed inside the engine's step, uncounted"),
     ("--log-optimizer-states-to-tensorboard", 0, None, "optimizer-state norms are not computed"),
     ("--lazy-loader", 0, None, "the .bin/.idx data is memory-mapped, read as it is used"),
+    *[(f, 0, None, "attention is torch's scaled_dot_product_attention, which picks a flash kernel by itself "
+                   "where the device has one") for f in ("--use-flash-attn", "--use-flash-attn-v2",
+                                                          "--use-flash-attn-triton")],
+    ("--checkpoint-in-cpu", 0, None, "recomputed blocks' inputs stay on the device (the same training; "
+                                     "--dry-run plans the device memory it takes)"),
 ]
 
 # Flags found in Megatron-LM / Megatron-DeepSpeed GPT pretraining scripts for what this product
@@ -81,18 +86,9 @@ REFUSED_FLAGS = {
     "--ds-sequence-parallel-size": f"DeepSpeed-Ulysses sequence parallelism is not implemented ({NO_TP})",
     "--use-distributed-optimizer": "Megatron's distributed optimizer is ZeRO stage 1 here; use --zero-stage 1 "
                                    "(or 2, 3)",
-    "--overlap-grad-reduce": "set zero_optimization.overlap_comm in --deepspeed_config instead",
-    "--overlap-param-gather": "set zero_optimization.overlap_comm in --deepspeed_config instead",
-    "--checkpoint-in-cpu": "recomputed blocks' inputs stay on the device; moving them to host memory is memory "
-                           "this product does not free (--dry-run plans what the device holds); remove the flag",
     "--cpu-optimizer": _OFFLOAD,
     "--cpu-torch-adam": _OFFLOAD,
     "--cpu_torch_adam": _OFFLOAD,
-    "--use-flash-attn": "attention is torch's scaled_dot_product_attention, which picks a flash kernel "
-                        "by itself where it can; remove the flag",
-    "--use-flash-attn-v2": "attention is torch's scaled_dot_product_attention, which picks a flash kernel "
-                           "by itself where it can; remove the flag",
-    "--use-flash-attn-triton": "attention is torch's scaled_dot_product_attention; remove the flag",
     "--num-experts": "mixture of experts is not implemented",
     "--moe-expert-parallel-size": "mixture of experts is not implemented",
     "--rampup-batch-size": "batch-size ramp-up is not implemented; use a fixed --global-batch-size",

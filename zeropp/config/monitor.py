@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from common import refuse_value
 
 
 @dataclass
@@ -26,8 +25,7 @@ class ActivationCheckpointingConfig:
     """How DeepSpeed's checkpointing stores what Megatron recomputes (--checkpoint-activations
     turns recompute on; this section only tunes it). Partitioning splits each saved activation
     over the tensor-parallel ranks, of which there is one here; the rest tunes where DeepSpeed
-    keeps the pieces. Every value is accepted, `no_ops` says which do nothing here, except
-    cpu_checkpointing: moving saved activations to the host is memory this product does not free."""
+    keeps the pieces. Every value is accepted; `no_ops` says which do nothing here."""
     partition_activations: bool = False
     cpu_checkpointing: bool = False
     contiguous_memory_optimization: bool = False
@@ -36,14 +34,13 @@ class ActivationCheckpointingConfig:
     profile: bool = False
 
     def validate(self, where: str):
-        if self.cpu_checkpointing:
-            refuse_value(f"{where}.cpu_checkpointing", True, False,
-                         "saved activations stay on the device (no CPU offload); the memory it frees "
-                         "on the device is not freed here")
+        """Every value is accepted (the section is read like the others)."""
 
     def no_ops(self, where: str) -> list[str]:
         """The keys set to a value that does something in DeepSpeed and nothing here."""
         why = {"partition_activations": "the tensor-parallel size is 1: nothing to partition",
+               "cpu_checkpointing": "recomputed blocks' inputs stay on the device (the same training; --dry-run "
+                                    "plans the device memory it takes)",
                "contiguous_memory_optimization": "saved activations stay where torch allocates them",
                "number_checkpoints": "sizes the contiguous buffer, which is not used",
                "synchronize_checkpoint_boundary": "a device synchronization for debugging",
