@@ -606,6 +606,25 @@ def test_bad_outer_input(corpus, capsys, monkeypatch, world, per_node, extra, sa
     fails(good(corpus, *extra), capsys, says)
 
 
+def test_the_drift_is_na_on_log_lines_before_an_exchange_is_merged(tmp_path, capsys):
+    """A run's (or a resume's) first log lines come before any merged exchange: no drift yet,
+    said as n/a, and no point in TensorBoard."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from training.logger import TrainingLogger
+    logger = TrainingLogger(str(tmp_path / "tb"))
+    line = {"consumed": 8, "iter_ms": 1.0, "lr": 1e-3, "global_batch": 8, "loss": 5.0, "loss_scale": 1.0,
+            "grad_norm": 1.0, "skipped": 0, "nan": 0, "samples_per_s": 1.0, "tokens_per_s": 1.0, "tflops": 0.0,
+            "intra_mb": 0.0, "inter_mb": 0.0, "outer_steps": 0, "cross_group_mb": 0.0, "loss_of": "group 0 of 2"}
+    logger.training_line(1, 4, {**line, "outer_drift": float("nan")})
+    logger.training_line(2, 4, {**line, "outer_steps": 1, "outer_drift": 2.5e-3})
+    logger.close()
+    first, second = [x for x in capsys.readouterr().out.splitlines() if "iteration" in x]
+    assert "| outer drift: n/a |" in first and "| outer drift: 2.500e-03 |" in second
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("outer/drift")] == [(2, pytest.approx(2.5e-3))]
+
+
 # -- train.py ------------------------------------------------------------------------------------------
 
 def test_dry_run_plans_the_bytes_across_groups(capsys):
