@@ -599,11 +599,33 @@ OUTER = ("--zero-stage", "3", "--outer-sync-interval", "4")
     (4, 2, OUTER + ("--sharding", "fsdp2"), "runs this application's engine in each group; drop --sharding fsdp2"),
     (1, 1, OUTER + ("--dry-run", "--cluster", "configs/clusters/v100_4x16_100gbps.yaml", "--group-size", "3"),
      "--group-size 3 must divide the 4 nodes of --cluster configs/clusters/v100_4x16_100gbps.yaml"),
+    # a job of one node without --ranks-per-node: what is wrong is the node, not --group-size
+    (4, 4, OUTER, "--outer-sync-interval 4 synchronizes groups of nodes, and this job is one node of 4 ranks "
+                  "(torchrun's --nproc-per-node, LOCAL_WORLD_SIZE); pass --ranks-per-node 2"),
+    (2, 2, OUTER, "this job is one node of 2 ranks (torchrun's --nproc-per-node, LOCAL_WORLD_SIZE); run 4+ ranks"),
+    (8, 2, OUTER + ("--group-size", "4"), "--group-size 4 makes one group of the 4 node(s) of 2 rank(s): there is no "
+                                          "other group to synchronize with; pass --group-size 1 or 2"),
+    # the dry run refuses the layouts training refuses (one function, planner/outer.py calls it)
+    (1, 1, OUTER + ("--dry-run", "--cluster", "configs/clusters/v100_4x16_100gbps.yaml", "--group-size", "4"),
+     "--group-size 4 makes one group of the 4 nodes of --cluster configs/clusters/v100_4x16_100gbps.yaml"),
+    (1, 1, OUTER + ("--dry-run", "--cluster", "configs/clusters/v100_1x8.yaml"),
+     "this job is one node of 8 ranks (--cluster configs/clusters/v100_1x8.yaml); plan a --cluster of 2+ nodes"),
 ])
 def test_bad_outer_input(corpus, capsys, monkeypatch, world, per_node, extra, says):  # noqa: F811
     monkeypatch.setenv("WORLD_SIZE", str(world))   # as torchrun sets them, before any process group
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(per_node))
     fails(good(corpus, *extra), capsys, says)
+
+
+def test_a_warmup_as_long_as_the_run_says_there_is_no_exchange(corpus, capsys, monkeypatch):  # noqa: F811
+    from training.args import parse_args
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    parse_args(good(corpus, *OUTER, "--outer-warmup-iters", "1"))   # 2 iterations: one exchange after the warm-up
+    assert "> note:" not in capsys.readouterr().out
+    parse_args(good(corpus, *OUTER, "--outer-warmup-iters", "5"))
+    assert "> note: --outer-warmup-iters 5 covers all 2 iterations of the run: it trains as one synchronous job " \
+           "throughout, with no exchange between the groups" in capsys.readouterr().out
 
 
 def test_the_drift_is_na_on_log_lines_before_an_exchange_is_merged(tmp_path, capsys):
