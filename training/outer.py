@@ -13,6 +13,7 @@ from parallel.launch import die_with_launcher, print_rank0
 from parallel.topology import Topology
 from zeropp.collectives.partition import Partition
 from parallel.membership import TorchftGroups
+from training.checkpoint_files import META, TRACKER, complete_iterations
 from zeropp.kernels.sparse import DEFAULT_CHUNK
 from zeropp.outer.diloco import KEY, PHASE, WARMUP, OuterSettings, attach, saved_layout
 from zeropp.outer.edges import final_sync as synchronize_groups
@@ -61,6 +62,8 @@ def check_outer_args(args, flag):
                           f"exchanged at its own inner step); pass at most {args.outer_sync_interval}")
     if args.lighthouse is not None or any(d in args.explicit for d in FAULT_TOLERANT_FLAGS):
         check_fault_tolerant_args(args, flag, H)
+        if not args.dry_run:
+            group_paths(args)
     elif not args.dry_run:   # the dry run checks the groups on --cluster's nodes (planner/outer.py)
         world = int(os.environ.get("WORLD_SIZE", 1))
         per_node = args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -138,6 +141,28 @@ def check_fault_tolerant_args(args, flag, H):
                           f"{spacing - 1}")
     if not args.dry_run and importlib.util.find_spec("torchft") is None:   # found, not imported (it imports Triton)
         raise ConfigError("--lighthouse needs torchft; pip install torchft")
+
+
+def group_paths(args):
+    """--lighthouse: the directories the run names (flags or --config) made this group's own,
+    DIR/group<g>, so that no two groups write one checkpoint or TensorBoard folder, however the
+    groups are launched. --load DIR reads DIR/group<g> too, unless only DIR holds a checkpoint:
+    one that every group starts from (a warm-up trained as one job)."""
+    own = lambda path: os.path.join(path, f"group{args.group_id}")   # noqa: E731
+    if args.load and (holds_checkpoint(own(args.load)) or not holds_checkpoint(args.load)):
+        args.load = own(args.load)
+    for dest in ("save", "tensorboard_dir"):
+        if getattr(args, dest):
+            setattr(args, dest, own(getattr(args, dest)))
+    named = [f"--{d.replace('_', '-')} {getattr(args, d)}" for d in ("save", "load", "tensorboard_dir")
+             if getattr(args, d)]
+    if named:
+        note(f"group {args.group_id} keeps its own files: {', '.join(named)}")
+
+
+def holds_checkpoint(path: str) -> bool:
+    """Whether --load `path` names a checkpoint (training/checkpoint_files.py resolve_checkpoint)."""
+    return any(os.path.exists(os.path.join(path, name)) for name in (TRACKER, META)) or bool(complete_iterations(path))
 
 
 def fault_tolerant(args) -> bool:
