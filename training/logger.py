@@ -22,8 +22,10 @@ def _outer_fields(s: dict) -> str:
     """The outer synchronization's fields (training/outer.py outer_fields), when it is on."""
     if "outer_steps" not in s:
         return ""
+    drift = s["outer_drift"]   # NaN until an exchange is merged (a run's or a resume's first lines)
     return (f" outer steps: {s['outer_steps']} | cross-group MB: {s['cross_group_mb']:.3f} "
-            f"| outer drift: {s['outer_drift']:.3e} |" + (f" quorum: {s['quorum']} groups |" if "quorum" in s else "")
+            f"| outer drift: {'n/a' if math.isnan(drift) else f'{drift:.3e}'} |"
+            + (f" quorum: {s['quorum']} groups |" if "quorum" in s else "")
             + f" lm loss of: {s['loss_of']} |")
 
 
