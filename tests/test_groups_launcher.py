@@ -56,6 +56,7 @@ def test_a_run_of_no_group_is_refused_before_anything_starts(tmp_path, args, say
     assert not (tmp_path / "run").exists()   # nothing started: no Lighthouse started and stopped, no log
 
 
+@pytest.mark.slow   # torchrun jobs (they fail at once, but each worker imports torch)
 @needs_torchft
 def test_start_exits_with_the_groups_status_and_says_which_failed_and_a_restart_appends(tmp_path):
     r = launcher(tmp_path, "start", "2", "1", "--not-a-flag")
@@ -119,6 +120,7 @@ def test_the_slurm_example_refuses_a_job_too_small_for_one_group(tmp_path):
     assert r.returncode == 2 and "ONLY_GROUP=1 needs NUM_GROUPS" in one_error(r), r
 
 
+@pytest.mark.slow   # torchrun jobs (they fail at once, but each worker imports torch)
 @needs_torchft
 def test_the_slurm_example_ends_with_its_groups_and_says_which_failed(tmp_path):
     port = free_port()
