@@ -169,3 +169,20 @@ def test_a_launch_script_error_is_one_line(tmp_path):
     assert r.stderr.splitlines() == ["error: unrecognized arguments: --num-layer 4; did you mean --num-layers? "
                                      "see `python train.py --help`"], r.stderr
     assert "Traceback" not in r.stdout
+
+
+def test_more_ranks_than_gpus_on_a_node_is_one_line(monkeypatch):
+    """torchrun --nproc-per-node above the node's GPU count (GPUS_PER_NODE=16 on 8 GPUs): the
+    count, before a rank fails in cuda.set_device. (CPU here: the GPU count is what torch reports.)"""
+    import torch
+
+    from common import ConfigError
+    from parallel.launch import check_devices
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
+    with pytest.raises(ConfigError, match=r"^torchrun starts 16 ranks on this node and it has 8 GPU\(s\): pass "
+                                          r"--nproc-per-node 8 \(GPUS_PER_NODE=8 for the launch scripts\)$"):
+        check_devices("nccl")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert check_devices("nccl") == "nccl" and check_devices("gloo") == "gloo"
