@@ -24,20 +24,19 @@ from data.gpt_dataset import build_train_valid_test_datasets
 from data.sampler import build_data_loader
 from model import GPT, flops_per_iteration, num_parameters
 from parallel.comm import Communicator
-from parallel.launch import (init_distributed, mark_worker, print_rank0, report_error_to_torchrun,
+from parallel.launch import (CHECK_ONLY, init_distributed, mark_worker, print_rank0, report_error_to_torchrun,
                              report_user_error)
 from parallel.link_probe import LinkProbeError
 from parallel.topology import topology_from_env
 from planner.auto import resolve as resolve_auto
-from training.args import parse_args, resolve_batch
+from training.args import parse_args
 from training.checkpoint import (Checkpointer, Progress, check_save_dir, checkpoint_bytes, load_checkpoint,
                                  optimizer_moments)
 from training.checkpoint_files import CheckpointError
 from training.logger import TensorBoardOptions, TrainingLogger
 from training.lr_schedule import build_lr_schedule
-from training.model_args import model_config
-from training.outer import attach_outer, data_partition, engine_comm, join_groups
-from training.preflight import check_inputs
+from training.outer import attach_outer, engine_comm, join_groups
+from training.preflight import check_inputs, check_job, job_shape
 from training.report import print_job, print_summary
 from training.signals import StopRequest
 from training.trainer import Trainer, TrainingDiverged
@@ -59,11 +58,8 @@ def main(argv=None):
     device = init_distributed(args.distributed_backend)
     topology = topology_from_env(args.ranks_per_node)
     comm = engine_comm(args, topology)   # the job's, or its group's with --outer-sync-interval
-    data_rank, data_world = data_partition(args, topology)   # with --lighthouse: this group's part of the job's
-    resolve_batch(args, data_world)
+    data_rank, data_world, cfg = job_shape(args, topology, tokenizer)
     torch.manual_seed(args.seed)
-
-    cfg = model_config(args, tokenizer.vocab_size, args.seed)
     if args.ds_config.zero_optimization.auto_switches():  # measure the links, let the planner pick
         choice = resolve_auto(args.ds_config, cfg, comm, device, args.micro_batch_size, args.seq_length,
                               args.gradient_accumulation_steps, args.optimizer_settings)
@@ -101,7 +97,15 @@ def main(argv=None):
         dist.destroy_process_group()
     _UNFREED.append(dict(locals()))   # torch's objects are left to os._exit (see exit_now)
     if early_stop is not None:
-        early_stop.report()  # the signal's line (every rank prints it: no group now) or TrainingDiverged
+        early_stop.report()  # the signal's line (rank 0's, by torchrun's RANK: the group is gone) or TrainingDiverged
+
+
+def check(argv=None):
+    """main()'s checks, without a process group: `python -m parallel.launch` runs this (CHECK_ONLY)
+    once before any worker starts, with the job's WORLD_SIZE and LOCAL_WORLD_SIZE."""
+    args = parse_args(argv)   # the flags, the files they name and the job's shape
+    if not args.dry_run:
+        check_job(args)
 
 
 def preflight_save_dir(args, cfg):
@@ -165,7 +169,7 @@ def run(argv=None) -> int:
     exception is a bug and keeps its traceback."""
     mark_worker()   # for `python -m parallel.launch`: this worker started
     try:
-        main(argv)
+        check(argv) if os.environ.get(CHECK_ONLY) else main(argv)
     except (zeropp.ConfigError, CheckpointError, TrainingDiverged, LinkProbeError) as e:
         # Checkpoint, divergence and link-probe errors: a clear line, exit 1.
         rank = int(os.environ.get("RANK", "0"))

@@ -269,8 +269,15 @@ class TestTokenizer:
 
 
 class TestTopology:
-    def test_ranks_per_node(self, corpus, capsys):
-        fails(good(corpus, "--ranks-per-node", "3"), capsys, "--ranks-per-node 3 must divide the world size 1")
+    def test_ranks_per_node(self, corpus, capsys, monkeypatch):
+        monkeypatch.setenv("WORLD_SIZE", "4")          # as torchrun sets it, before any process group
+        fails(good(corpus, "--ranks-per-node", "3"), capsys, "--ranks-per-node 3 must divide the world size 4")
+
+    def test_emulated_nodes_without_torchrun_name_the_torchrun_command(self, corpus, capsys):
+        """One process (no torchrun) and nodes of 2 ranks: the command that would run it."""
+        fails(good(corpus, "--ranks-per-node", "2"), capsys,
+              "--ranks-per-node 2 emulates nodes of 2 ranks, and this is one process: launch with torchrun "
+              "--nproc-per-node 4 (2 nodes of 2), or drop --ranks-per-node")
 
     def test_hpz_against_the_node(self, corpus, capsys, monkeypatch):
         monkeypatch.setenv("WORLD_SIZE", "4")          # as torchrun sets it, before any process group

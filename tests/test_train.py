@@ -178,7 +178,8 @@ def test_topology_error_is_one_line_and_exit_2(corpus, tmp_path):
                           cwd=os.path.dirname(os.path.abspath(train.__file__)))
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "error: --ranks-per-node 3 must divide the world size 1; pass a divisor of 1"]
+        "error: --ranks-per-node 3 emulates nodes of 3 ranks, and this is one process: launch with torchrun "
+        "--nproc-per-node 6 (2 nodes of 3), or drop --ranks-per-node"]
 
 
 def test_log_lines_are_megatrons(capsys):

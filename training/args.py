@@ -242,13 +242,22 @@ def _check_topology(args):
     # us); a single process (world size 1) runs unsharded and ZeRO++ has nothing to do.
     world = int(os.environ.get("WORLD_SIZE", 1))
     ranks_per_node = args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if not args.dry_run:   # the planner checks the flags against --cluster's world (planner/plan.py)
+        _check_job_shape(args, world, ranks_per_node)
+    if args.sharding == "fsdp2":
+        _check_fsdp2(args, ranks_per_node, world)
+
+
+def _check_job_shape(args, world: int, ranks_per_node: int):
+    if "WORLD_SIZE" not in os.environ and ranks_per_node > 1:   # emulated nodes, and one process
+        raise ConfigError(f"{flag(args, 'ranks_per_node', ranks_per_node)} emulates nodes of {ranks_per_node} "
+                          f"ranks, and this is one process: launch with torchrun --nproc-per-node "
+                          f"{2 * ranks_per_node} (2 nodes of {ranks_per_node}), or drop --ranks-per-node")
     if world % ranks_per_node:
         raise ConfigError(f"{flag(args, 'ranks_per_node', ranks_per_node)} must divide the world size "
                           f"{world}; pass a divisor of {world}")
     if "WORLD_SIZE" in os.environ:
         args.ds_config.zero_optimization.validate_topology(ranks_per_node, world)
-    if args.sharding == "fsdp2":
-        _check_fsdp2(args, ranks_per_node, world)
 
 
 def _check_fsdp2(args, ranks_per_node: int, world: int):
