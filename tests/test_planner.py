@@ -168,15 +168,23 @@ def plan_lines(capsys, monkeypatch, *argv) -> tuple[int, str, str]:
     return status, out.out, out.err
 
 
-def test_the_demo_config_plans_its_world(capsys, monkeypatch):
+def test_the_demo_config_plans_its_world(capsys, monkeypatch, tmp_path):
     """configs/demo.yaml's 4 ranks as 2 nodes x 2, planned on the cluster that is that world
-    (it was refused: world size 1, not under torchrun)."""
-    status, out, err = plan_lines(capsys, monkeypatch, "--config", "configs/demo.yaml", "--dry-run",
+    (it was refused: world size 1, not under torchrun). The dry run checks that its inputs exist
+    and reads the tokenizer: a small one here, so that the test does not need the demo corpus built."""
+    from data.train_tokenizer import train_sentencepiece
+    (tmp_path / "docs.jsonl").write_text("".join(f'{{"text": "the {n} birds went to the river"}}\n'
+                                                 for n in range(200)))
+    train_sentencepiece([str(tmp_path / "docs.jsonl")], str(tmp_path / "kjv_sp"), vocab_size=300)
+    for name in ("kjv_text_document.bin", "kjv_text_document.idx"):
+        (tmp_path / name).write_bytes(b"")
+    inputs = ["--data-path", str(tmp_path / "kjv_text_document"), "--tokenizer-model", str(tmp_path / "kjv_sp.model")]
+    status, out, err = plan_lines(capsys, monkeypatch, "--config", "configs/demo.yaml", "--dry-run", *inputs,
                                   "--cluster", "configs/clusters/emulated_slow_link.yaml")
     assert status == 0, err
     assert "2 nodes x 2 GPUs = 4" in out and "ZeRO++ = ZeRO-3 + qwZ, hpZ 2, qgZ" in out
     assert "training: 200 iterations x global batch 32 x seq 128 = 0.0 B tokens; ZeRO-3 " in out
-    status, out, err = plan_lines(capsys, monkeypatch, "--config", "configs/demo.yaml", "--dry-run")
+    status, out, err = plan_lines(capsys, monkeypatch, "--config", "configs/demo.yaml", "--dry-run", *inputs)
     assert status == 2 and "--dry-run needs --cluster FILE" in err and "emulated_slow_link.yaml" in err
 
 
