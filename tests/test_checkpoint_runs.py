@@ -175,6 +175,15 @@ def test_generate_from_a_copied_checkpoint_whose_tokenizer_is_gone(moved, tmp_pa
     assert "tokenizer/tokenizer.model" in checksums   # damage to the copy is found like any other
 
 
+def test_export_hf_takes_the_copied_tokenizer(corpus, moved, tmp_path):  # noqa: F811
+    from transformers import AutoTokenizer
+    from data.tokenizer import build_tokenizer
+    export_checkpoint.main(["--load", str(moved), "--format", "hf", "--output", str(tmp_path / "hf")])
+    text = "the red cat went to the hill and saw 3 dogs."
+    sp = build_tokenizer("SentencePieceTokenizer", tokenizer_model=str(corpus / "sp.model"))
+    assert AutoTokenizer.from_pretrained(str(tmp_path / "hf"))(text)["input_ids"] == sp.tokenize(text)
+
+
 def test_tokenizer_flag_overrides_the_copy(corpus, moved, tmp_path, capsys):  # noqa: F811
     """--tokenizer-model wins; a missing one is one line naming it."""
     assert generate.main(["--load", str(moved), "--prompt", "the red cat", "--max-new-tokens", "2",
@@ -204,15 +213,18 @@ def test_old_checkpoint_whose_tokenizer_is_gone_says_which_flag(moved, tmp_path,
 
 # -- DeepSpeed's consolidated 16-bit model ----------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("key", ["stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save"])
-def test_gather_16bit_weights_on_model_save(corpus, tmp_path, key):  # noqa: F811
-    """Stage 3 on 3 ranks (uneven slices: the gather pads and cuts them), bf16, with the key in the
-    DeepSpeed JSON: each checkpoint also holds pytorch_model.bin, the model's state dict in bf16,
-    equal to the exporter's --dtype bf16 output."""
+@pytest.mark.parametrize("key, sharding", [("stage3_gather_16bit_weights_on_model_save", "zero"),
+                                           ("stage3_gather_fp16_weights_on_model_save", "zero"),
+                                           ("stage3_gather_16bit_weights_on_model_save", "fsdp2")])
+def test_gather_16bit_weights_on_model_save(corpus, tmp_path, key, sharding):  # noqa: F811
+    """Stage 3 (the engine's, or FSDP2's) on 3 ranks (uneven slices: the gather pads and cuts them),
+    bf16, with the key in the DeepSpeed JSON: each checkpoint also holds pytorch_model.bin, the
+    model's state dict in bf16, equal to the exporter's --dtype bf16 output."""
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"zero_optimization": {"stage": 3, key: True}, "bf16": {"enabled": True}}))
     rc, log = train_ranks(3, flags(corpus, tmp_path, 4, ["--save-interval", "2", "--deepspeed_config", str(ds),
-                                                         "--micro-batch-size", "1", "--global-batch-size", "6"]))
+                                                         "--micro-batch-size", "1", "--global-batch-size", "6",
+                                                         "--sharding", sharding]))
     assert rc == 0, log
     for it in (2, 4):
         path = tmp_path / "ckpt" / f"iter_{it:07d}"
@@ -247,3 +259,11 @@ def test_a_failed_16bit_write_leaves_the_previous_checkpoint_latest(tmp_path, mo
     assert "the previous checkpoint (iteration 2) is intact and still the latest" in str(error.value)
     assert complete_iterations(save) == [2] and latest_iteration(save) == 2
     assert export_checkpoint.open_checkpoint(save)[1]["iteration"] == 2   # every checksum holds
+
+
+def test_a_save_dir_without_its_tracker_is_still_another_runs(corpus, other_run, tmp_path, capsys):  # noqa: F811
+    save = copy_of(other_run, tmp_path)
+    os.remove(save / "latest_checkpointed_iteration.txt")
+    assert run(corpus, tmp_path, 3, save=save) == 2
+    one_error_line(capsys, "iterations 10, 20, 30, 40)")
+    assert complete_iterations(str(save)) == [10, 20, 30, 40]

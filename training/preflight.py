@@ -151,8 +151,10 @@ def check_save_holds_no_other_run(save: str, loading: tuple[str, dict] | None, o
     run = loading[1].get("run") if loading else None
     tracker = latest_iteration(save) if os.path.isdir(save) else None
     done = complete_iterations(save)
-    if tracker is not None and (start is None or tracker > start):   # the tracker would move back
-        others = sorted({it for it in done if start is None or it > start} | {tracker})
+    if start is None:   # from scratch: every checkpoint there is another run's
+        others = sorted(set(done) | ({tracker} if tracker is not None else set()))
+    elif tracker is not None and tracker > start:   # the tracker would move back
+        others = sorted({it for it in done if it > start} | {tracker})
     else:   # another run's checkpoints this run would replace
         others = [it for it in done if it >= start and run_of(iteration_dir(save, it)) != run]
     if not others:
@@ -163,8 +165,9 @@ def check_save_holds_no_other_run(save: str, loading: tuple[str, dict] | None, o
              f"{TRACKER} to its own")
         return
     what = "this run starts from scratch" if loading is None else f"this run resumes at iteration {start}"
-    raise ConfigError(f"--save {save} holds checkpoints of another run (iterations {_listed(others)}, latest "
-                      f"{tracker}) and {what}: its saves would replace them and move {TRACKER} back. "
+    latest = f", latest {tracker}" if tracker is not None else ""
+    raise ConfigError(f"--save {save} holds checkpoints of another run (iterations {_listed(others)}{latest}) and "
+                      f"{what}: its saves would replace them and move {TRACKER} back. "
                       f"Pass --load {save} to resume that run, another --save, or --overwrite-checkpoints")
 
 
