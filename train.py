@@ -35,7 +35,7 @@ from training.logger import TrainingLogger
 from training.lr_schedule import build_lr_schedule
 from training.model_args import model_config
 from training.outer import attach_outer, data_partition, engine_comm, join_groups
-from training.preflight import check_inputs
+from training.preflight import check_checkpoint_dirs, check_inputs
 from training.report import print_job, print_summary
 from training.signals import StopRequest
 from training.trainer import Trainer, TrainingDiverged
@@ -52,6 +52,7 @@ def main(argv=None):
         from planner.auto import print_dry_run
         print_dry_run(args)   # with "auto" switches: the choice on --cluster, then the plan
         return
+    check_checkpoint_dirs(args)     # a mistyped --load, a --save of another run: before any work
     tokenizer = check_inputs(args)  # data, split and tokenizer files, before any expensive work
     own_group = not dist.is_initialized()   # a caller's group (the tests' pooled ranks) stays the caller's
     device = init_distributed(args.distributed_backend)

@@ -1,5 +1,6 @@
 """Checks of the input files before any expensive work (process group, index building, model).
 
+    check_checkpoint_dirs(args)      # --load and --save (a ConfigError on a slip that would cost a checkpoint)
     tokenizer = check_inputs(args)   # raises a ConfigError subclass on a user error
 
 Every rank runs the same checks on the same files, so every rank fails the same
@@ -33,7 +34,6 @@ def check_inputs(args):
     quantizes = zero.zero_quantized_weights or zero.zero_quantized_gradients or zero.zero_quantized_weight_deltas
     if quantizes and not torch.cuda.is_available() and quant.forced_backend() != "torch":
         cpu_quant.available()   # builds or checks the cached kernels now: a cache others can write is refused here
-    check_checkpoint_dirs(args)
     for flag, path in (("--tensorboard-dir", args.tensorboard_dir), ("--data-cache-path", args.data_cache_path)):
         if path:
             check_writable_dir(path, flag)
