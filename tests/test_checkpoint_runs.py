@@ -213,18 +213,19 @@ def test_old_checkpoint_whose_tokenizer_is_gone_says_which_flag(moved, tmp_path,
 
 # -- DeepSpeed's consolidated 16-bit model ----------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("key, sharding", [("stage3_gather_16bit_weights_on_model_save", "zero"),
-                                           ("stage3_gather_fp16_weights_on_model_save", "zero"),
-                                           ("stage3_gather_16bit_weights_on_model_save", "fsdp2")])
-def test_gather_16bit_weights_on_model_save(corpus, tmp_path, key, sharding):  # noqa: F811
-    """Stage 3 (the engine's, or FSDP2's) on 3 ranks (uneven slices: the gather pads and cuts them),
-    bf16, with the key in the DeepSpeed JSON: each checkpoint also holds pytorch_model.bin, the
-    model's state dict in bf16, equal to the exporter's --dtype bf16 output."""
+@pytest.mark.parametrize("key, extra", [("stage3_gather_16bit_weights_on_model_save", ()),
+                                        ("stage3_gather_fp16_weights_on_model_save", ()),
+                                        ("stage3_gather_16bit_weights_on_model_save", ("--sharding", "fsdp2")),
+                                        ("stage3_gather_16bit_weights_on_model_save", ("--async-save",))])
+def test_gather_16bit_weights_on_model_save(corpus, tmp_path, key, extra):  # noqa: F811
+    """Stage 3 (the engine's, or FSDP2's; saving in the background too) on 3 ranks (uneven slices:
+    the gather pads and cuts them), bf16, with the key in the DeepSpeed JSON: each checkpoint also
+    holds pytorch_model.bin, the model's state dict in bf16, equal to the exporter's --dtype bf16 output."""
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"zero_optimization": {"stage": 3, key: True}, "bf16": {"enabled": True}}))
     rc, log = train_ranks(3, flags(corpus, tmp_path, 4, ["--save-interval", "2", "--deepspeed_config", str(ds),
                                                          "--micro-batch-size", "1", "--global-batch-size", "6",
-                                                         "--sharding", sharding]))
+                                                         *extra]))
     assert rc == 0, log
     for it in (2, 4):
         path = tmp_path / "ckpt" / f"iter_{it:07d}"

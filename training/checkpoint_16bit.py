@@ -50,8 +50,8 @@ def gather_16bit(state: dict[str, FlatState], shapes: dict[str, list[int]], dtyp
     out = {} if writer else None
     for name, shape in shapes.items():
         entry = state[prefix + name]
-        local = entry.local.detach().to(dtype)
-        if distributed and entry.sharded:
+        local = entry.local.detach()
+        if distributed and entry.sharded:   # cast first: 16-bit slices cross the links
             world = dist.get_world_size(group)
             chunk = -(-entry.numel // world)
             mine = torch.zeros(chunk, dtype=dtype, device=local.device)
@@ -60,7 +60,7 @@ def gather_16bit(state: dict[str, FlatState], shapes: dict[str, list[int]], dtyp
             dist.gather(mine, list(flat.split(chunk)) if writer else None, dst=topology.offset, group=group)
             local = flat[:entry.numel] if writer else None
         if writer:
-            out[name] = local.view(shape).to("cpu", copy=True)
+            out[name] = local.to(dtype).view(shape).to("cpu", copy=True)
     return out
 
 
