@@ -194,19 +194,32 @@ def test_tokenizer_flag_overrides_the_copy(corpus, moved, tmp_path, capsys):  # 
     assert f"--tokenizer-model {tmp_path / 'nope.model'} does not exist" in err and "train one" not in err, err
 
 
-def test_old_checkpoint_whose_tokenizer_is_gone_says_which_flag(moved, tmp_path, capsys):
-    """A checkpoint from before the copies (an absolute path in meta.json only) whose tokenizer moved:
-    generate.py names the flag, not "train a new tokenizer" (which would not match the weights)."""
+def as_before_the_copies(moved, tmp_path, tokenizer_model=None):
+    """A copy of `moved` as checkpoints were before the tokenizer travelled inside them: meta.json
+    names the tokenizer by its absolute path only (`tokenizer_model`, or the deleted original)."""
     old = copy_of(moved, tmp_path)
-    meta_path = old / "iter_0000002" / "meta.json"
-    meta = json.loads(meta_path.read_text())
+    it = old / "iter_0000002"
+    meta = json.loads((it / "meta.json").read_text())
     del meta["tokenizer_copies"]
-    meta_path.write_text(json.dumps(meta))
-    (old / "iter_0000002" / "checksums.json").unlink()   # no longer matches: rebuilt below
-    files = [p for p in (old / "iter_0000002").rglob("*") if p.is_file() and p.name != "checksums.json"]
-    table = {str(p.relative_to(old / "iter_0000002")): [p.stat().st_size, file_crc32(str(p))] for p in files}
-    (old / "iter_0000002" / "checksums.json").write_text(checksums_json(table))
-    assert generate.main(["--load", str(old)]) == 2
+    meta["tokenizer_model"] = str(tokenizer_model or meta["tokenizer_model"])
+    (it / "meta.json").write_text(json.dumps(meta))
+    shutil.rmtree(it / "tokenizer")
+    files = [p for p in it.rglob("*") if p.is_file() and p.name != "checksums.json"]
+    table = {str(p.relative_to(it)): [p.stat().st_size, file_crc32(str(p))] for p in files}
+    (it / "checksums.json").write_text(checksums_json(table))
+    return old
+
+
+def test_old_checkpoint_reads_the_tokenizer_where_training_did(corpus, moved, tmp_path, capsys):  # noqa: F811
+    old = as_before_the_copies(moved, tmp_path, corpus / "sp.model")
+    assert generate.main(["--load", str(old), "--prompt", "the red cat", "--max-new-tokens", "2"]) == 0
+    assert capsys.readouterr().out.startswith("[checkpoint iteration 2]\nthe red cat")
+
+
+def test_old_checkpoint_whose_tokenizer_is_gone_says_which_flag(moved, tmp_path, capsys):
+    """Its tokenizer moved: generate.py names the flag, not "train a new tokenizer" (which would not
+    match the weights)."""
+    assert generate.main(["--load", str(as_before_the_copies(moved, tmp_path))]) == 2
     err = capsys.readouterr().err
     assert "tok.model missing" in err and "pass the one training used with --tokenizer-model" in err, err
 
