@@ -31,7 +31,7 @@ from training.args import parse_args, resolve_batch
 from training.checkpoint import Progress
 from training.checkpoint_files import CheckpointError
 from training.checkpointing import make_checkpointer, preflight_save_dir, resume
-from training.logger import TrainingLogger
+from training.logger import TensorBoardOptions, TrainingLogger
 from training.lr_schedule import build_lr_schedule
 from training.model_args import model_config
 from training.outer import attach_outer, data_partition, engine_comm, join_groups
@@ -83,7 +83,7 @@ def main(argv=None):
     progress = resume(args, engine, cfg) if args.load else Progress()
     progress.iteration = join_groups(engine, progress.iteration)   # --lighthouse: meet (and heal from) the others
 
-    logger = TrainingLogger(args.tensorboard_dir)
+    logger = TrainingLogger(args.tensorboard_dir, TensorBoardOptions.from_args(args, topology.world_size))
     train_batches = iter(build_data_loader(train_ds, progress.consumed_train_samples, args.micro_batch_size,
                                            data_rank, data_world, args.num_workers))
     checkpointer = make_checkpointer(args, engine, cfg, model, argv, progress.run) if args.save else None

@@ -280,7 +280,7 @@ def same_as_one_job(base, tmp: Path, iters: int = 24) -> str:
         return why
     want = consolidated_state_dict(str(tmp / "one" / "ckpt"))[0]
     for g in (0, 1):
-        got = consolidated_state_dict(str(tmp / f"g{g}" / "ckpt"))[0]
+        got = consolidated_state_dict(str(tmp / f"g{g}" / "ckpt" / f"group{g}"))[0]   # train.py: each group its own
         differ = [k for k in want if not torch.equal(want[k], got[k])]
         if differ:
             worst = max((want[k] - got[k]).abs().max().item() for k in differ)

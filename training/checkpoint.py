@@ -106,7 +106,8 @@ def optimizer_moments(settings) -> int:
 
 
 def save_checkpoint(save_dir: str, iteration: int, engine, consumed_train_samples: int, meta: dict,
-                    keep_last: int | None = None, storage_writer=None, async_group=None, overwrite: bool = False,
+                    keep_last: int | None = None, storage_writer=None, async_group=None,
+                    save_optim: bool = True, save_rng: bool = True, overwrite: bool = False,
                     files: dict[str, bytes] | None = None, consolidated_16bit: bool = False):
     """Collective: every rank calls it. `storage_writer(path)` makes the DCP
     writer (default: FileSystemWriter, fsyncing its files). `meta["run"]` names
@@ -120,7 +121,7 @@ def save_checkpoint(save_dir: str, iteration: int, engine, consumed_train_sample
     copied to CPU memory and written by a background thread;
     a `PendingSave` comes back, whose finish() (every rank, e.g. before the next
     save) completes the checkpoint. Otherwise the files are written now and a
-    SaveResult comes back."""
+    SaveResult comes back. `save_optim`, `save_rng`: False for --no-save-optim, --no-save-rng."""
     this_rank, world = rank(), world_size()
     start = time.time()
     final = iteration_dir(save_dir, iteration)
@@ -141,15 +142,16 @@ def save_checkpoint(save_dir: str, iteration: int, engine, consumed_train_sample
     # The tensors first: taking them may complete what the scalar state then records (an outer
     # exchange in flight, zeropp/outer/diloco.py). The metadata is taken now: training may go on
     # while the files are written.
-    state = engine.checkpoint_state()
+    state = engine.checkpoint_state(optimizer=save_optim)
     scalars = engine.scalar_state()   # rank 0's is meta.json's "engine"; with groups, each group's too
     topology = engine.comm.topology
     whole = gather_16bit(state, meta["param_shapes"], engine.dtype, topology) if consolidated_16bit else None
     files = (files or {}) if this_rank == 0 else {}
     info = dict(meta, format=FORMAT_VERSION, iteration=iteration, consumed_train_samples=consumed_train_samples,
-                world_size=world, groups=topology.groups, engine=scalars)
-    done = _Finisher(save_dir, iteration, tmp, final, info, {"rng": rng_state(), "engine": scalars}, keep_last,
-                     start, topology.groups, rank0_file_names(files, whole))
+                world_size=world, groups=topology.groups, engine=scalars, optimizer_saved=save_optim)
+    own = {"rng": rng_state() if save_rng else None, "engine": scalars}
+    done = _Finisher(save_dir, iteration, tmp, final, info, own, keep_last, start, topology.groups,
+                     rank0_file_names(files, whole))
     writer = (storage_writer or _default_writer)(tmp)
     try:
         if async_group is not None:
@@ -226,7 +228,7 @@ class _Finisher:
         error = None
         if this_rank == 0:
             try:
-                info = dict(self.info, rng=[g["rng"] for g in gathered])
+                info = dict(self.info, rng=[g["rng"] for g in gathered if g["rng"] is not None])
                 if self.groups > 1:   # each group's own loss scale, skipped steps (its LR), ...: its first rank's
                     info["engine_groups"] = [g["engine"] for g in gathered[::len(gathered) // self.groups]]
                 checksums = {name: v for g in gathered for name, v in g["checksums"].items()}
@@ -279,9 +281,11 @@ class Checkpointer:
     goes on, one save at a time: the next save, or finish(), completes it."""
 
     def __init__(self, save_dir: str, engine, meta: dict, keep_last: int | None = None, async_save: bool = False,
-                 overwrite: bool = False, files: dict[str, bytes] | None = None, consolidated_16bit: bool = False):
+                 save_optim: bool = True, save_rng: bool = True, overwrite: bool = False,
+                 files: dict[str, bytes] | None = None, consolidated_16bit: bool = False):
         self.save_dir, self.engine, self.meta, self.keep_last = save_dir, engine, meta, keep_last
-        self.options = dict(overwrite=overwrite, files=files or {}, consolidated_16bit=consolidated_16bit)
+        self.options = dict(save_optim=save_optim, save_rng=save_rng, overwrite=overwrite, files=files or {},
+                            consolidated_16bit=consolidated_16bit)
         # Background saves get a gloo group of their own, so the writer's collectives never
         # interleave with training's.
         self.async_group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
@@ -339,6 +343,9 @@ def load_checkpoint(load: str, engine, load_optim: bool = True, load_rng: bool =
             raise ConfigError(f"--load {path} holds a different model: {'; '.join(diff)}; "
                               f"pass the model flags it was trained with")
 
+    if load_optim and meta.get("optimizer_saved") is False:
+        load_optim = False
+        print_rank0(f"> {path} was saved without its optimizer state (--no-save-optim): a new optimizer starts")
     topology = engine.comm.topology
     groups, saved_groups = topology.groups, meta.get("groups", 1)
     grouped = saved_groups == groups > 1   # each group's own state end to end (zeropp/outer/diloco.py)
@@ -376,7 +383,9 @@ def load_checkpoint(load: str, engine, load_optim: bool = True, load_rng: bool =
             if this_rank == 0:
                 print(f"> {path}: {note}", flush=True)
     if load_rng:
-        if this_rank < len(meta["rng"]):
+        if not meta["rng"]:
+            print_rank0(f"> {path} was saved without random-number states (--no-save-rng): fresh ones")
+        elif this_rank < len(meta["rng"]):
             set_rng_state(meta["rng"][this_rank])
         elif this_rank == len(meta["rng"]):
             print(f"> {path} was saved by {len(meta['rng'])} ranks: ranks from {len(meta['rng'])} on "

@@ -25,7 +25,8 @@ def make_checkpointer(args, engine, cfg, model, argv, run: str | None) -> Checkp
     """The Checkpointer for --save: `run` is the run resumed (None: a new one)."""
     return Checkpointer(
         args.save, engine, checkpoint_meta(args, cfg, model, argv, run), keep_last=args.keep_last,
-        async_save=args.async_save, overwrite=args.overwrite_checkpoints, consolidated_16bit=gathers_16bit(args),
+        async_save=args.async_save, save_optim=not args.no_save_optim, save_rng=not args.no_save_rng,
+        overwrite=args.overwrite_checkpoints, consolidated_16bit=gathers_16bit(args),
         files=tokenizer_files(args.tokenizer_model, args.vocab_file, args.merge_file) if rank() == 0 else None)
 
 
@@ -48,6 +49,9 @@ def resume(args, engine, cfg) -> Progress:
     except CheckpointError as e:   # a damaged checkpoint: the line names the intact one to --load (exit 2)
         raise ConfigError(str(e)) from None
     if meta is None:   # preflight said so in its note
+        return Progress()
+    if args.finetune:   # Megatron's: the weights only (parse_args set --no-load-optim/-rng), from iteration 0
+        print_rank0(f"> --finetune: weights from {args.load}; training starts at iteration 0 (a new run)")
         return Progress()
     iteration, consumed = meta["iteration"], meta["consumed_train_samples"]
     print_rank0(f"> resumed from {args.load} at iteration {iteration}, {consumed} samples consumed "

@@ -120,8 +120,8 @@ def check_checkpoint_dirs(args) -> tuple[str, dict] | None:
              "nothing without --save")
     try:
         loading = resolve_load(args.load, args.save) if args.load else None
-        if args.save:
-            check_save_holds_no_other_run(args.save, loading, args.overwrite_checkpoints)
+        if args.save:   # --finetune: a new run from iteration 0, whatever it loads
+            check_save_holds_no_other_run(args.save, None if args.finetune else loading, args.overwrite_checkpoints)
     except CheckpointError as e:   # damaged: the line names the intact checkpoint to --load instead
         raise ConfigError(str(e)) from None
     return loading

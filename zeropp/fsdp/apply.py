@@ -36,8 +36,8 @@ from __future__ import annotations
 import torch
 
 from common.errors import ConfigError
-from common.torch_private import (CHECKED_TORCH, has_forward_prefetch, missing_fsdp_internals, param_group,
-                                  post_forward_ranks, set_post_forward_ranks, set_unshard_async)
+from common.torch_private import (fsdp_internals_problem, has_forward_prefetch, param_group, post_forward_ranks,
+                                  set_post_forward_ranks, set_unshard_async)
 from parallel.comm import Communicator
 from parallel.topology import Topology, TopologyError
 from zeropp.config import LocoConfig, ZeroConfig
@@ -66,11 +66,9 @@ def apply_zeropp(model: torch.nn.Module, topology: Topology | int | None = None,
                           f"call fully_shard(model) first")
     if getattr(model, "_zeropp", None) is not None:
         raise PluginError("apply_zeropp was already applied to this model: call it once")
-    lacking = missing_fsdp_internals(model)
-    if lacking:
-        raise PluginError(f"apply_zeropp reads FSDP2 internals checked against torch {CHECKED_TORCH} "
-                          f"(common/torch_private.py); torch {torch.__version__} lacks {', '.join(lacking)}: "
-                          f"install torch=={CHECKED_TORCH}.* or use --sharding zero")
+    problem = fsdp_internals_problem(model)
+    if problem:
+        raise PluginError(f"apply_zeropp: {problem}: install a torch in that range or use --sharding zero")
     for name, on in (("loco", loco), ("hadamard", hadamard)):
         if on and not quantized_gradients:
             raise PluginError(f"apply_zeropp: {name}=True works on qgZ's INT4 gradients: set quantized_gradients=True")
