@@ -13,18 +13,21 @@ import torch
 
 from common import ConfigError, OneLineParser
 from model import GPT, GPTConfig
-from tools.export_checkpoint import checkpoint_tokenizer, consolidated_state_dict
+from tools.export_checkpoint import (add_tokenizer_flags, checkpoint_tokenizer, model_tensors, open_checkpoint,
+                                     tokenizer_overrides)
 from training.checkpoint_files import CheckpointError
 from training.flags import ranged, real, whole
 
 
-def load_model(load_dir: str):
-    sd, meta = consolidated_state_dict(load_dir)
+def load_model(load_dir: str, tokenizer: dict | None = None):
+    """The model, its tokenizer (the copy inside the checkpoint unless `tokenizer` names files) and meta."""
+    path, meta = open_checkpoint(load_dir)
+    tok = checkpoint_tokenizer(meta, path, **(tokenizer or {}))   # before the weights are read
     cfg = GPTConfig(**meta["model_config"])
     with torch.device("meta"):
         model = GPT(cfg)
-    model.load_state_dict(sd, assign=True)
-    return model.eval(), checkpoint_tokenizer(meta, load_dir), meta
+    model.load_state_dict(dict(model_tensors(path, meta)), assign=True)
+    return model.eval(), tok, meta
 
 
 @torch.no_grad()
@@ -43,7 +46,9 @@ def generate(model: GPT, ids: list[int], max_new_tokens: int, temperature: float
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--load", required=True, help="the --save directory of a training run")
+    p.add_argument("--load", required=True, help="the --save directory of a training run, or one of its iter_* "
+                                                 "directories, wherever it was copied")
+    add_tokenizer_flags(p)
     p.add_argument("--prompt", default="In the beginning")
     p.add_argument("--max-new-tokens", type=ranged(whole, ">= 0", lambda v: v >= 0), default=100)
     p.add_argument("--temperature", type=ranged(real, ">= 0 (0: the likeliest token)", lambda v: v >= 0),
@@ -60,7 +65,7 @@ def main(argv=None) -> int:
     try:
         args = parse_args(argv)
         torch.manual_seed(args.seed)
-        model, tokenizer, meta = load_model(args.load)
+        model, tokenizer, meta = load_model(args.load, tokenizer_overrides(args))
     except (CheckpointError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -10,10 +10,8 @@ gradient communication and the optimizer step) and training/checkpoint.py saves.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -22,7 +20,7 @@ import zeropp
 from common import forget_notes
 from data.gpt_dataset import build_train_valid_test_datasets
 from data.sampler import build_data_loader
-from model import GPT, flops_per_iteration, num_parameters
+from model import GPT, flops_per_iteration
 from parallel.comm import Communicator
 from parallel.launch import (CHECK_ONLY, init_distributed, mark_worker, print_rank0, report_error_to_torchrun,
                              report_user_error)
@@ -30,13 +28,13 @@ from parallel.link_probe import LinkProbeError
 from parallel.topology import topology_from_env
 from planner.auto import resolve as resolve_auto
 from training.args import parse_args
-from training.checkpoint import (Checkpointer, Progress, check_save_dir, checkpoint_bytes, load_checkpoint,
-                                 optimizer_moments)
+from training.checkpoint import Progress
 from training.checkpoint_files import CheckpointError
+from training.checkpointing import make_checkpointer, preflight_save_dir, resume
 from training.logger import TensorBoardOptions, TrainingLogger
 from training.lr_schedule import build_lr_schedule
 from training.outer import attach_outer, engine_comm, join_groups
-from training.preflight import check_inputs, check_job, job_shape
+from training.preflight import check_checkpoint_dirs, check_inputs, check_job, job_shape
 from training.report import print_job, print_summary
 from training.signals import StopRequest
 from training.trainer import Trainer, TrainingDiverged
@@ -53,6 +51,7 @@ def main(argv=None):
         from planner.auto import print_dry_run
         print_dry_run(args)   # with "auto" switches: the choice on --cluster, then the plan
         return
+    check_checkpoint_dirs(args)     # a mistyped --load, a --save of another run: before any work
     tokenizer = check_inputs(args)  # data, split and tokenizer files, before any expensive work
     own_group = not dist.is_initialized()   # a caller's group (the tests' pooled ranks) stays the caller's
     device = init_distributed(args.distributed_backend)
@@ -83,9 +82,7 @@ def main(argv=None):
     logger = TrainingLogger(args.tensorboard_dir, TensorBoardOptions.from_args(args, topology.world_size))
     train_batches = iter(build_data_loader(train_ds, progress.consumed_train_samples, args.micro_batch_size,
                                            data_rank, data_world, args.num_workers))
-    checkpointer = Checkpointer(args.save, engine, checkpoint_meta(args, cfg, model, argv), keep_last=args.keep_last,
-                                async_save=args.async_save, save_optim=not args.no_save_optim,
-                                save_rng=not args.no_save_rng) if args.save else None
+    checkpointer = make_checkpointer(args, engine, cfg, model, argv, progress.run) if args.save else None
     trainer = Trainer(args, engine, comm, device, schedule, logger, checkpointer, train_batches, valid_ds, test_ds,
                       flops_per_iteration(cfg, args.global_batch_size, args.seq_length, args.checkpoint_activations),
                       progress, job_comm=Communicator(topology) if comm.topology.groups > 1 else comm)
@@ -105,15 +102,8 @@ def check(argv=None):
     once before any worker starts, with the job's WORLD_SIZE and LOCAL_WORLD_SIZE."""
     args = parse_args(argv)   # the flags, the files they name and the job's shape
     if not args.dry_run:
+        check_checkpoint_dirs(args)
         check_job(args)
-
-
-def preflight_save_dir(args, cfg):
-    """Fails if --save is not writable; warns if its disk cannot hold one checkpoint."""
-    expected = checkpoint_bytes(num_parameters(cfg), optimizer_moments(args.optimizer_settings))
-    warning = check_save_dir(args.save, expected)
-    if warning:
-        print_rank0(f"> warning: {warning}")
 
 
 def build_datasets(args):
@@ -124,42 +114,6 @@ def build_datasets(args):
                    args.eval_iters * args.global_batch_size)
     return build_train_valid_test_datasets(
         args.data_path, args.split, args.seq_length, num_samples, args.seed, args.data_cache_path)
-
-
-def resume(args, engine, cfg) -> Progress:
-    """--load: where to continue from (the start if nothing is there yet)."""
-    start = time.time()
-    try:
-        meta = load_checkpoint(args.load, engine, not args.no_load_optim, not args.no_load_rng,
-                               model_config=dataclasses.asdict(cfg))
-    except CheckpointError as e:   # a damaged checkpoint: the line names the intact one to --load (exit 2)
-        raise zeropp.ConfigError(str(e)) from None
-    if meta is None:
-        print_rank0(f"> no checkpoint in {args.load}; starting from scratch")
-        return Progress()
-    if args.finetune:   # Megatron's: the weights only (parse_args set --no-load-optim/-rng), from iteration 0
-        print_rank0(f"> --finetune: weights from {args.load}; training starts at iteration 0")
-        return Progress()
-    iteration, consumed = meta["iteration"], meta["consumed_train_samples"]
-    print_rank0(f"> resumed from {args.load} at iteration {iteration}, {consumed} samples consumed "
-                f"(saved by {meta['world_size']} ranks; loaded in {time.time() - start:.2f} s)")
-    # Checkpoints from before validation progress was kept start validation over.
-    return Progress(iteration, consumed, meta.get("consumed_valid_samples", 0))
-
-
-def checkpoint_meta(args, cfg, model, argv) -> dict:
-    """What every checkpoint records besides the weights: the model, tokenizer and command line."""
-    return {"model_config": dataclasses.asdict(cfg),
-            "param_shapes": {n: list(p.shape) for n, p in model.named_parameters()},
-            # absolute: generate.py and the exporter may run from another directory
-            "tokenizer_type": args.tokenizer_type, "tokenizer_model": absolute(args.tokenizer_model),
-            "vocab_file": absolute(args.vocab_file), "merge_file": absolute(args.merge_file),
-            "zero_stage": args.zero_stage,
-            "argv": sys.argv[1:] if argv is None else argv}
-
-
-def absolute(path: str | None) -> str | None:
-    return None if path is None else os.path.abspath(path)
 
 
 def run(argv=None) -> int:

@@ -180,7 +180,7 @@ def cases(tmp, f):
          train + b + ["--zero-stage", "3", "--deepspeed_config", jsn('{"gradient_predivide_factor": 2}')]),
         ('JSON `"prescale_gradients": true` with --zero-stage 2',
          train + b + ["--zero-stage", "2", "--deepspeed_config", jsn('{"prescale_gradients": true}')]),
-        ('JSON `"stage3_gather_16bit_weights_on_model_save": true`',
+        ('accepted: JSON `"stage3_gather_16bit_weights_on_model_save": true` (pytorch_model.bin at each save)',
          train + b + ["--deepspeed_config", jsn('{"zero_optimization": {"stage": 3, '
                                                 '"stage3_gather_16bit_weights_on_model_save": true}}')]),
         ("accepted: JSON `\"wall_clock_breakdown\": true`",

@@ -17,7 +17,8 @@ from parallel.comm import Communicator
 from parallel.topology import Topology
 from tools.export_checkpoint import consolidated_state_dict
 from training.checkpoint import load_checkpoint, save_checkpoint
-from training.checkpoint_files import CHECKSUMS, META, TRACKER, CheckpointError, iteration_dir
+from training.checkpoint_16bit import CONSOLIDATED_16BIT
+from training.checkpoint_files import CHECKSUMS, META, TOKENIZER_COPIES, TRACKER, CheckpointError, iteration_dir
 
 CFG = GPTConfig(vocab_size=96, num_layers=1, hidden_size=32, num_attention_heads=4, max_position_embeddings=16)
 
@@ -30,7 +31,8 @@ def engine():
 
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory):
-    """A save directory with checkpoints at iterations 2 and 3 (the latest)."""
+    """A save directory with checkpoints at iterations 2 and 3 (the latest), each with a tokenizer copy
+    and the consolidated 16-bit model beside the sharded files."""
     save = str(tmp_path_factory.mktemp("ckpt") / "save")
     eng = engine()
     meta = {"model_config": dataclasses.asdict(CFG),
@@ -39,7 +41,8 @@ def pristine(tmp_path_factory):
         x = torch.randint(0, 96, (2, 9))
         eng.backward(eng(x[:, :-1], x[:, 1:]))
         eng.step()
-        save_checkpoint(save, it, eng, it * 2, meta)
+        save_checkpoint(save, it, eng, it * 2, meta, files={TOKENIZER_COPIES["tokenizer_model"]: b"sp" * 100},
+                        consolidated_16bit=True)
     return save
 
 
@@ -57,7 +60,7 @@ def damage(path: str, how: str):
     open(path, "wb").write(bytes(data))
 
 
-FILES = [META, CHECKSUMS, ".metadata", "__0_0.distcp"]
+FILES = [META, CHECKSUMS, ".metadata", "__0_0.distcp", TOKENIZER_COPIES["tokenizer_model"], CONSOLIDATED_16BIT]
 HOWS = ["missing", "empty", "truncated", "flipped"]
 
 

@@ -87,8 +87,6 @@ REFUSED = [
     ({"zero_optimization": {"allgather_partitions": False}}, "allgather_partitions"),
     ({"zero_optimization": {"round_robin_gradients": True}}, "round_robin_gradients"),
     ({"zero_optimization": {"sub_group_size": 1e8}}, "sub_group_size"),
-    ({"zero_optimization": {"stage3_gather_16bit_weights_on_model_save": True}},
-     "stage3_gather_16bit_weights_on_model_save"),
     ({"optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}, "optimizer.type"),
     ({"optimizer": {"type": "OneBitAdam"}}, "optimizer.type"),
     ({"optimizer": {"type": "Adam", "params": {"max_grad_norm": 1.0}}}, "max_grad_norm"),
@@ -196,13 +194,12 @@ def test_misplaced_key_says_where_it_belongs(raw, message):
 
 @pytest.mark.parametrize("key", ["stage3_gather_16bit_weights_on_model_save",
                                  "stage3_gather_fp16_weights_on_model_save"])
-def test_gathered_save_keys_point_to_the_exporter(key):
-    """No checkpoint holds a model.pt: the refusal names the exporter's command."""
-    with pytest.raises(ConfigError) as error:
-        DeepSpeedConfig.from_dict({"zero_optimization": {key: True}})
-    message = str(error.value)
-    assert "python -m tools.export_checkpoint --load DIR --format torch" in message
-    assert "iter_N/model.pt" not in message
+def test_gathered_save_keys_are_honoured(key):
+    """DeepSpeed's key (and its old name) turns on the consolidated 16-bit file at each save
+    (tests/test_checkpoint_runs.py checks the file)."""
+    cfg = DeepSpeedConfig.from_dict({"zero_optimization": {"stage": 3, key: True}})
+    assert cfg.zero_optimization.stage3_gather_16bit_weights_on_model_save is True
+    assert DeepSpeedConfig.from_dict({}).zero_optimization.stage3_gather_16bit_weights_on_model_save is False
 
 
 # -- bucket sizes from the model where the config sets none (zeropp/bucket_sizing.py) ----------

@@ -430,7 +430,7 @@ def resume_runs(rank, world, tmp):
     engine, sync, _ = diloco(job, 1, settings)
     train(engine, data[:3], rank)
     meta = {"model_config": {}, "param_shapes": {n: list(p.shape) for n, p in engine.module.named_parameters()}}
-    save_checkpoint(f"{tmp}/grouped", 3, engine, 0, meta)
+    save_checkpoint(f"{tmp}/grouped", 3, engine, 0, meta, consolidated_16bit=True)
     saved_global = {k: v.local.clone() for k, v in sync.checkpoint_state(2).items() if ".global." in k}
     full = train(engine, data[3:], rank)
     engine, _, _ = diloco(job, 1, settings)
@@ -567,6 +567,9 @@ def test_export_and_another_number_of_groups_take_the_global_parameters(runs):
     per_rank = [r[-1] for r in runs["resume_runs"]]
     exported, meta = consolidated_state_dict(runs["tmp"] + "/grouped")
     assert meta["groups"] == 2 and exported
+    # stage3_gather_16bit_weights_on_model_save's file (fp32 here, the compute dtype): group 0's global parameters
+    whole = torch.load(runs["tmp"] + "/grouped/iter_0000003/pytorch_model.bin", weights_only=True)
+    assert list(whole) == list(exported) and all(torch.equal(whole[k], v) for k, v in exported.items())
     for regrouped in (r[-2] for r in runs["resume_runs"]):
         assert all(torch.equal(regrouped[k], v) for k, v in exported.items())
     for name, weight in exported.items():

@@ -222,7 +222,9 @@ def test_validation_continues_where_it_stopped_also_after_resume(corpus, tmp_pat
     straight = validation_losses(capsys.readouterr().out)
     assert len(straight) == 3 and len(set(straight)) == 3, straight
     train.main(flags(corpus, tmp_path / "split", 4, still + ["--save-interval", "2"]))
-    train.main(flags(corpus, tmp_path / "split", 6, still + ["--load", str(tmp_path / "split" / "ckpt" / "iter_0000002")]))
+    # back to iteration 2 in the same --save (which holds 4): the user says so
+    train.main(flags(corpus, tmp_path / "split", 6, still + ["--load", str(tmp_path / "split" / "ckpt" / "iter_0000002"),
+                                                          "--overwrite-checkpoints"]))
     split = validation_losses(capsys.readouterr().out)
     assert split[0] == straight[0] and split[-1] == straight[-1], (split, straight)
 

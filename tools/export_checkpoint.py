@@ -73,22 +73,54 @@ def consolidated_state_dict(load: str, dtype: torch.dtype = torch.float32,
     return dict(model_tensors(path, meta, dtype, average_groups)), meta
 
 
-def checkpoint_tokenizer(meta: dict, checkpoint: str):
-    """The tokenizer training used. Checkpoints keep its files' absolute paths; older ones kept
-    them as given, relative to where training ran: tried from here, then from each directory
-    above `checkpoint` (the --save directory usually lies below where training ran)."""
-    files = {}
-    for key in ("tokenizer_model", "vocab_file", "merge_file"):
-        path = meta.get(key)
-        if path and not os.path.isabs(path) and not os.path.exists(path):
-            above = os.path.abspath(checkpoint)
-            while os.path.dirname(above) != above:
-                above = os.path.dirname(above)
-                if os.path.exists(os.path.join(above, path)):
-                    path = os.path.join(above, path)
-                    break
-        files[key] = path
-    return build_tokenizer(meta.get("tokenizer_type"), **files)
+TOKENIZER_KEYS = ("tokenizer_model", "vocab_file", "merge_file")
+
+
+def checkpoint_tokenizer(meta: dict, checkpoint: str, tokenizer_model: str | None = None,
+                         vocab_file: str | None = None, merge_file: str | None = None):
+    """The tokenizer training used: the files given here (a sentencepiece model, or GPT-2's vocab
+    and merges), else its copy inside the checkpoint (`checkpoint`, an iter_* directory), else
+    where training read it. Older checkpoints kept that path as given, relative to where training
+    ran: tried from here, then from each directory above `checkpoint`."""
+    given = {"tokenizer_model": tokenizer_model, "vocab_file": vocab_file, "merge_file": merge_file}
+    for key, path in given.items():
+        if path and not os.path.isfile(path):
+            raise ConfigError(f"--{key.replace('_', '-')} {path} does not exist; pass the tokenizer training used "
+                              f"(without the flag, the checkpoint's own copy is used)")
+    kind = ("SentencePieceTokenizer" if tokenizer_model else "GPT2BPETokenizer" if vocab_file or merge_file
+            else meta.get("tokenizer_type"))
+    copies = meta.get("tokenizer_copies", {})
+    files = {key: given[key] or (os.path.join(checkpoint, copies[key]) if key in copies else
+                                 _found_above(meta.get(key), checkpoint)) for key in TOKENIZER_KEYS}
+    needed = ("tokenizer_model",) if kind == "SentencePieceTokenizer" else ("vocab_file", "merge_file")
+    missing = [files[key] for key in needed if not given[key] and files[key] and not os.path.isfile(files[key])]
+    if missing:   # a checkpoint from before the copies, whose tokenizer was moved: not a new one's job
+        flags = "--tokenizer-model" if kind == "SentencePieceTokenizer" else "--vocab-file and --merge-file"
+        raise ConfigError(f"the tokenizer of checkpoint {checkpoint} is gone ({' and '.join(missing)} missing); "
+                          f"pass the one training used with {flags}")
+    return build_tokenizer(kind, **files)
+
+
+def _found_above(path: str | None, checkpoint: str) -> str | None:
+    if path and not os.path.isabs(path) and not os.path.exists(path):
+        above = os.path.abspath(checkpoint)
+        while os.path.dirname(above) != above:
+            above = os.path.dirname(above)
+            if os.path.exists(os.path.join(above, path)):
+                return os.path.join(above, path)
+    return path
+
+
+def add_tokenizer_flags(parser):
+    """--tokenizer-model, --vocab-file, --merge-file: the tokenizer to use instead of the checkpoint's."""
+    parser.add_argument("--tokenizer-model", default=None,
+                        help="a sentencepiece model to use instead of the checkpoint's tokenizer")
+    parser.add_argument("--vocab-file", default=None, help="GPT-2 BPE vocab.json (with --merge-file) instead")
+    parser.add_argument("--merge-file", default=None, help="GPT-2 BPE merges.txt (with --vocab-file) instead")
+
+
+def tokenizer_overrides(args) -> dict:
+    return {key: getattr(args, key) for key in TOKENIZER_KEYS}
 
 
 # -- Hugging Face -------------------------------------------------------------------------
@@ -123,9 +155,12 @@ def hf_name(name: str) -> tuple[str, bool]:
 
 
 def export_hf(load: str, output: str, dtype: torch.dtype = torch.float32, max_shard_bytes: int = 5 * 2**30,
-              average_groups: bool = False):
+              average_groups: bool = False, tokenizer: dict | None = None):
     from safetensors.torch import save_file
     path, meta = open_checkpoint(load)
+    given = tokenizer or {}
+    # before any tensor: a tokenizer that cannot be read is one line and exit status 2
+    tok = checkpoint_tokenizer(meta, path, **given) if meta.get("tokenizer_type") or any(given.values()) else None
     tensors = model_tensors(path, meta, dtype, average_groups)
     os.makedirs(output, exist_ok=True)
     itemsize = torch.tensor([], dtype=dtype).element_size()
@@ -154,23 +189,25 @@ def export_hf(load: str, output: str, dtype: torch.dtype = torch.float32, max_sh
         total = sum(torch.Size(s).numel() for s in meta["param_shapes"].values()) * itemsize
         with open(os.path.join(output, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-    eod = _export_tokenizer(meta, output, path)
+    eod = _export_tokenizer(tok, output)
     config = hf_config(meta["model_config"], eod)
     config.torch_dtype = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype]
     config.save_pretrained(output)
     return files, meta
 
 
-def _export_tokenizer(meta: dict, output: str, checkpoint: str) -> int | None:
+def _export_tokenizer(tok, output: str) -> int | None:
     """Write the tokenizer next to the weights, as a tokenizer.json that
     `AutoTokenizer.from_pretrained(output)` loads and that gives the training ids
     (data.tokenizer's hf_tokenizer); returns the end-of-document id."""
     from transformers import PreTrainedTokenizerFast
 
+    if tok is None:
+        print("> tokenizer not exported (the checkpoint names none)", file=sys.stderr)
+        return None
     try:
-        tok = checkpoint_tokenizer(meta, checkpoint)
         hf = tok.hf_tokenizer()
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError) as e:   # a sentencepiece model of another kind than BPE
         print(f"> tokenizer not exported ({e})", file=sys.stderr)
         return None
     # Training adds no bos/eos inside a document (the end of one is data, not a template).
@@ -185,6 +222,7 @@ def main(argv=None):
     p.add_argument("--output", required=True, help="a file (torch) or a directory (hf)")
     p.add_argument("--dtype", choices=list(DTYPES), default="fp32")
     p.add_argument("--max-shard-size", default="5", help="GiB per safetensors file (hf)")
+    add_tokenizer_flags(p)
     p.add_argument("--average-groups", action="store_true",
                    help="a checkpoint of several groups (--outer-sync-interval) saved before the end of training: "
                         "export the mean of the groups' own parameters (what the final synchronization gives) "
@@ -195,6 +233,9 @@ def main(argv=None):
         if shard_gib <= 0:
             raise ConfigError(f"--max-shard-size must be > 0 (GiB per safetensors file), got {args.max_shard_size}")
         check_output(args.output, args.format)
+        if args.format == "torch" and any(tokenizer_overrides(args).values()):
+            raise ConfigError("--tokenizer-model, --vocab-file and --merge-file go with --format hf (a torch state "
+                              "dict holds no tokenizer); drop them")
         if args.format == "torch":
             sd, meta = consolidated_state_dict(args.load, DTYPES[args.dtype], args.average_groups)
             try:
@@ -204,7 +245,7 @@ def main(argv=None):
             print(f"> wrote {len(sd)} tensors of iteration {meta['iteration']} to {args.output}")
         else:
             files, meta = export_hf(args.load, args.output, DTYPES[args.dtype], max(1, int(shard_gib * 2**30)),
-                              args.average_groups)
+                                    args.average_groups, tokenizer_overrides(args))
             print(f"> wrote a GPT2LMHeadModel to {args.output} ({len(files)} safetensors file(s))")
         if meta.get("groups", 1) > 1:
             print(f"> saved by {meta['groups']} groups: " + (

@@ -5,8 +5,10 @@ Layout (one directory per saved iteration, Megatron's tracker file on top):
     SAVE/latest_checkpointed_iteration.txt   "100"
     SAVE/iter_0000100/.metadata              torch.distributed.checkpoint (DCP): where each slice lives
     SAVE/iter_0000100/__3_0.distcp           rank 3's slices: its fp32 masters and optimizer moments
-    SAVE/iter_0000100/meta.json              iteration, consumed samples, model config, arguments,
-                                             loss scaler, every rank's RNG states
+    SAVE/iter_0000100/meta.json              iteration, consumed samples, model config, the run,
+                                             the tokenizer, arguments, loss scaler, every rank's RNG states
+    SAVE/iter_0000100/tokenizer/...          rank 0: the tokenizer's files   (training/checkpoint_16bit.py)
+    SAVE/iter_0000100/pytorch_model.bin      rank 0, if asked: the whole model in 16 bits (DeepSpeed's)
     SAVE/iter_0000100/checksums.json         size and CRC-32 of every file above
 
 Every rank writes only what it owns: each tensor of `engine.checkpoint_state()`
@@ -25,6 +27,10 @@ rename). A crash, kill or full disk at any point leaves the previous
 checkpoint as the latest; a stale `.tmp` directory is removed by the next save.
 Loading verifies every checksum first (the files are split over the ranks).
 
+Whose checkpoints: meta.json names the run ("run", kept across resumes); --keep-last removes only
+this run's, and a save that would replace another run's checkpoint or move the tracker back is
+refused unless `overwrite` (training/preflight.py refuses such a --save at start).
+
 The files' names, atomic writes and checksums are in training/checkpoint_files.py;
 the engine's state as DCP sees it and the RNG states in training/checkpoint_state.py.
 """
@@ -42,13 +48,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from common import ConfigError
+from common import ConfigError, note
 from parallel.launch import print_rank0, rank, world_size
+from training.checkpoint_16bit import gather_16bit, rank0_file_names, write_rank0_files
 from training.checkpoint_files import (CHECKSUMS, FORMAT_VERSION, META, TRACKER, CheckpointError, checksums_json,
-                                       file_crc32, fsync_dir, iteration_dir, latest_iteration, prune_checkpoints,
-                                       read_meta, resolve_checkpoint, verify_on_all_ranks, write_text_atomic)
+                                       file_crc32, fsync_dir, iteration_dir, iteration_of, latest_iteration,
+                                       prune_checkpoints, raise_save_error, read_meta, resolve_checkpoint, run_of,
+                                       verify_on_all_ranks, write_text_atomic)
 from training.checkpoint_state import engine_device, rng_state, set_rng_state, single_process_quiet
-from training.preflight import check_writable_dir
 from zeropp.collectives.partition import as_dcp
 from zeropp.outer.diloco import GLOBAL
 
@@ -87,22 +94,10 @@ def _gather(obj) -> list:
 
 
 # -- saving ----------------------------------------------------------------------------------
-def check_save_dir(save_dir: str, expected_bytes: int | None = None) -> str | None:
-    """Fail now, not after hours of training, if checkpoints cannot be written
-    to `save_dir` (a ConfigError naming it). Returns a warning if the disk has
-    less free space than `expected_bytes` (one checkpoint), else None."""
-    check_writable_dir(save_dir, "--save")
-    if expected_bytes:
-        free = shutil.disk_usage(save_dir).free
-        if free < expected_bytes:
-            return (f"--save {save_dir}: {free / 2**30:.1f} GiB free, a checkpoint needs about "
-                    f"{expected_bytes / 2**30:.1f} GiB")
-    return None
-
-
-def checkpoint_bytes(num_params: int, optimizer_moments: int) -> int:
-    """What one checkpoint writes in total: fp32 masters and fp32 moments."""
-    return 4 * num_params * (1 + optimizer_moments)
+def checkpoint_bytes(num_params: int, optimizer_moments: int, consolidated_itemsize: int = 0) -> int:
+    """What one checkpoint writes in total: fp32 masters and fp32 moments, and the consolidated model
+    with `consolidated_itemsize` bytes per parameter (stage3_gather_16bit_weights_on_model_save)."""
+    return num_params * (4 * (1 + optimizer_moments) + consolidated_itemsize)
 
 
 def optimizer_moments(settings) -> int:
@@ -112,9 +107,14 @@ def optimizer_moments(settings) -> int:
 
 def save_checkpoint(save_dir: str, iteration: int, engine, consumed_train_samples: int, meta: dict,
                     keep_last: int | None = None, storage_writer=None, async_group=None,
-                    save_optim: bool = True, save_rng: bool = True):
+                    save_optim: bool = True, save_rng: bool = True, overwrite: bool = False,
+                    files: dict[str, bytes] | None = None, consolidated_16bit: bool = False):
     """Collective: every rank calls it. `storage_writer(path)` makes the DCP
-    writer (default: FileSystemWriter, fsyncing its files).
+    writer (default: FileSystemWriter, fsyncing its files). `meta["run"]` names
+    the run: --keep-last prunes only its checkpoints, and one of another run is
+    replaced (or the tracker moved back) only with `overwrite`. Rank 0 writes
+    `files` ({name: bytes}, the tokenizer's) into the checkpoint, and with
+    `consolidated_16bit` the whole model in the compute dtype (training/checkpoint_16bit.py).
 
     With `async_group` (a gloo process group of all ranks, kept for checkpoints
     so the writer's collectives never interleave with training's), the state is
@@ -129,13 +129,15 @@ def save_checkpoint(save_dir: str, iteration: int, engine, consumed_train_sample
     error = None
     if this_rank == 0:
         try:
-            os.makedirs(save_dir, exist_ok=True)
-            for stale in glob.glob(os.path.join(save_dir, "iter_*.tmp")):  # left by a crash or kill
-                shutil.rmtree(stale, ignore_errors=True)
-            os.makedirs(tmp)
+            error = _refusal(save_dir, iteration, meta.get("run"), overwrite)
+            if error is None:
+                os.makedirs(save_dir, exist_ok=True)
+                for stale in glob.glob(os.path.join(save_dir, "iter_*.tmp")):  # left by a crash or kill
+                    shutil.rmtree(stale, ignore_errors=True)
+                os.makedirs(tmp)
         except OSError as e:
             error = e
-    _raise_save_error(save_dir, iteration, _broadcast(error))
+    raise_save_error(save_dir, iteration, _broadcast(error))
 
     # The tensors first: taking them may complete what the scalar state then records (an outer
     # exchange in flight, zeropp/outer/diloco.py). The metadata is taken now: training may go on
@@ -143,11 +145,13 @@ def save_checkpoint(save_dir: str, iteration: int, engine, consumed_train_sample
     state = engine.checkpoint_state(optimizer=save_optim)
     scalars = engine.scalar_state()   # rank 0's is meta.json's "engine"; with groups, each group's too
     topology = engine.comm.topology
+    whole = gather_16bit(state, meta["param_shapes"], engine.dtype, topology) if consolidated_16bit else None
+    files = (files or {}) if this_rank == 0 else {}
     info = dict(meta, format=FORMAT_VERSION, iteration=iteration, consumed_train_samples=consumed_train_samples,
                 world_size=world, groups=topology.groups, engine=scalars, optimizer_saved=save_optim)
     own = {"rng": rng_state() if save_rng else None, "engine": scalars}
-    done = _Finisher(save_dir, iteration, tmp, final, info, own, keep_last,
-                     start, topology.groups)
+    done = _Finisher(save_dir, iteration, tmp, final, info, own, keep_last, start, topology.groups,
+                     rank0_file_names(files, whole))
     writer = (storage_writer or _default_writer)(tmp)
     try:
         if async_group is not None:
@@ -155,16 +159,37 @@ def save_checkpoint(save_dir: str, iteration: int, engine, consumed_train_sample
             # checkpoint group. (DCP's async_save stages by storage and rejects our views into one
             # flat buffer.)
             staged = {k: replace(v, local=v.local.to("cpu", copy=True)) for k, v in state.items()}
-            future = _background_writer().submit(dcp.save, as_dcp(staged, torch.device("cpu"), async_group,
-                                                                   engine.comm.topology),
-                                                 storage_writer=writer, process_group=async_group)
-            return PendingSave(done, future, time.time() - start)
+
+            def write():
+                dcp.save(as_dcp(staged, torch.device("cpu"), async_group, engine.comm.topology),
+                         storage_writer=writer, process_group=async_group)
+                write_rank0_files(tmp, files, whole)
+            return PendingSave(done, _background_writer().submit(write), time.time() - start)
         with single_process_quiet():
             dcp.save(as_dcp(state, engine_device(state), topology=engine.comm.topology), storage_writer=writer,
                      no_dist=not dist.is_initialized())
+        write_rank0_files(tmp, files, whole)
     except (Exception, dcp.api.CheckpointException) as e:  # any rank's failure, reported on every rank
-        _raise_save_error(save_dir, iteration, e)
+        raise_save_error(save_dir, iteration, e)
     return done()
+
+
+def _refusal(save_dir: str, iteration: int, run: str | None, overwrite: bool) -> str | None:
+    """Why rank 0 must not save `iteration` of `run` into `save_dir`, if it must not (preflight checked
+    it at start; a job writing there since is found here): the tracker would move back, or another
+    run's checkpoint of this iteration would be replaced."""
+    try:
+        latest = latest_iteration(save_dir)
+    except CheckpointError:   # an unreadable tracker: replaced by this save's
+        latest = None
+    final = iteration_dir(save_dir, iteration)
+    if os.path.exists(os.path.join(final, META)) and run_of(final) != run and not overwrite:
+        return f"{final} holds a checkpoint of another run"
+    if latest is not None and latest > iteration:
+        if not overwrite:
+            return f"its latest checkpoint is iteration {latest}, newer than this one: {TRACKER} would move back"
+        note(f"--overwrite-checkpoints: {os.path.join(save_dir, TRACKER)} moves back from {latest} to {iteration}")
+    return None
 
 
 class PendingSave:
@@ -179,7 +204,7 @@ class PendingSave:
         try:
             self.future.result()
         except (Exception, dcp.api.CheckpointException) as e:
-            _raise_save_error(self.finisher.save_dir, self.iteration, e)
+            raise_save_error(self.finisher.save_dir, self.iteration, e)
         return self.finisher()
 
 
@@ -187,17 +212,18 @@ class _Finisher:
     """The end of a save, once every rank's files are written: checksums and
     metadata by rank 0, the rename, then the tracker."""
 
-    def __init__(self, save_dir, iteration, tmp, final, info, own, keep_last, start, groups=1):
+    def __init__(self, save_dir, iteration, tmp, final, info, own, keep_last, start, groups=1, rank0_files=()):
         self.save_dir, self.iteration, self.tmp, self.final = save_dir, iteration, tmp, final
         self.info, self.own, self.keep_last, self.start, self.groups = info, own, keep_last, start, groups
+        self.rank0_files = rank0_files   # written by rank 0 beside the DCP files (the tokenizer, the 16-bit model)
 
     def __call__(self) -> SaveResult:
         this_rank = rank()
         tmp, final, save_dir = self.tmp, self.final, self.save_dir
         mine = sorted(glob.glob(os.path.join(tmp, f"__{this_rank}_*.distcp")))
         if this_rank == 0:
-            mine.append(os.path.join(tmp, ".metadata"))
-        sums = {os.path.basename(p): [os.path.getsize(p), file_crc32(p)] for p in mine}
+            mine += [os.path.join(tmp, name) for name in (".metadata", *self.rank0_files)]
+        sums = {os.path.relpath(p, tmp): [os.path.getsize(p), file_crc32(p)] for p in mine}
         gathered = _gather({"checksums": sums, **self.own})
         error = None
         if this_rank == 0:
@@ -217,10 +243,10 @@ class _Finisher:
                 fsync_dir(save_dir)
                 write_text_atomic(os.path.join(save_dir, TRACKER), str(self.iteration))
                 if self.keep_last:
-                    prune_checkpoints(save_dir, self.keep_last, self.iteration)
+                    prune_checkpoints(save_dir, self.keep_last, self.iteration, self.info.get("run"))
             except OSError as e:
                 error = e
-        _raise_save_error(save_dir, self.iteration, _broadcast(error))
+        raise_save_error(save_dir, self.iteration, _broadcast(error))
         sizes = _broadcast([sum(v[0] for v in g["checksums"].values()) for g in gathered])
         return SaveResult(self.iteration, final, time.time() - self.start, sizes[this_rank], max(sizes), sum(sizes))
 
@@ -239,41 +265,6 @@ def _default_writer(path: str):
     return dcp.FileSystemWriter(path, sync_files=True)
 
 
-# torch's own file writer reports a short write ("... vs 598") without the errno: a save that
-# failed on a file system with less than this left is reported as the full disk it is.
-_FULL_DISK_BYTES = 64 * 2**20
-
-
-def _raise_save_error(save_dir: str, iteration: int, error):
-    if error is None:
-        return
-    latest = latest_iteration(save_dir)
-    kept = (f"the previous checkpoint (iteration {latest}) is intact and still the latest"
-            if latest is not None else "no earlier checkpoint exists there")
-    reason = _reason(error)
-    try:
-        free = shutil.disk_usage(save_dir).free
-    except OSError:
-        free = None
-    if "No space left on device" not in reason and free is not None and free < _FULL_DISK_BYTES:
-        reason = f"No space left on device ({free} bytes free there): {reason}"
-    raise CheckpointError(f"could not save iteration {iteration} to {save_dir}: {reason}; {kept}. "
-                          f"Free space there or pass another --save") from error
-
-
-def _reason(error: BaseException) -> str:
-    """One line for an OSError, or for the first rank's failure inside DCP's CheckpointException."""
-    failures = getattr(error, "failures", None)
-    if failures:
-        failed_rank, exc = sorted(failures.items())[0]
-        exc = exc[0] if isinstance(exc, tuple) else getattr(exc, "exc", exc)  # DCP keeps (exception, frames)
-        return f"rank {failed_rank}: {_reason(exc)}"
-    if isinstance(error, OSError) and error.strerror:
-        return f"{error.strerror} ({error.filename})" if error.filename else error.strerror
-    lines = str(error).strip().splitlines()
-    return lines[-1] if lines else type(error).__name__
-
-
 @dataclass
 class Progress:
     """Where a run stands: what a checkpoint records besides the state, and where a
@@ -281,6 +272,7 @@ class Progress:
     iteration: int = 0
     consumed_train_samples: int = 0
     consumed_valid_samples: int = 0   # validation continues where it stopped
+    run: str | None = None            # the run resumed (meta.json's "run"); None: a new one
 
 
 class Checkpointer:
@@ -289,9 +281,11 @@ class Checkpointer:
     goes on, one save at a time: the next save, or finish(), completes it."""
 
     def __init__(self, save_dir: str, engine, meta: dict, keep_last: int | None = None, async_save: bool = False,
-                 save_optim: bool = True, save_rng: bool = True):
+                 save_optim: bool = True, save_rng: bool = True, overwrite: bool = False,
+                 files: dict[str, bytes] | None = None, consolidated_16bit: bool = False):
         self.save_dir, self.engine, self.meta, self.keep_last = save_dir, engine, meta, keep_last
-        self.save_optim, self.save_rng = save_optim, save_rng
+        self.options = dict(save_optim=save_optim, save_rng=save_rng, overwrite=overwrite, files=files or {},
+                            consolidated_16bit=consolidated_16bit)
         # Background saves get a gloo group of their own, so the writer's collectives never
         # interleave with training's.
         self.async_group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
@@ -302,10 +296,10 @@ class Checkpointer:
         a background save is finished too. Returns the checkpoint's directory."""
         self.finish()
         iteration = progress.iteration
+        print_rank0(f"> saving checkpoint at iteration {iteration:7d} to {self.save_dir}")   # Megatron's line
         result = save_checkpoint(self.save_dir, iteration, self.engine, progress.consumed_train_samples,
                                  {**self.meta, "consumed_valid_samples": progress.consumed_valid_samples},
-                                 keep_last=self.keep_last, async_group=self.async_group,
-                                 save_optim=self.save_optim, save_rng=self.save_rng)
+                                 keep_last=self.keep_last, async_group=self.async_group, **self.options)
         if isinstance(result, PendingSave):
             self.pending = result
             print_rank0(f"> writing checkpoint at iteration {iteration} in the background (training paused "
@@ -333,11 +327,13 @@ class Checkpointer:
 def load_checkpoint(load: str, engine, load_optim: bool = True, load_rng: bool = True,
                     model_config: dict | None = None) -> dict | None:
     """Restore the checkpoint `load` names into `engine`, on any world size and
-    ZeRO stage (collective). Returns its meta, or None if there is none yet."""
+    ZeRO stage (collective). Returns its meta (and "loaded_from": the checkpoint's
+    directory), or None if there is none yet."""
     this_rank = rank()
     path = resolve_checkpoint(load)
     if path is None:
         return None
+    print_rank0(f"> loading checkpoint from {load} at iteration {iteration_of(path)}")   # Megatron's line
     verify_on_all_ranks(path)   # every file, meta.json included, before anything is read from them
     meta = read_meta(path)
     if model_config is not None:
@@ -394,4 +390,4 @@ def load_checkpoint(load: str, engine, load_optim: bool = True, load_rng: bool =
         elif this_rank == len(meta["rng"]):
             print(f"> {path} was saved by {len(meta['rng'])} ranks: ranks from {len(meta['rng'])} on "
                   f"keep their fresh RNG states", flush=True)
-    return meta
+    return dict(meta, loaded_from=path)

@@ -11,12 +11,17 @@ import zlib
 
 import torch.distributed as dist
 
+from common import note
 from parallel.launch import rank, world_size
 
 TRACKER = "latest_checkpointed_iteration.txt"
 META = "meta.json"
 CHECKSUMS = "checksums.json"
 FORMAT_VERSION = 2
+# The tokenizer's files, copied into every checkpoint under Megatron-LM's names (its
+# save_tokenizer_assets), so a checkpoint samples and exports wherever it is copied.
+TOKENIZER_COPIES = {"tokenizer_model": "tokenizer/tokenizer.model", "vocab_file": "tokenizer/vocab.json",
+                    "merge_file": "tokenizer/merges.txt"}
 
 
 class CheckpointError(RuntimeError):
@@ -80,15 +85,24 @@ def latest_iteration(root: str) -> int | None:
     return int(text)
 
 
-def prune_checkpoints(save_dir: str, keep_last: int, newest: int):
-    """Remove complete checkpoints older than the `keep_last` newest."""
-    done = sorted(complete_iterations(save_dir))
-    for it in done[:-keep_last]:
-        if it != newest:
-            shutil.rmtree(iteration_dir(save_dir, it), ignore_errors=True)
+def run_of(path: str) -> str | None:
+    """The run that wrote the checkpoint at `path` (meta.json's "run", kept from the checkpoint a run
+    resumed from); None for a checkpoint from before runs were named, or an unreadable meta.json."""
+    meta, _ = _read_json(os.path.join(path, META))
+    return meta.get("run") if meta else None
 
 
-def _iteration_of(path: str) -> int | None:
+def prune_checkpoints(save_dir: str, keep_last: int, newest: int, run: str | None):
+    """Keep `newest` and the `keep_last` - 1 checkpoints of `run` before it; remove this run's older
+    ones. Another run's checkpoints (or this run's newer ones) are never touched."""
+    ours = [it for it in complete_iterations(save_dir)
+            if it < newest and run_of(iteration_dir(save_dir, it)) == run]
+    for it in ours[:max(0, len(ours) - (keep_last - 1))]:
+        shutil.rmtree(iteration_dir(save_dir, it), ignore_errors=True)
+
+
+def iteration_of(path: str) -> int | None:
+    """The iteration of an iter_* directory (None for another name)."""
     name = os.path.basename(os.path.normpath(path))
     return int(name[5:]) if name.startswith("iter_") and name[5:].isdigit() else None
 
@@ -100,7 +114,7 @@ def resolve_checkpoint(load: str) -> str | None:
     missing if something removed it). None if there is no checkpoint yet."""
     if os.path.exists(os.path.join(load, META)):
         return load
-    if _iteration_of(load) is not None and os.path.isdir(load):   # an iter_* directory without its meta
+    if iteration_of(load) is not None and os.path.isdir(load):   # an iter_* directory without its meta
         raise damaged(load, f"{os.path.join(load, META)} is missing (the save did not finish)")
     it = latest_iteration(load)
     if it is None:
@@ -108,8 +122,7 @@ def resolve_checkpoint(load: str) -> str | None:
         if not done:
             return None
         it = done[-1]
-        print(f"> {os.path.join(load, TRACKER)} is missing: loading the newest complete checkpoint, "
-              f"iteration {it}", flush=True)
+        note(f"{os.path.join(load, TRACKER)} is missing: loading the newest complete checkpoint, iteration {it}")
     path = iteration_dir(load, it)
     if os.path.isdir(path) and not os.path.exists(os.path.join(path, META)):
         raise damaged(path, f"{os.path.join(path, META)} is missing")
@@ -192,6 +205,12 @@ def _read_checksums(path: str) -> tuple[dict | None, str | None]:
     return table, problem
 
 
+def checkpoint_size(path: str) -> int:
+    """The bytes of every file of the (verified) checkpoint at `path`, as checksums.json lists them."""
+    table, problem = _read_checksums(path)
+    return sum(size for size, _ in table.values()) if problem is None else 0
+
+
 def verify_checksums(path: str, files: list[str] | None = None) -> list[str]:
     """Problems found in `files` (default all) of the checkpoint at `path`, its
     checksums.json included."""
@@ -226,7 +245,7 @@ def _intact_hint(root: str, bad: int | None) -> str:
 def damaged(path: str, problem: str) -> CheckpointError:
     """The one-line error for a damaged checkpoint: what is wrong, and what to load instead."""
     root = os.path.dirname(os.path.abspath(path))
-    return CheckpointError(f"checkpoint {path} is damaged: {problem}; {_intact_hint(root, _iteration_of(path))}")
+    return CheckpointError(f"checkpoint {path} is damaged: {problem}; {_intact_hint(root, iteration_of(path))}")
 
 
 def verify_on_all_ranks(path: str):
@@ -245,3 +264,44 @@ def verify_on_all_ranks(path: str):
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise damaged(path, problems[0] + more)
+
+
+# -- a save that failed ----------------------------------------------------------------------
+# torch's own file writer reports a short write ("... vs 598") without the errno: a save that
+# failed on a file system with less than this left is reported as the full disk it is.
+_FULL_DISK_BYTES = 64 * 2**20
+
+
+def raise_save_error(save_dir: str, iteration: int, error):
+    """A failed save (an OSError, DCP's failure of any rank, or a refusal's text) as one CheckpointError
+    on every rank that names the directory, why, and the checkpoint still intact there."""
+    if error is None:
+        return
+    if isinstance(error, str):   # a refusal (_refusal)
+        raise CheckpointError(f"could not save iteration {iteration} to {save_dir}: {error}. Pass "
+                              f"--overwrite-checkpoints to let this run replace it, or another --save")
+    latest = latest_iteration(save_dir)
+    kept = (f"the previous checkpoint (iteration {latest}) is intact and still the latest"
+            if latest is not None else "no earlier checkpoint exists there")
+    reason = _reason(error)
+    try:
+        free = shutil.disk_usage(save_dir).free
+    except OSError:
+        free = None
+    if "No space left on device" not in reason and free is not None and free < _FULL_DISK_BYTES:
+        reason = f"No space left on device ({free} bytes free there): {reason}"
+    raise CheckpointError(f"could not save iteration {iteration} to {save_dir}: {reason}; {kept}. "
+                          f"Free space there or pass another --save") from error
+
+
+def _reason(error: BaseException) -> str:
+    """One line for an OSError, or for the first rank's failure inside DCP's CheckpointException."""
+    failures = getattr(error, "failures", None)
+    if failures:
+        failed_rank, exc = sorted(failures.items())[0]
+        exc = exc[0] if isinstance(exc, tuple) else getattr(exc, "exc", exc)  # DCP keeps (exception, frames)
+        return f"rank {failed_rank}: {_reason(exc)}"
+    if isinstance(error, OSError) and error.strerror:
+        return f"{error.strerror} ({error.filename})" if error.filename else error.strerror
+    lines = str(error).strip().splitlines()
+    return lines[-1] if lines else type(error).__name__

@@ -262,6 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="take the model's shape from the checkpoint in --load, over the flags")
     g.add_argument("--keep-last", type=_int, default=None,
                    help="keep the K newest checkpoints in --save; older ones go once a newer one is complete")
+    g.add_argument("--overwrite-checkpoints", action="store_true",
+                   help="let this run save into a --save directory that holds another run's checkpoints (or "
+                        "newer ones than --load's): refused without it")
     g.add_argument("--async-save", action="store_true",
                    help="write checkpoints in the background (torch.distributed.checkpoint.async_save) while "
                         "training goes on; each is completed before the next save and at exit")

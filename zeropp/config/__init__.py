@@ -93,7 +93,10 @@ class ZeroConfig:
     allgather_partitions: bool = True        # true only
     round_robin_gradients: bool = False      # false only
     sub_group_size: int = 1_000_000_000      # the default only
-    stage3_gather_16bit_weights_on_model_save: bool = False  # false only
+    # true: every save also writes the whole model in the compute dtype, DeepSpeed's pytorch_model.bin
+    # (training/checkpoint_16bit.py); the second key is its old name, as DeepSpeed still reads it.
+    stage3_gather_16bit_weights_on_model_save: bool = False
+    stage3_gather_fp16_weights_on_model_save: bool = False
     # False: the engine raises when a parameter got no gradient in a step (DeepSpeed's check).
     ignore_unused_parameters: bool = True
 
@@ -106,6 +109,8 @@ class ZeroConfig:
         return [k for k in AUTO_KEYS if getattr(self, k) == AUTO]
 
     def validate(self, where: str = "zero_optimization"):
+        if self.stage3_gather_fp16_weights_on_model_save:   # the old name
+            self.stage3_gather_16bit_weights_on_model_save = True
         if self.stage not in (0, 1, 2, 3):
             raise ConfigError(f"{where}.stage is {self.stage}; ZeRO stages are 0, 1, 2 and 3")
         fixed = Problems()   # every such key of the file in one error
@@ -198,10 +203,6 @@ _ZERO_FIXED = {
     "allgather_partitions": (True, "updated shards are always all-gathered"),
     "round_robin_gradients": (False, "gradients are partitioned in order, not round-robin"),
     "sub_group_size": (1_000_000_000, "the optimizer steps each rank's whole shard at once"),
-    "stage3_gather_16bit_weights_on_model_save": (
-        False, "checkpoints hold each rank's fp32 slices, never a gathered copy; to get the whole "
-               "model in 16 bits run `python -m tools.export_checkpoint --load DIR --format torch --dtype bf16 "
-               "--output model.pt` (no GPU or process group needed)"),
 }
 
 

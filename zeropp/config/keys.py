@@ -119,12 +119,6 @@ UNSUPPORTED: dict[str, dict[str, tuple[Callable, str]]] = {
         "stage3_model_persistence_threshold": (_never, f"only the per-parameter "
                                                        f"stage3_param_persistence_threshold exists; {_REMOVE}"),
         "stage3_use_all_reduce_for_fetch_params": (_only(False), f"weights are always all-gathered; {_REMOVE}"),
-        "stage3_gather_fp16_weights_on_model_save": (_only(False), "checkpoints hold each rank's fp32 "
-                                                                   "slices, never a gathered copy; run "
-                                                                   "`python -m tools.export_checkpoint "
-                                                                   "--load DIR --format torch --dtype fp16 "
-                                                                   "--output "
-                                                                   "model.pt` for the whole model"),
         "use_multi_rank_bucket_allreduce": (_never, f"a DeepSpeed all-reduce detail; {_REMOVE}"),
         "load_from_fp32_weights": (_never, f"loading always restores the checkpoint's fp32 state; {_REMOVE}"),
         "elastic_checkpoint": (_only(False), f"elastic checkpoints are not implemented; {_REMOVE}"),
