@@ -115,10 +115,10 @@ def dim_one(rank, world):
 @pytest.mark.slow
 def test_dim_one_shards_are_refused_with_hpz_and_keyed_by_loco_without():
     out, runs = run_distributed(dim_one, 4)[0]
-    assert out["hpz"] == ("apply_zeropp(hpz=True) keeps the weights over a node's ranks after forward, which FSDP2 "
-                          "does only for parameters sharded on dim 0; blocks.0.0.weight is sharded on dim 1 "
+    assert out["hpz"] == ("apply_zeropp(hpz=True) keeps the weights over a node's 2 ranks after forward, which "
+                          "FSDP2 does only for parameters sharded on dim 0; blocks.0.0.weight is sharded on dim 1 "
                           "(shard_placement_fn): shard it on dim 0 or pass hpz=False"), out
-    assert out["fsdp2_int"].startswith("fully_shard(reshard_after_forward=2) keeps") and \
+    assert out["fsdp2_int"].startswith("fully_shard(reshard_after_forward=2) keeps the weights over 2 ranks") and \
         out["fsdp2_int"].endswith("shard it on dim 0 or reshard_after_forward=True"), out
     plain, (losses, loco_warnings, keys, nonzero) = runs["plain"][0], runs["loco"]
     assert loco_warnings == [] and keys == ["0", "1", "2"] and nonzero, (loco_warnings, keys)

@@ -155,10 +155,11 @@ def _check_reshard(model, units, ranks: int | None, world: int) -> dict:
                               f"{type(modules[0]).__name__} was wrapped with fully_shard(reshard_after_forward={now}): "
                               f"pass {ranks} or True")
         if ranks is not None and now is not None:
-            _check_shard_dim(group, names, "apply_zeropp(hpz=True) keeps", "or pass hpz=False")
+            _check_shard_dim(group, names, f"apply_zeropp(hpz=True) keeps the weights over a node's {ranks} ranks",
+                             "or pass hpz=False")
         elif now is not None and now < world:
-            _check_shard_dim(group, names, f"fully_shard(reshard_after_forward={now}) keeps",
-                             "or reshard_after_forward=True")
+            _check_shard_dim(group, names, f"fully_shard(reshard_after_forward={now}) keeps the weights over "
+                             f"{now} ranks", "or reshard_after_forward=True")
     if ranks is None:
         return made
     for modules, group in units:
@@ -173,9 +174,9 @@ def _check_shard_dim(group, names: dict, keeps: str, otherwise: str):
     for fsdp_param in group_params(group):
         param = sharded_param(fsdp_param)
         if (dim := shard_dim(param)) != 0:
-            raise PluginError(f"{keeps} the weights over a node's ranks after forward, which FSDP2 does only for "
-                              f"parameters sharded on dim 0; {names.get(id(param), 'a parameter')} is sharded on "
-                              f"dim {dim} (shard_placement_fn): shard it on dim 0 {otherwise}")
+            raise PluginError(f"{keeps} after forward, which FSDP2 does only for parameters sharded on dim 0; "
+                              f"{names.get(id(param), 'a parameter')} is sharded on dim {dim} (shard_placement_fn): "
+                              f"shard it on dim 0 {otherwise}")
 
 
 def _keep_hpz_when_toggled(module, ranks: int, made: dict):
