@@ -28,6 +28,7 @@ def test_fsdp2_with_every_switch_resumes_bit_for_bit(corpus, tmp_path):  # noqa:
     rc, full_log = train_ranks(4, flags(corpus, straight, 6, [*common, "--save-interval", "3"]))
     assert rc == 0, full_log
     assert "FSDP2 + ZeRO++ plug-in (qwZ, hpZ, qgZ, LoCo)" in full_log
+    assert "; FSDP2 without the plug-in would send " in full_log   # the plain count is plain FSDP2's
     rc, log = train_ranks(4, flags(corpus, split, 6, [*common, "--load", str(straight / "ckpt" / "iter_0000003")]))
     assert rc == 0, log
     assert "resumed from" in log and "starts from zero" not in log
