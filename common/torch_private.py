@@ -12,11 +12,13 @@ autograd attributes are looked up at import, the FSDP2 ones when the plug-in is 
 | torch.autograd.Variable._execution_engine.queue_callback | run something when backward ends |
 | torch._C._autograd._top_saved_tensors_default_hooks | the innermost saved-tensor hook (activation checkpointing) |
 | Tensor._post_accumulate_grad_hooks | whether a parameter has post-accumulate-grad hooks |
+| torch.distributed.distributed_c10d._get_default_store | the key-value store of the default process group |
 | FSDPModule._get_fsdp_state, FSDPState._fsdp_param_groups | a unit's FSDP parameter group |
 | FSDPModule._set_unshard_async_op | FSDP2's asynchronous unshard (CPU overlap) |
 | FSDPState._states_to_forward_prefetch | whether forward prefetch was set |
 | FSDPParamGroup.fsdp_params, .post_forward_mesh_info, .mesh_info | a group's parameters, its hpZ mesh |
 | FSDPParamGroup._all_reduce_hook, .gradient_divide_factor, .reduce_scatter_unused_params | what reads a reduction |
+| FSDPParamGroup.reshard_after_backward | whether a unit reshards after backward (set_reshard_after_backward has no getter) |
 | FSDPParam.sharded_param, ._unsharded_param, .offload_to_cpu, ._orig_size | one parameter's state |
 | FSDPParam.post_forward_mesh_info, ._init_sharded_post_forward_param_metadata | hpZ's post-forward shard |
 | FSDPMeshInfo.mesh, .shard_mesh_size | the DeviceMesh a group shards over, and its size |
@@ -49,6 +51,7 @@ ATTRIBUTES = (
     "torch.autograd.Variable._execution_engine.queue_callback",
     "torch._C._autograd._top_saved_tensors_default_hooks",
     "Tensor._post_accumulate_grad_hooks",
+    "torch.distributed.distributed_c10d._get_default_store",
     "FSDPModule._get_fsdp_state",
     "FSDPModule._set_unshard_async_op",
     "FSDPState._fsdp_param_groups",
@@ -60,6 +63,7 @@ ATTRIBUTES = (
     "FSDPParamGroup._all_reduce_hook",
     "FSDPParamGroup.gradient_divide_factor",
     "FSDPParamGroup.reduce_scatter_unused_params",
+    "FSDPParamGroup.reshard_after_backward",
     "FSDPParam.sharded_param",
     "FSDPParam._unsharded_param",
     "FSDPParam.offload_to_cpu",
@@ -115,6 +119,8 @@ _queue_callback = _required(_required(torch.autograd.Variable, "_execution_engin
 _top_saved_hooks = _required(torch._C._autograd, "_top_saved_tensors_default_hooks",
                              "torch._C._autograd._top_saved_tensors_default_hooks")
 _required(torch.Tensor, "_post_accumulate_grad_hooks", "Tensor._post_accumulate_grad_hooks")
+_default_store = _required(torch.distributed.distributed_c10d, "_get_default_store",
+                           "torch.distributed.distributed_c10d._get_default_store")
 _PARAM_GROUPS = reached("FSDPState._fsdp_param_groups", torch.__version__)
 _REDUCE_UNUSED = reached("FSDPParamGroup.reduce_scatter_unused_params", torch.__version__)
 
@@ -139,12 +145,19 @@ def has_post_accumulate_grad_hooks(tensor: torch.Tensor) -> bool:
     return bool(tensor._post_accumulate_grad_hooks)   # None until one is registered
 
 
+# -- c10d --------------------------------------------------------------------------------------
+def default_store():
+    """The key-value store every rank of the default process group reaches (init_process_group's,
+    under torchrun its agent's, per restart): a check that each rank arrived needs no collective."""
+    return _default_store()
+
+
 # -- FSDP2 (torch.distributed.fsdp.fully_shard) --------------------------------------------------
 _FSDP_NEEDS = {   # where each FSDP2 attribute above lives on a live model: (owner, attribute)
     "module": ("_get_fsdp_state", "_set_unshard_async_op"),
     "state": (_PARAM_GROUPS, "_states_to_forward_prefetch"),
     "group": ("fsdp_params", "post_forward_mesh_info", "mesh_info", "_all_reduce_hook", "gradient_divide_factor",
-              *([_REDUCE_UNUSED] if _REDUCE_UNUSED else [])),
+              "reshard_after_backward", *([_REDUCE_UNUSED] if _REDUCE_UNUSED else [])),
     "param": ("sharded_param", "offload_to_cpu", "_orig_size", "post_forward_mesh_info",
               "_init_sharded_post_forward_param_metadata"),
     "mesh info": ("mesh", "shard_mesh_size"),
@@ -250,6 +263,11 @@ def reduces_unused(group) -> bool:
     if _REDUCE_UNUSED is None:   # torch 2.11-2.12: no such setting
         return False
     return bool(group.reduce_scatter_unused_params)
+
+
+def reshards_after_backward(group) -> bool:
+    """What `set_reshard_after_backward` last set (True unless the user set False)."""
+    return bool(group.reshard_after_backward)
 
 
 def post_forward_ranks(group) -> int | None:

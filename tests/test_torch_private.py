@@ -161,6 +161,9 @@ def fsdp_attributes(rank, world):
     if tp.reached("FSDPParamGroup.reduce_scatter_unused_params", torch.__version__):   # 2.13 on
         model[0].set_reduce_scatter_unused_params(True)
         out["unused"] = (out["unused"], tp.reduces_unused(group))
+    out["after_backward"] = tp.reshards_after_backward(group)
+    model[0].set_reshard_after_backward(False, recurse=False)
+    out["after_backward"] = (out["after_backward"], tp.reshards_after_backward(group))
     model(torch.ones(2, 4))
     u = tp.unsharded_param(params[0])
     out["unsharded_after"] = u is not None and tuple(u.shape) == (4, 4)
@@ -181,6 +184,20 @@ def test_fsdp2_attributes():
     assert r["reads"] == [[], ["an all-reduce hook", "a gradient divide factor", "a post-accumulate-grad hook"]], r
     unused = (False, True) if tp.reached("FSDPParamGroup.reduce_scatter_unused_params", torch.__version__) else False
     assert r["factor"] == 3.0 and r["unused"] == unused and r["offload"] == ["CPU offload"], r
+    assert r["after_backward"] == (True, False), r
+
+
+def store_attributes(rank, world):
+    import torch.distributed as dist
+    store = tp.default_store()
+    store.set(f"torch_private/{rank}", str(rank))
+    dist.barrier()
+    return [store.get(f"torch_private/{r}").decode() for r in range(world)]
+
+
+@pytest.mark.slow
+def test_the_default_store_is_every_ranks():
+    assert run_distributed(store_attributes, 4) == [["0", "1", "2", "3"]] * 4
 
 
 def test_every_listed_attribute_is_named_in_the_module():

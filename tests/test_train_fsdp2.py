@@ -1,6 +1,7 @@
 """train.py --sharding fsdp2 (torch's FSDP2 with the ZeRO++ plug-in) on 4 ranks as
-2 nodes x 2: it resumes bit for bit, reads and writes the engine's checkpoints, and refuses
-what it cannot do in one line."""
+2 nodes x 2: it resumes bit for bit, reads and writes the engine's checkpoints (streaming
+DiLoCo's too), does what the DeepSpeed JSON's communication keys say, and refuses what it
+cannot do in one line."""
 import json
 
 import pytest
@@ -27,6 +28,7 @@ def test_fsdp2_with_every_switch_resumes_bit_for_bit(corpus, tmp_path):  # noqa:
     rc, full_log = train_ranks(4, flags(corpus, straight, 6, [*common, "--save-interval", "3"]))
     assert rc == 0, full_log
     assert "FSDP2 + ZeRO++ plug-in (qwZ, hpZ, qgZ, LoCo)" in full_log
+    assert "; FSDP2 without the plug-in would send " in full_log   # the plain count is plain FSDP2's
     rc, log = train_ranks(4, flags(corpus, split, 6, [*common, "--load", str(straight / "ckpt" / "iter_0000003")]))
     assert rc == 0, log
     assert "resumed from" in log and "starts from zero" not in log
@@ -50,6 +52,22 @@ def test_checkpoints_cross_between_the_engine_and_fsdp2(corpus, tmp_path):  # no
     assert losses(log)[4] == losses(engine_log)[4], (losses(log), losses(engine_log))
     rc, back = train_ranks(4, flags(corpus, tmp_path / "back", 4, [*COMMON, "--load", str(fsdp2 / "ckpt")]))
     assert rc == 0 and "resumed from" in back, back
+
+
+@pytest.mark.slow
+def test_fsdp2_loads_a_streaming_diloco_checkpoint_as_the_engine_does(corpus, tmp_path):  # noqa: F811
+    """A checkpoint of 2 groups of nodes (streaming DiLoCo) loads into one job from the global parameters
+    the groups shared, into FSDP2 as into the engine: the first loss after it is the engine's, bit for bit."""
+    diloco = tmp_path / "diloco"
+    rc, log = train_ranks(4, flags(corpus, diloco, 2, [*COMMON, "--group-size", "1", "--outer-sync-interval", "2",
+                                                       "--save-interval", "2"]))
+    assert rc == 0, log
+    saved = str(diloco / "ckpt" / "iter_0000002")
+    rc, engine_log = train_ranks(4, flags(corpus, tmp_path / "engine", 3, [*COMMON, "--load", saved]))
+    assert rc == 0 and "was saved by 2 groups of nodes" in engine_log, engine_log
+    rc, log = train_ranks(4, flags(corpus, tmp_path / "fsdp2", 3, [*COMMON, "--sharding", "fsdp2", "--load", saved]))
+    assert rc == 0 and "was saved by 2 groups of nodes" in log, log
+    assert losses(log)[3] == losses(engine_log)[3], (losses(log), losses(engine_log))
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -185,3 +203,33 @@ def test_an_fsdp2_checkpoint_in_buckets_smaller_than_a_tensor_loads_back_exactly
         largest = max(-(-t.numel() // world) for t in whole.values())
         assert largest > bucket and len(saves) > 2 and max(saves) <= largest and sum(saves) == share, saves
         assert len(moved) > 10 and not differ, (moved, differ)
+
+
+def json_keys(rank, world, extra: dict, zero: dict):
+    """The engine train.py builds under --sharding fsdp2, 2 steps: (bytes the gradient reductions
+    sent, which units' reductions overlapped backward)."""
+    import zeropp
+    from parallel.comm import Communicator
+    from parallel.topology import topology_from_env
+    from tests.test_fsdp_plugin import batch, tiny_gpt
+    torch.manual_seed(0)
+    cfg = zeropp.DeepSpeedConfig.from_dict({"zero_optimization": {"stage": 3, **zero}, **extra})
+    engine = zeropp.initialize(tiny_gpt(), cfg, Communicator(topology_from_env(2)), torch.device("cpu"),
+                               zeropp.OptimizerSettings(type="adamw", lr=3e-3), sharding="fsdp2")
+    for step in range(2):
+        engine.backward(engine(*batch(rank, step)))
+        engine.step()
+    reduced = engine.comm.stats.as_dict()["by_phase"]["grad_reduce"]
+    return reduced["intra_node_bytes"] + reduced["inter_node_bytes"], engine.zeropp.overlap_label()
+
+
+@pytest.mark.slow
+def test_communication_data_type_and_overlap_comm_do_what_they_say_under_fsdp2():
+    """communication_data_type is FSDP2's reduce_dtype; overlap_comm false is the plug-in's overlap off."""
+    fp32 = run_distributed(json_keys, 4, args=({}, {}))
+    bf16 = run_distributed(json_keys, 4, args=({"communication_data_type": "bf16"}, {}))
+    off = run_distributed(json_keys, 4, args=({}, {"overlap_comm": False}))
+    for (a, label), (b, _), (_, label_off) in zip(fp32, bf16, off):
+        assert a > 0 and b * 2 == a, (a, b)   # the gradients reduced in bf16: half the bytes
+        assert label.startswith("reductions overlap backward in 3 of 3 units"), label
+        assert label_off == "reductions overlap backward in 0 of 3 units (overlap is off)", label_off

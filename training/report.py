@@ -64,8 +64,9 @@ def print_summary(args, topology, cross_node: CrossNodeTraffic, engine):
             print_rank0(f"> cross-node bytes per iteration (mean over ranks): {sent:.2f} MB, the groups' engines "
                         f"and the outer exchange between them (--dry-run compares them with ZeRO-3 over the job)")
         else:
+            without = "FSDP2 without the plug-in" if args.sharding == "fsdp2" else "ZeRO-3 without ZeRO++"
             print_rank0(f"> cross-node bytes per iteration (mean over ranks): {sent:.2f} MB with "
-                        f"{zeropp_label(args.ds_config.zero_optimization, args.sharding)}; ZeRO-3 without ZeRO++ "
+                        f"{zeropp_label(args.ds_config.zero_optimization, args.sharding)}; {without} "
                         f"would send {plain:.2f} MB ({sent / plain if plain else 1.0:.3f}x)")
     for line in engine.summary():
         print_rank0(f"> {line}")

@@ -18,10 +18,14 @@ FSDP2 (everything it promises: hooks, frozen and unused parameters, evaluation, 
   off, FSDP2's own reduce-scatter, counted (so hpZ alone gives FSDP2's bits).
 - hpZ is FSDP2's `reshard_after_forward=<ranks per node>`: pass it to `fully_shard`, or the
   plug-in sets it (common/torch_private.py) and sets it again when `set_reshard_after_forward(True)`
-  is called later. After a forward without grad (evaluation) a unit holding the node's copy
-  reshards to the world, as plain FSDP2's units do, so a step before the next forward is seen.
+  is called later, only for parameters sharded on dim 0 (FSDP2 keeps no other). After a
+  forward of the model without grad (evaluation) a unit holding the node's copy reshards to the
+  world, as plain FSDP2's units do, so a step before the next forward is seen; a unit run
+  without grad inside a forward with grad (reentrant checkpointing) keeps it for backward's
+  recomputation (zeropp/fsdp/forward.py).
 - Overlap on CPU, where FSDP2 has no streams: gathers are issued asynchronously with forward
-  prefetch (where the user set none); a reduction returns once issued and completes while
+  prefetch from the order the units ran (where the user set none; zeropp/fsdp/forward.py); a
+  reduction returns once issued and completes while
   backward goes on only when nothing can read it before backward ends (no all-reduce hook,
   post-accumulate-grad hook, CPU offload, divide factor, dtype conversion or accumulation;
   `overlap_label()` says which units overlap). On CUDA FSDP2 overlaps through its streams and
@@ -30,23 +34,26 @@ FSDP2 (everything it promises: hooks, frozen and unused parameters, evaluation, 
 
 The techniques are the engine's own parts, built from the same registry (zeropp/techniques)
 and charging the same byte accounting (parallel/comm.py): `stats` says what crossed nodes.
+It is collective: every rank calls it, or those that did say which did not (zeropp/fsdp/arrival.py).
 """
 from __future__ import annotations
+
+import weakref
 
 import torch
 
 from common.errors import ConfigError
-from common.torch_private import (fsdp_internals_problem, has_forward_prefetch, param_group, post_forward_ranks,
-                                  set_post_forward_ranks, set_unshard_async)
+from common.torch_private import (fsdp_internals_problem, group_params, has_forward_prefetch, param_group,
+                                  post_forward_ranks, set_post_forward_ranks, set_unshard_async, sharded_param)
 from parallel.comm import Communicator
 from parallel.topology import Topology, TopologyError
 from zeropp.config import LocoConfig, ZeroConfig
-from zeropp.fsdp.comms import NodeAwareGather, UnitReduce
+from zeropp.fsdp.arrival import all_ranks_arrive
+from zeropp.fsdp.comms import NodeAwareGather, UnitReduce, shard_dim
+from zeropp.fsdp.forward import ForwardWatch
 from zeropp.fsdp.plugin import PluginError, ZeroPP
 
 __all__ = ["apply_zeropp", "PluginError", "ZeroPP", "NodeAwareGather", "UnitReduce"]
-
-PREFETCH = 2   # units whose forward gathers a unit issues ahead (CPU: FSDP2 has no streams there)
 
 
 def apply_zeropp(model: torch.nn.Module, topology: Topology | int | None = None, *, quantized_weights: bool = True,
@@ -54,12 +61,13 @@ def apply_zeropp(model: torch.nn.Module, topology: Topology | int | None = None,
                  weight_block_size: int = 256, gradient_block_size: int = 128, gradient_bits: int = 4,
                  loco_beta: float | None = None,
                  loco_reset_every: int = 1024, overlap: bool = True, max_inflight_reductions: int = 2,
-                 communicator: Communicator | None = None) -> ZeroPP:
+                 communicator: Communicator | None = None, arrival_timeout_s: float = 300.0) -> ZeroPP:
     """Install ZeRO++ on `model`, the root a `fully_shard` returned (collective: every rank
     calls it). `topology`: which ranks share a node: a `parallel.topology.Topology`, the ranks
     per node, or None for torchrun's LOCAL_WORLD_SIZE; `communicator`: a `parallel.comm.Communicator`
-    to count the bytes in (it brings its topology). Returns the `ZeroPP` that holds what it
-    installed (its `stats`, its checkpoint state)."""
+    to count the bytes in (it brings its topology); `arrival_timeout_s`: how long the ranks that
+    called wait for the others before they say which did not. Returns the `ZeroPP` that holds
+    what it installed (its `stats`, its checkpoint state)."""
     from torch.distributed.fsdp import FSDPModule
     if not isinstance(model, FSDPModule):
         raise PluginError(f"apply_zeropp needs the module fully_shard returned, got a {type(model).__name__}: "
@@ -72,6 +80,7 @@ def apply_zeropp(model: torch.nn.Module, topology: Topology | int | None = None,
     for name, on in (("loco", loco), ("hadamard", hadamard)):
         if on and not quantized_gradients:
             raise PluginError(f"apply_zeropp: {name}=True works on qgZ's INT4 gradients: set quantized_gradients=True")
+    all_ranks_arrive("apply_zeropp", arrival_timeout_s)   # before the first collective (a process group)
     topology = communicator.topology if communicator is not None else _topology(topology)
     zero = ZeroConfig(stage=3, zero_quantized_weights=quantized_weights, zero_quantized_gradients=quantized_gradients,
                       zeropp_loco_param=LocoConfig(loco_beta, loco_reset_every) if loco else None,
@@ -85,7 +94,7 @@ def apply_zeropp(model: torch.nn.Module, topology: Topology | int | None = None,
     units = _units(model)
     _check_world(model, topology)
     ranks = topology.ranks_per_node if hpz and 1 < topology.ranks_per_node < topology.world_size else None
-    hpz_meshes = _check_reshard(units, ranks, topology.world_size)
+    hpz_meshes = _check_reshard(model, units, ranks, topology.world_size)
     device = next(model.parameters()).device
     plugin = ZeroPP(topology, zero, device, overlap, max_inflight_reductions, communicator)
     gather, totals = NodeAwareGather(plugin, plugin.gather), {}
@@ -99,22 +108,18 @@ def apply_zeropp(model: torch.nn.Module, topology: Topology | int | None = None,
         for module in modules:
             module.register_forward_hook(reduce.watch)
             if ranks:
-                module.register_forward_hook(_world_shard_after_eval(group, topology.world_size))
                 _keep_hpz_when_toggled(module, ranks, hpz_meshes)
-    if overlap and device.type == "cpu":   # on CUDA FSDP2 overlaps through its streams
+    prefetch = overlap and device.type == "cpu"   # on CUDA FSDP2 overlaps through its streams
+    if prefetch:
         set_unshard_async(model, True)
-        # each unit (the root first) issues the gathers of the next PREFETCH units: on a slow link
-        # the forward is link-bound, and one ahead leaves the link idle while the next is quantized;
-        # a unit the user gave its own prefetch keeps it
-        order = [modules[0] for modules, _ in units]
-        for i, here in enumerate(order[:-1]):
-            if not has_forward_prefetch(here):
-                here.set_modules_to_forward_prefetch(order[i + 1:i + 1 + PREFETCH])
     if plugin.reduction is not None:
         plugin.reduction.expect(totals, topology, device)
-    # evaluation (eval()) gathers exactly, as the engine's; set before FSDP2's root issues its gathers
-    model.register_forward_pre_hook(lambda root, _: setattr(plugin, "exact_gathers", not root.training),
-                                    prepend=True)
+    # prefetch from the order the units run in (a unit the user gave its own prefetch keeps it);
+    # hpZ's node copies after a forward without grad
+    user_prefetch = {key for key, (modules, _) in enumerate(units) if has_forward_prefetch(modules[0])}
+    ForwardWatch(model, units, prefetch, user_prefetch, topology.world_size if ranks else None)
+    plugin.root = weakref.ref(model)   # evaluation (eval()) gathers exactly, as the engine's
+    plugin.hpz = ranks is not None
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module._zeropp = plugin
@@ -137,22 +142,41 @@ def _units(model) -> list[tuple[list, object]]:
     return list(units.values())
 
 
-def _check_reshard(units, ranks: int | None, world: int) -> dict:
+def _check_reshard(model, units, ranks: int | None, world: int) -> dict:
     """hpZ is FSDP2's reshard_after_forward=<ranks per node>: keep it where the user passed it to
     fully_shard, set it where FSDP2 reshards to the world (the root keeps FSDP2's choice not to),
     every unit on one node mesh. Returns the meshes made, for the eval toggle to set again."""
     made: dict = {}
-    if ranks is None:
-        return made
+    names = {id(p): n for n, p in model.named_parameters()}
     for modules, group in units:
         now = post_forward_ranks(group)
-        if now is not None and now not in (ranks, world):
+        if ranks is not None and now is not None and now not in (ranks, world):
             raise PluginError(f"apply_zeropp(hpz=True) keeps the weights over a node's {ranks} ranks after forward; "
                               f"{type(modules[0]).__name__} was wrapped with fully_shard(reshard_after_forward={now}): "
                               f"pass {ranks} or True")
-        if now in (ranks, world):
+        if ranks is not None and now is not None:
+            _check_shard_dim(group, names, f"apply_zeropp(hpz=True) keeps the weights over a node's {ranks} ranks",
+                             "or pass hpz=False")
+        elif now is not None and now < world:
+            _check_shard_dim(group, names, f"fully_shard(reshard_after_forward={now}) keeps the weights over "
+                             f"{now} ranks", "or reshard_after_forward=True")
+    if ranks is None:
+        return made
+    for modules, group in units:
+        if post_forward_ranks(group) in (ranks, world):
             set_post_forward_ranks(group, ranks, made)
     return made
+
+
+def _check_shard_dim(group, names: dict, keeps: str, otherwise: str):
+    """FSDP2 keeps a copy over fewer ranks than its mesh after forward only of parameters sharded
+    on dim 0: of another its copy-out fails (foreach_all_gather_copy_out)."""
+    for fsdp_param in group_params(group):
+        param = sharded_param(fsdp_param)
+        if (dim := shard_dim(param)) != 0:
+            raise PluginError(f"{keeps} after forward, which FSDP2 does only for parameters sharded on dim 0; "
+                              f"{names.get(id(param), 'a parameter')} is sharded on dim {dim} (shard_placement_fn): "
+                              f"shard it on dim 0 {otherwise}")
 
 
 def _keep_hpz_when_toggled(module, ranks: int, made: dict):
@@ -168,16 +192,6 @@ def _keep_hpz_when_toggled(module, ranks: int, made: dict):
                 if isinstance(m, FSDPModule) and (group := param_group(m)) is not None:
                     set_post_forward_ranks(group, ranks, made)
     module.set_reshard_after_forward = set_reshard_after_forward
-
-
-def _world_shard_after_eval(group, world: int):
-    """After a forward without grad no backward consumes the node's copy: reshard to the world,
-    as a unit without hpZ does, so an optimizer step before the next forward is gathered."""
-    def hook(module, *_):
-        ranks = post_forward_ranks(group)
-        if not torch.is_grad_enabled() and ranks is not None and ranks < world:
-            module.reshard()
-    return hook
 
 
 _ARGUMENTS = {"apply_zeropp.zero_quantized_weights_block_size": "apply_zeropp: weight_block_size",

@@ -3,6 +3,8 @@
 `set_custom_reduce_scatter`."""
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.distributed import ReduceOp
 
@@ -31,8 +33,14 @@ class NodeAwareGather:
                  or not input_tensor.is_floating_point())
         gather = self.exact if exact else self.across
         phase = "backward_gather" if in_backward() else "forward_gather"
+        world = self.plugin.topology.world_size
+        # hpZ's gather inside the node stands in for plain FSDP2's over the world, which crosses nodes
+        stands_in = self.plugin.hpz and n < world and self.plugin.inside_node(group)
+        if stands_in:
+            per_rank = output_tensor.numel() // world * input_tensor.element_size()
+            self.plugin.comm.charge_plain("all_gather", None, per_rank)
         work = gather.start(input_tensor, Partition(group, n, -1), phase, async_op=True,
-                            out=output_tensor.view(n, input_tensor.numel()))
+                            out=output_tensor.view(n, input_tensor.numel()), plain=not stands_in)
         if async_op:
             return Issued(work)
         work.wait()
@@ -138,11 +146,16 @@ class UnitReduce:
         return name
 
 
+def shard_dim(param) -> int:
+    """The dim FSDP2 shards `param` on: 0, or what a `shard_placement_fn` chose."""
+    from torch.distributed.tensor import Shard
+    return next((p.dim for p in getattr(param, "placements", ()) if isinstance(p, Shard)), 0)
+
+
 def shard_numel(param, world: int) -> int:
-    """Elements of one rank's shard of `param` as FSDP2 reduces it: dim 0 padded to the world."""
-    shape = param.shape
-    rows = -(-shape[0] // world) if len(shape) else 1
-    rest = 1
-    for s in shape[1:]:
-        rest *= s
-    return rows * rest
+    """Elements of one rank's shard of `param` as FSDP2 reduces it: its shard dim padded to the world."""
+    shape = list(param.shape)
+    if shape:
+        dim = shard_dim(param)
+        shape[dim] = -(-shape[dim] // world)
+    return math.prod(shape)

@@ -4,7 +4,10 @@ root) with ZeRO++ as the plug-in (zeropp/fsdp/apply.py), behind the engine's int
 
 - Units: each element of the model's `nn.ModuleList`s (GPT's blocks), then the root.
 - Precision: FSDP2's `MixedPrecisionPolicy`, 16-bit compute over the fp32 sharded parameters
-  (the masters), gradients reduced in fp32.
+  (the masters), gradients reduced in fp32 or the JSON's `communication_data_type` (its
+  `reduce_dtype`).
+- Overlap: `zero_optimization.overlap_comm` (on unless false) is the plug-in's `overlap`: off,
+  every collective completes before the call that issued it returns.
 - Switches: the zero_optimization section's ZeRO++ keys, as the engine reads them; what FSDP2
   has no place for (bucket sizes, INT4 weight deltas, an hpZ group other than the node) is
   refused in one line.
@@ -26,7 +29,7 @@ from zeropp.collectives.partition import FlatState
 from zeropp.collectives.protocols import uncarried_state
 from zeropp.config import ZeroConfig
 from zeropp.fsdp.apply import apply_zeropp
-from zeropp.stages.engine import Engine, compute_dtype, split_decay
+from zeropp.stages.engine import Engine, communication_dtype, compute_dtype, split_decay
 from zeropp.stages.init import ParamInit, full_value
 
 MOVE_BUCKET = 1 << 22   # elements of chunks moved per collective by a checkpoint conversion (or one larger tensor)
@@ -76,15 +79,17 @@ class FSDP2Engine(Engine):
         topo = comm.topology
         check_fsdp2_config(config.zero_optimization, topo.ranks_per_node, topo.world_size)
         dtype = compute_dtype(config)
-        mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        reduce_dtype = communication_dtype(config) if config.communication_data_type else torch.float32
+        mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce_dtype)
         mesh = init_device_mesh(device.type, (topo.world_size,))
         for unit in [m for lst in module.modules() if isinstance(lst, nn.ModuleList) for m in lst]:
             fully_shard(unit, mesh=mesh, mp_policy=mp)
         fully_shard(module, mesh=mesh, mp_policy=mp)
         _materialize(module, param_init, device, topo.rank, topo.world_size)
         super().__init__(module, config, comm, device, optim, gradient_accumulation_steps)
-        self.world, self.rank = topo.world_size, topo.rank
-        self.zeropp = apply_zeropp(module, topo, communicator=comm, **plugin_switches(config.zero_optimization))
+        self.world, self.rank, self._loading = topo.world_size, topo.rank, []   # _loading: see checkpoint_state
+        self.zeropp = apply_zeropp(module, topo, communicator=comm, overlap=config.zero_optimization.overlap,
+                                   **plugin_switches(config.zero_optimization))
         self.zeropp.commit_by_end_step()   # the engine's step calls end_step(applied)
         self.params = [p for p in module.parameters() if p.requires_grad]
         decay, no_decay = split_decay(module)
@@ -148,6 +153,8 @@ class FSDP2Engine(Engine):
                 out[key] = FlatState(local.view(-1) if in_place else
                                      torch.zeros(end - start, dtype=torch.float32, device=self.device),
                                      t.numel(), sharded=True)
+            # (entry, the DTensor it fills): the loader may drop entries or rename them (groups: the global values)
+            self._loading = [(out[key], t) for key, t in tensors.items()]
         else:   # views where the rows are the chunk (no copy), the rest moved from the ranks holding it
             keys = list(tensors)
             for i, mine in self._moved([(tensors[k].to_local().view(-1), *self._spans(tensors[k])) for k in keys]):
@@ -160,15 +167,12 @@ class FSDP2Engine(Engine):
 
     @torch.no_grad()
     def checkpoint_loaded(self, state: dict[str, FlatState]):
-        items, targets = [], []
-        for name, p in self._named():
-            for key, t in [("model." + name, p)] + [(f"optim.{k}.{name}", self._moment(p, k, True))
-                                                    for k in self._moment_names() if f"optim.{k}.{name}" in state]:
-                rows, flat = self._spans(t)
-                chunk, local = state[key].local, t.to_local()
-                if rows == flat and chunk.data_ptr() == local.data_ptr():
-                    continue   # loaded in place
-                items.append((chunk, flat, rows))
+        present, items, targets = {id(entry) for entry in state.values()}, [], []
+        loading, self._loading = self._loading, []
+        for entry, t in loading:
+            (rows, flat), local = self._spans(t), t.to_local()
+            if id(entry) in present and not (rows == flat and entry.local.data_ptr() == local.data_ptr()):
+                items.append((entry.local, flat, rows))   # loaded, not in place
                 targets.append(local)
         for i, mine in self._moved(items):   # FSDP2's rows from the ranks holding their flat chunks
             targets[i].copy_(mine.view(targets[i].shape))

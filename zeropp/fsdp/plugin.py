@@ -31,7 +31,8 @@ class ZeroPP:
                  comm: Communicator | None = None):
         self.topology, self.zero, self.overlap, self.max_inflight = topology, zero, overlap, max_inflight
         self.comm = comm or Communicator(topology)
-        self.exact_gathers = False      # True: every gather exact (evaluation, as the engine's)
+        self.root = None                # the model (a weak reference), once installed
+        self.hpz = False                # whether the plug-in keeps weights over the node after forward
         self.partition = Partition(topology.gradient_group, topology.world_size, topology.rank)
         ctx = techniques.BuildContext(zero, self.comm, None, None, device, weights=[], flat=None)
         techniques.fill_slots(ctx)
@@ -43,6 +44,13 @@ class ZeroPP:
         self.inflight: list = []        # (work, output, divisor)
         self._callback_queued = False
         self._inside: dict = {}
+
+    @property
+    def exact_gathers(self) -> bool:
+        """Every gather is exact while the model is in eval() (evaluation, as the engine's), an
+        explicit `unshard()` outside forward too."""
+        root = self.root() if self.root is not None else None
+        return root is not None and not root.training
 
     @property
     def stats(self):
@@ -59,9 +67,11 @@ class ZeroPP:
         """Which units' reductions completed while backward went on at their last reduction, and
         why the others completed at once."""
         reduced = [u for u in self.units if u.reads is not None]
-        later = [u.key for u in reduced if not u.reads]
+        later = [u.key for u in reduced if self.overlap and not u.reads]
         why = sorted({r for u in reduced for r in u.reads})
         line = f"reductions overlap backward in {len(later)} of {len(reduced)} units"
+        if not self.overlap:
+            return line + " (overlap is off)"
         return line + (f" (the rest complete at once: {', '.join(why)} reads them)" if why else "")
 
     # -- reductions in flight ----------------------------------------------------------------
