@@ -41,6 +41,7 @@ from common.torch_private import (CHECKED_TORCH, has_forward_prefetch, missing_f
 from parallel.comm import Communicator
 from parallel.topology import Topology, TopologyError
 from zeropp.config import LocoConfig, ZeroConfig
+from zeropp.fsdp import replicate
 from zeropp.fsdp.comms import NodeAwareGather, UnitReduce
 from zeropp.fsdp.plugin import PluginError, ZeroPP
 
@@ -54,12 +55,15 @@ def apply_zeropp(model: torch.nn.Module, topology: Topology | int | None = None,
                  weight_block_size: int = 256, gradient_block_size: int = 128, gradient_bits: int = 4,
                  loco_beta: float | None = None,
                  loco_reset_every: int = 1024, overlap: bool = True, max_inflight_reductions: int = 2,
-                 communicator: Communicator | None = None) -> ZeroPP:
+                 exact_replica_gather: bool = False, communicator: Communicator | None = None) -> ZeroPP:
     """Install ZeRO++ on `model`, the root a `fully_shard` returned (collective: every rank
     calls it). `topology`: which ranks share a node: a `parallel.topology.Topology`, the ranks
     per node, or None for torchrun's LOCAL_WORLD_SIZE; `communicator`: a `parallel.comm.Communicator`
-    to count the bytes in (it brings its topology). Returns the `ZeroPP` that holds what it
-    installed (its `stats`, its checkpoint state)."""
+    to count the bytes in (it brings its topology). On HSDP (a (replicate, shard) mesh, shard
+    groups inside a node) qgZ and LoCo compress the gradient all-reduce across replicas, whose
+    reduced rows are gathered quantized, or exactly with `exact_replica_gather`
+    (zeropp/fsdp/replicate.py). Returns the `ZeroPP` that holds what it installed (its `stats`,
+    its checkpoint state)."""
     from torch.distributed.fsdp import FSDPModule
     if not isinstance(model, FSDPModule):
         raise PluginError(f"apply_zeropp needs the module fully_shard returned, got a {type(model).__name__}: "
@@ -75,6 +79,10 @@ def apply_zeropp(model: torch.nn.Module, topology: Topology | int | None = None,
         if on and not quantized_gradients:
             raise PluginError(f"apply_zeropp: {name}=True works on qgZ's INT4 gradients: set quantized_gradients=True")
     topology = communicator.topology if communicator is not None else _topology(topology)
+    replicas = _check_world(model, topology)
+    if replicas > 1:   # HSDP: the weights never leave the node
+        replicate.weights_note(quantized_weights, hpz)
+        quantized_weights = hpz = False
     zero = ZeroConfig(stage=3, zero_quantized_weights=quantized_weights, zero_quantized_gradients=quantized_gradients,
                       zeropp_loco_param=LocoConfig(loco_beta, loco_reset_every) if loco else None,
                       zero_hadamard_gradients=hadamard, zero_quantized_weights_block_size=weight_block_size,
@@ -85,14 +93,14 @@ def apply_zeropp(model: torch.nn.Module, topology: Topology | int | None = None,
     except ConfigError as e:   # the engine's key names, said as this call's arguments
         raise PluginError(_argument_names(str(e))) from None
     units = _units(model)
-    _check_world(model, topology)
     ranks = topology.ranks_per_node if hpz and 1 < topology.ranks_per_node < topology.world_size else None
     hpz_meshes = _check_reshard(units, ranks, topology.world_size)
     device = next(model.parameters()).device
     plugin = ZeroPP(topology, zero, device, overlap, max_inflight_reductions, communicator)
+    plugin.shards = topology.world_size // replicas
     gather, totals = NodeAwareGather(plugin, plugin.gather), {}
     for key, (modules, group) in enumerate(units):
-        reduce = UnitReduce(plugin, key, group, topology.world_size)
+        reduce = UnitReduce(plugin, key, group, plugin.shards)
         modules[0].set_custom_all_gather(gather)
         modules[0].set_custom_reduce_scatter(reduce)
         plugin.units.append(reduce)
@@ -112,7 +120,9 @@ def apply_zeropp(model: torch.nn.Module, topology: Topology | int | None = None,
         for i, here in enumerate(order[:-1]):
             if not has_forward_prefetch(here):
                 here.set_modules_to_forward_prefetch(order[i + 1:i + 1 + PREFETCH])
-    if plugin.reduction is not None:
+    if replicas > 1:
+        replicate.install(plugin, units, exact_replica_gather, totals, device)
+    elif plugin.reduction is not None:
         plugin.reduction.expect(totals, topology, device)
     # evaluation (eval()) gathers exactly, as the engine's; set before FSDP2's root issues its gathers
     model.register_forward_pre_hook(lambda root, _: setattr(plugin, "exact_gathers", not root.training),
@@ -209,16 +219,8 @@ def _topology(topology) -> Topology:
         raise PluginError(_argument_names(f"apply_zeropp: {e}")) from None
 
 
-def _check_world(model, topology: Topology):
-    """The plug-in shards over the world, ranks in order (a node is consecutive ranks)."""
+def _check_world(model, topology: Topology) -> int:
+    """The plug-in shards over the world, ranks in order (a node is consecutive ranks), or over the
+    ranks of a node on HSDP: the number of replicas (1: none)."""
     mesh = next((p.device_mesh for p in model.parameters() if hasattr(p, "device_mesh")), None)
-    if mesh is None:
-        return
-    world = topology.world_size
-    if mesh.ndim != 1 or mesh.size() != world:
-        raise PluginError(f"apply_zeropp shards over all {world} ranks; this model's FSDP mesh is "
-                          f"{tuple(mesh.shape)}: pass fully_shard a 1-D mesh over the world (HSDP is not supported)")
-    order = mesh.mesh.flatten().tolist()
-    if order != list(range(world)):
-        raise PluginError(f"apply_zeropp's nodes are consecutive ranks; this model's FSDP mesh orders them {order}: "
-                          f"pass fully_shard a mesh over ranks 0..{world - 1} in order")
+    return 1 if mesh is None else replicate.replicas_of(mesh, topology)
