@@ -242,10 +242,14 @@ def _derive(args):
         args.ds_config.zero_optimization.validate_topology(ranks_per_node, world)
     if args.sharding == "fsdp2":
         _check_fsdp2(args, ranks_per_node, world)
+    elif args.data_parallel_replicate_degree != 1:
+        raise ConfigError(f"{flag(args, 'data_parallel_replicate_degree')} is HSDP under --sharding fsdp2; this "
+                          f"application's engine shards over every rank (hpZ keeps a copy inside the node): pass "
+                          f"--sharding fsdp2 or drop it")
 
 
 def _check_fsdp2(args, ranks_per_node: int, world: int):
-    from zeropp.fsdp.engine import check_fsdp2_config
+    from zeropp.fsdp.engine import check_fsdp2_config, check_replicas
     if args.dry_run:
         raise ConfigError("--dry-run plans this application's engine; drop --sharding fsdp2 to plan it")
     zero = args.ds_config.zero_optimization
@@ -253,6 +257,8 @@ def _check_fsdp2(args, ranks_per_node: int, world: int):
         raise ConfigError("--zeropp auto chooses for this application's engine; under --sharding fsdp2 "
                           "name the switches (--zero-quantized-weights, --zero-hpz-size, ...)")
     check_fsdp2_config(zero, ranks_per_node, world)
+    check_replicas(args.data_parallel_replicate_degree, ranks_per_node, world,
+                   flag(args, "data_parallel_replicate_degree"))
 
 
 def _check_schedule(args):
