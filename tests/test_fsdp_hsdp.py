@@ -100,7 +100,8 @@ def test_techniques_off_train_plain_hsdps_bits_and_count_its_bytes(accumulate):
 # -- the bytes across nodes --------------------------------------------------------------------------
 def bytes_across(rank, world):
     out = {}
-    for name, plugin, kw in (("plain", OFF, {}), ("int4", LOCO, {}), ("exact_gather", LOCO, {"exact_replica_gather": True})):
+    for name, plugin, kw in (("plain", OFF, {}), ("int4", LOCO, {}), ("exact_gather", LOCO, {"exact_replica_gather": True}),
+                             ("int2", LOCO, {"gradient_bits": 2})):
         model, opt, zpp = hsdp(plugin, **kw)
         train(model, opt, rank, 3)
         sent = torch.tensor([zpp.stats.inter_node_bytes, zpp.stats.plain_inter_node_bytes], dtype=torch.int64)
@@ -116,6 +117,7 @@ def test_int4_sends_at_most_a_fifth_of_plain_hsdps_bytes_across_nodes():
     assert r["plain"][1] == plain and r["int4"][1] == plain == r["exact_gather"][1], r   # the plain equivalent
     assert 0 < int4 <= 0.2 * plain, (int4, plain, int4 / plain)
     assert int4 < exact < 0.75 * plain, (exact, plain)
+    assert 0 < r["int2"][0] < 0.6 * int4, (r["int2"], int4)   # INT2 both ways across
     for phases in (r["plain_phases"], r["int4_phases"]):   # the weights never cross nodes
         assert phases.get("forward_gather", 0) == phases.get("backward_gather", 0) == 0, phases
 
@@ -225,7 +227,17 @@ def misuse(rank, world):
     from torch.distributed.fsdp import fully_shard
 
     from zeropp.fsdp import PluginError, apply_zeropp
+    import contextlib
+    import io
+
+    from common.notes import forget_notes
     out = {}
+    forget_notes()
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):   # qwZ and hpZ on (the defaults): one note on rank 0
+        hsdp({})
+        hsdp({})
+    out["note"] = said.getvalue()
     for name, rpn, shape in (("spans", 2, (1, 4)), ("replicate_only", 2, (4, 1))):
         model = tiny_gpt()
         fully_shard(model, mesh=init_device_mesh("cpu", shape, mesh_dim_names=("dp_replicate", "dp_shard")))
@@ -236,8 +248,12 @@ def misuse(rank, world):
     return out
 
 
-def test_a_shard_group_spanning_nodes_is_one_line():
-    r = run_distributed(misuse, 4)[0]
+def test_a_shard_group_spanning_nodes_is_one_line_and_qwz_hpz_one_note():
+    runs = run_distributed(misuse, 4)
+    assert [r.pop("note") for r in runs[1:]] == ["", "", ""], runs
+    r = runs[0]
+    note = r.pop("note")
+    assert note.count("> note: apply_zeropp on HSDP") == 1 and "qwZ and hpZ have nothing to do" in note, note
     assert "shard groups of this (1, 4) mesh span 2 nodes of 2 ranks" in r["spans"], r
     assert "pass fully_shard a (2, 2) mesh" in r["spans"], r
     assert "shard dimension has 1 rank" in r["replicate_only"], r
