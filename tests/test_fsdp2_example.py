@@ -14,10 +14,15 @@ from tests.distributed import run_distributed
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fsdp2_zeropp.py"
 
 
-def save_resume_and_straight(rank, world, ckpt):
-    spec = importlib.util.spec_from_file_location("fsdp2_zeropp", EXAMPLE)
+def load(path: Path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
+    return example
+
+
+def save_resume_and_straight(rank, world, ckpt):
+    example = load(EXAMPLE)
     common = ["--ranks-per-node", "2"]
     first = example.main(common + ["--steps", "2", "--ckpt", ckpt])
     resumed = example.main(common + ["--steps", "1", "--ckpt", ckpt, "--resume"])
@@ -36,9 +41,7 @@ HSDP_EXAMPLE = EXAMPLE.parent / "hsdp_zeropp.py"
 
 
 def hsdp_save_resume_and_straight(rank, world, ckpt):
-    spec = importlib.util.spec_from_file_location("hsdp_zeropp", HSDP_EXAMPLE)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = load(HSDP_EXAMPLE)
     common = ["--ranks-per-node", "2"]
     first = example.main(common + ["--steps", "2", "--ckpt", ckpt])
     resumed = example.main(common + ["--steps", "2", "--ckpt", ckpt, "--resume"])

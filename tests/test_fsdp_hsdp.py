@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tests.distributed import run_distributed
-from tests.test_fsdp_plugin import batch, tiny_gpt, train, weights
+from tests.test_fsdp_plugin import batch, state, tiny_gpt, train, weights
 from tests.test_zeropp import int4_bound
 
 OFF = dict(quantized_weights=False, hpz=False, quantized_gradients=False)
@@ -181,12 +181,6 @@ def test_qgz_and_loco_train_like_plain_hsdp(bf16):
 
 
 # -- resume ------------------------------------------------------------------------------------------
-def state(model, opt, zpp):
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt),
-            "zeropp": zpp.state_dict()}
-
-
 def save_then_go_on(rank, world, path):
     import torch.distributed.checkpoint as dcp
     model, opt, zpp = hsdp(LOCO)

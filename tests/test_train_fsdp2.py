@@ -22,11 +22,16 @@ ZEROPP = ["--zero-quantized-weights", "--zero-hpz-size", "2", "--zero-quantized-
 def test_fsdp2_with_every_switch_resumes_bit_for_bit(corpus, tmp_path):  # noqa: F811
     """bf16, dropout on, 2 micro-batches per step, LoCo's error carried: 6 iterations in one go against
     3, stop, resume for 3 more; the losses and the weights are identical."""
-    common = [*COMMON, "--sharding", "fsdp2", "--bf16", *ZEROPP]
+    full_log = resumes_bit_for_bit(corpus, tmp_path, [*COMMON, "--sharding", "fsdp2", "--bf16", *ZEROPP])
+    assert "FSDP2 + ZeRO++ plug-in (qwZ, hpZ, qgZ, LoCo)" in full_log
+
+
+def resumes_bit_for_bit(corpus, tmp_path, common: list[str]) -> str:  # noqa: F811
+    """6 iterations saved at 3 against 3 resumed from there: the same losses and weights; the first
+    run's log."""
     straight, split = tmp_path / "straight", tmp_path / "split"
     rc, full_log = train_ranks(4, flags(corpus, straight, 6, [*common, "--save-interval", "3"]))
     assert rc == 0, full_log
-    assert "FSDP2 + ZeRO++ plug-in (qwZ, hpZ, qgZ, LoCo)" in full_log
     rc, log = train_ranks(4, flags(corpus, split, 6, [*common, "--load", str(straight / "ckpt" / "iter_0000003")]))
     assert rc == 0, log
     assert "resumed from" in log and "starts from zero" not in log
@@ -34,6 +39,7 @@ def test_fsdp2_with_every_switch_resumes_bit_for_bit(corpus, tmp_path):  # noqa:
     assert sorted(b) == [4, 5, 6] and all(a[i] == b[i] for i in b), (a, b)
     wa, wb = consolidated_state_dict(str(straight / "ckpt"))[0], consolidated_state_dict(str(split / "ckpt"))[0]
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    return full_log
 
 
 @pytest.mark.slow
@@ -196,21 +202,11 @@ def test_hsdp_with_qgz_and_loco_resumes_bit_for_bit_and_the_engine_loads_it(corp
     """HSDP (2 replicas x 2 shards, one per node) with the replica all-reduce in INT4 and LoCo's errors:
     6 iterations against 3, stop, resume for 3 more: the same losses and weights; the ZeRO engine loads
     the checkpoint."""
-    common = [*COMMON, "--sharding", "fsdp2", "--bf16", *HSDP]
-    straight, split = tmp_path / "straight", tmp_path / "split"
-    rc, full_log = train_ranks(4, flags(corpus, straight, 6, [*common, "--save-interval", "3"]))
-    assert rc == 0, full_log
+    full_log = resumes_bit_for_bit(corpus, tmp_path, [*COMMON, "--sharding", "fsdp2", "--bf16", *HSDP])
     assert "FSDP2 HSDP (2 replicas) + ZeRO++ plug-in (qgZ, LoCo)" in full_log, full_log
     assert "plain HSDP would send" in full_log, full_log
-    rc, log = train_ranks(4, flags(corpus, split, 6, [*common, "--load", str(straight / "ckpt" / "iter_0000003")]))
-    assert rc == 0, log
-    assert "resumed from" in log and "starts from zero" not in log
-    a, b = losses(full_log), losses(log)
-    assert sorted(b) == [4, 5, 6] and all(a[i] == b[i] for i in b), (a, b)
-    wa, wb = consolidated_state_dict(str(straight / "ckpt"))[0], consolidated_state_dict(str(split / "ckpt"))[0]
-    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     rc, engine = train_ranks(4, flags(corpus, tmp_path / "engine", 4, [*COMMON, "--bf16", "--load",
-                                                                     str(straight / "ckpt" / "iter_0000003")]))
+                                                                     str(tmp_path / "straight" / "ckpt" / "iter_0000003")]))
     assert rc == 0 and "resumed from" in engine, engine
 
 

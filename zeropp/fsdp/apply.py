@@ -28,6 +28,9 @@ FSDP2 (everything it promises: hooks, frozen and unused parameters, evaluation, 
   orders the optimizer after its `_last_post_reduce_events`; the plug-in completes every
   reduction before `backward()` returns, which those events then find done.
 
+On HSDP (a (replicate, shard) mesh, shard groups inside a node) the weights never leave the node:
+qgZ and LoCo compress FSDP2's gradient all-reduce across replicas instead (zeropp/fsdp/replicate.py).
+
 The techniques are the engine's own parts, built from the same registry (zeropp/techniques)
 and charging the same byte accounting (parallel/comm.py): `stats` says what crossed nodes.
 """
