@@ -252,3 +252,20 @@ def test_a_shard_group_spanning_nodes_is_one_line_and_qwz_hpz_one_note():
     assert "pass fully_shard a (2, 2) mesh" in r["spans"], r
     assert "shard dimension has 1 rank" in r["replicate_only"], r
     assert all("\n" not in v for v in r.values()), r
+
+
+def dropped_model_is_freed(rank, world):
+    import gc
+    import weakref
+    model, opt, zpp = hsdp(LOCO)
+    train(model, opt, rank, 1)
+    refs = weakref.ref(model), weakref.ref(zpp)
+    del model, opt, zpp
+    gc.collect()
+    return [r() is None for r in refs]
+
+
+def test_a_dropped_hsdp_model_and_its_plugin_are_freed():
+    """The process group the plug-in gives FSDP2 holds the plug-in, which holds the model's groups: a
+    cycle the collector must see (a pybind object's Python subclass), or every HSDP model would leak."""
+    assert run_distributed(dropped_model_is_freed, 4) == [[True, True]] * 4
