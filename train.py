@@ -24,20 +24,19 @@ from data.gpt_dataset import build_train_valid_test_datasets
 from data.sampler import build_data_loader
 from model import GPT, flops_per_iteration, num_parameters
 from parallel.comm import Communicator
-from parallel.launch import (init_distributed, mark_worker, print_rank0, report_error_to_torchrun,
+from parallel.launch import (CHECK_ONLY, init_distributed, mark_worker, print_rank0, report_error_to_torchrun,
                              report_user_error)
 from parallel.link_probe import LinkProbeError
 from parallel.topology import topology_from_env
 from planner.auto import resolve as resolve_auto
-from training.args import parse_args, resolve_batch
+from training.args import parse_args
 from training.checkpoint import (Checkpointer, Progress, check_save_dir, checkpoint_bytes, load_checkpoint,
                                  optimizer_moments)
 from training.checkpoint_files import CheckpointError
-from training.logger import TrainingLogger
+from training.logger import TensorBoardOptions, TrainingLogger
 from training.lr_schedule import build_lr_schedule
-from training.model_args import model_config
-from training.outer import attach_outer, data_partition, engine_comm, join_groups
-from training.preflight import check_inputs
+from training.outer import attach_outer, engine_comm, join_groups
+from training.preflight import check_inputs, check_job, job_shape
 from training.report import print_job, print_summary
 from training.signals import StopRequest
 from training.trainer import Trainer, TrainingDiverged
@@ -59,11 +58,8 @@ def main(argv=None):
     device = init_distributed(args.distributed_backend)
     topology = topology_from_env(args.ranks_per_node)
     comm = engine_comm(args, topology)   # the job's, or its group's with --outer-sync-interval
-    data_rank, data_world = data_partition(args, topology)   # with --lighthouse: this group's part of the job's
-    resolve_batch(args, data_world)
+    data_rank, data_world, cfg = job_shape(args, topology, tokenizer)
     torch.manual_seed(args.seed)
-
-    cfg = model_config(args, tokenizer.vocab_size, args.seed)
     if args.ds_config.zero_optimization.auto_switches():  # measure the links, let the planner pick
         choice = resolve_auto(args.ds_config, cfg, comm, device, args.micro_batch_size, args.seq_length,
                               args.gradient_accumulation_steps, args.optimizer_settings)
@@ -84,11 +80,12 @@ def main(argv=None):
     progress = resume(args, engine, cfg) if args.load else Progress()
     progress.iteration = join_groups(engine, progress.iteration)   # --lighthouse: meet (and heal from) the others
 
-    logger = TrainingLogger(args.tensorboard_dir)
+    logger = TrainingLogger(args.tensorboard_dir, TensorBoardOptions.from_args(args, topology.world_size))
     train_batches = iter(build_data_loader(train_ds, progress.consumed_train_samples, args.micro_batch_size,
                                            data_rank, data_world, args.num_workers))
     checkpointer = Checkpointer(args.save, engine, checkpoint_meta(args, cfg, model, argv), keep_last=args.keep_last,
-                                async_save=args.async_save) if args.save else None
+                                async_save=args.async_save, save_optim=not args.no_save_optim,
+                                save_rng=not args.no_save_rng) if args.save else None
     trainer = Trainer(args, engine, comm, device, schedule, logger, checkpointer, train_batches, valid_ds, test_ds,
                       flops_per_iteration(cfg, args.global_batch_size, args.seq_length, args.checkpoint_activations),
                       progress, job_comm=Communicator(topology) if comm.topology.groups > 1 else comm)
@@ -100,7 +97,15 @@ def main(argv=None):
         dist.destroy_process_group()
     _UNFREED.append(dict(locals()))   # torch's objects are left to os._exit (see exit_now)
     if early_stop is not None:
-        early_stop.report()  # the signal's line (every rank prints it: no group now) or TrainingDiverged
+        early_stop.report()  # the signal's line (rank 0's, by torchrun's RANK: the group is gone) or TrainingDiverged
+
+
+def check(argv=None):
+    """main()'s checks, without a process group: `python -m parallel.launch` runs this (CHECK_ONLY)
+    once before any worker starts, with the job's WORLD_SIZE and LOCAL_WORLD_SIZE."""
+    args = parse_args(argv)   # the flags, the files they name and the job's shape
+    if not args.dry_run:
+        check_job(args)
 
 
 def preflight_save_dir(args, cfg):
@@ -132,6 +137,9 @@ def resume(args, engine, cfg) -> Progress:
     if meta is None:
         print_rank0(f"> no checkpoint in {args.load}; starting from scratch")
         return Progress()
+    if args.finetune:   # Megatron's: the weights only (parse_args set --no-load-optim/-rng), from iteration 0
+        print_rank0(f"> --finetune: weights from {args.load}; training starts at iteration 0")
+        return Progress()
     iteration, consumed = meta["iteration"], meta["consumed_train_samples"]
     print_rank0(f"> resumed from {args.load} at iteration {iteration}, {consumed} samples consumed "
                 f"(saved by {meta['world_size']} ranks; loaded in {time.time() - start:.2f} s)")
@@ -161,7 +169,7 @@ def run(argv=None) -> int:
     exception is a bug and keeps its traceback."""
     mark_worker()   # for `python -m parallel.launch`: this worker started
     try:
-        main(argv)
+        check(argv) if os.environ.get(CHECK_ONLY) else main(argv)
     except (zeropp.ConfigError, CheckpointError, TrainingDiverged, LinkProbeError) as e:
         # Checkpoint, divergence and link-probe errors: a clear line, exit 1.
         rank = int(os.environ.get("RANK", "0"))

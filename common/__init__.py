@@ -2,9 +2,9 @@
 theirs). A user error is a `ConfigError` wherever it is found (flags, config
 files, data, tokenizer, checkpoints, topology); `train.py` prints it as one
 line and exits 2."""
-from common.errors import ConfigError
+from common.errors import ConfigError, Problems
 from common.notes import forget_notes, job_rank, note
 from common.parsing import OneLineParser, parse_int, parse_number, refuse_value
 
-__all__ = ["ConfigError", "OneLineParser", "forget_notes", "job_rank", "note", "parse_int", "parse_number",
+__all__ = ["ConfigError", "OneLineParser", "Problems", "forget_notes", "job_rank", "note", "parse_int", "parse_number",
            "refuse_value"]

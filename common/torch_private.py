@@ -1,7 +1,10 @@
-"""Every private torch attribute the product reads or writes, in one place (checked against torch
-2.13.0): torch has no public way to ask these things, so each is named here, reached only through
-the function beside it, and tests/test_torch_private.py fails loudly when torch renames one or
-changes what it means. Nothing else in the product touches a private torch name.
+"""Every private torch attribute the product reads or writes, in one place, checked against the
+torch releases SUPPORTED names (pyproject.toml declares the same range): torch has no public way
+to ask these things, so each is named here, reached only through the function beside it, and
+tests/test_torch_private.py fails loudly when torch renames one or changes what it means. Nothing
+else in the product touches a private torch name. Nothing here falls back to a default: the
+autograd attributes are looked up at import, the FSDP2 ones when the plug-in is applied
+(`fsdp_internals_problem`), and a torch that lacks one fails there, in one line naming it.
 
 | attribute | used for |
 |---|---|
@@ -20,12 +23,28 @@ changes what it means. Nothing else in the product touches a private torch name.
 | torch.distributed.fsdp._fully_shard._fsdp_init._get_post_forward_mesh_info | fully_shard(reshard_after_forward=int)'s mesh |
 | HSDPMeshInfo.replicate_process_group, FSDPParamGroup.all_reduce_grads | HSDP: the group of the replica all-reduce, whether it runs |
 | torch.distributed.tensor._redistribute._gen_transform_infos, torch._C._clear_DTensor_sharding_propagator_cache | DTensor's cached plans, dropped with a pooled rank's groups |
+
+Where one moved inside the range, MOVED says how each release reaches it. The test suite runs on
+2.13.0 and 2.14.1 (`bash scripts/test.sh --torch 2.14.1`); 2.11.0 ran the plug-in's tests once by
+hand, and 2.12's FSDP2 source was read against this table.
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 
-CHECKED_TORCH = "2.13"   # the torch version (major.minor) every attribute below was checked against
+SUPPORTED = ((2, 11), (2, 14))   # the first and the last torch release (major, minor) checked, both included
+
+# (first, last release, the attribute's name there; None: that release has no such thing)
+MOVED = {
+    "FSDPState._fsdp_param_groups": (((2, 11), (2, 11), "_fsdp_param_group"),   # one group, or None
+                                     ((2, 12), (2, 14), "_fsdp_param_groups")),  # a list (several only with
+                                                                                 # a mesh per parameter)
+    # before set_reduce_scatter_unused_params FSDP2 reduces only the parameters that got a gradient
+    "FSDPParamGroup.reduce_scatter_unused_params": (((2, 11), (2, 12), None),
+                                                    ((2, 13), (2, 14), "reduce_scatter_unused_params")),
+}
 
 ATTRIBUTES = (
     "torch._C._current_graph_task_id",
@@ -35,6 +54,7 @@ ATTRIBUTES = (
     "FSDPModule._get_fsdp_state",
     "FSDPModule._set_unshard_async_op",
     "FSDPState._fsdp_param_groups",
+    "FSDPState._fsdp_param_group",
     "FSDPState._states_to_forward_prefetch",
     "FSDPParamGroup.fsdp_params",
     "FSDPParamGroup.post_forward_mesh_info",
@@ -58,64 +78,119 @@ ATTRIBUTES = (
 )
 
 
+def release(version: str) -> tuple[int, int]:
+    """(major, minor) of a torch version: "2.14.1+cu130" -> (2, 14)."""
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def _text(r: tuple[int, int]) -> str:
+    return f"{r[0]}.{r[1]}"
+
+
+CHECKED = f"torch {_text(SUPPORTED[0])}-{_text(SUPPORTED[1])}"   # said in every refusal
+
+
+def unsupported(version: str) -> str | None:
+    """One line when torch `version` lies outside SUPPORTED (None inside it)."""
+    if SUPPORTED[0] <= release(version) <= SUPPORTED[1]:
+        return None
+    return (f"torch {version} is outside {CHECKED}, the releases whose private attributes "
+            f"common/torch_private.py was checked against (pyproject.toml)")
+
+
+def reached(attribute: str, version: str) -> str | None:
+    """How torch `version` reaches a moved attribute (MOVED): its name there, or None where it is
+    absent. Outside the range, the newest release's way (what reads it refuses such a torch first)."""
+    rows = MOVED[attribute]
+    return next((name for first, last, name in rows if first <= release(version) <= last), rows[-1][2])
+
+
+def _required(owner, name: str, label: str):
+    """A private attribute looked up once, at import: a torch without it fails here, in one line."""
+    if not hasattr(owner, name):
+        raise ImportError(f"torch {torch.__version__} has no {label}, which common/torch_private.py reads "
+                          f"(checked against {CHECKED}): install a torch in pyproject.toml's range")
+    return getattr(owner, name)
+
+
+_graph_task_id = _required(torch._C, "_current_graph_task_id", "torch._C._current_graph_task_id")
+_queue_callback = _required(_required(torch.autograd.Variable, "_execution_engine",
+                                      "torch.autograd.Variable._execution_engine"),
+                            "queue_callback", "torch.autograd.Variable._execution_engine.queue_callback")
+_top_saved_hooks = _required(torch._C._autograd, "_top_saved_tensors_default_hooks",
+                             "torch._C._autograd._top_saved_tensors_default_hooks")
+_required(torch.Tensor, "_post_accumulate_grad_hooks", "Tensor._post_accumulate_grad_hooks")
+_PARAM_GROUPS = reached("FSDPState._fsdp_param_groups", torch.__version__)
+_REDUCE_UNUSED = reached("FSDPParamGroup.reduce_scatter_unused_params", torch.__version__)
+
+
 # -- autograd ------------------------------------------------------------------------------------
 def in_backward() -> bool:
     """Whether this thread is running a backward pass now."""
-    return torch._C._current_graph_task_id() != -1
+    return _graph_task_id() != -1
 
 
 def queue_backward_callback(fn) -> None:
     """Run `fn` when the running backward pass ends (call only inside one)."""
-    torch.autograd.Variable._execution_engine.queue_callback(fn)
+    _queue_callback(fn)
 
 
 def top_saved_tensors_hooks():
     """The innermost (pack, unpack) saved-tensor hooks, or None."""
-    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return _top_saved_hooks(False)
 
 
 def has_post_accumulate_grad_hooks(tensor: torch.Tensor) -> bool:
-    return bool(getattr(tensor, "_post_accumulate_grad_hooks", None))
+    return bool(tensor._post_accumulate_grad_hooks)   # None until one is registered
 
 
 # -- FSDP2 (torch.distributed.fsdp.fully_shard) --------------------------------------------------
 _FSDP_NEEDS = {   # where each FSDP2 attribute above lives on a live model: (owner, attribute)
     "module": ("_get_fsdp_state", "_set_unshard_async_op"),
-    "state": ("_fsdp_param_groups", "_states_to_forward_prefetch"),
+    "state": (_PARAM_GROUPS, "_states_to_forward_prefetch"),
     "group": ("fsdp_params", "post_forward_mesh_info", "mesh_info", "_all_reduce_hook", "gradient_divide_factor",
-              "reduce_scatter_unused_params"),
+              *([_REDUCE_UNUSED] if _REDUCE_UNUSED else [])),
     "param": ("sharded_param", "offload_to_cpu", "_orig_size", "post_forward_mesh_info",
               "_init_sharded_post_forward_param_metadata"),
     "mesh info": ("mesh", "shard_mesh_size"),
 }
 _OWNER = {"module": "FSDPModule", "state": "FSDPState", "group": "FSDPParamGroup", "param": "FSDPParam",
           "mesh info": "FSDPMeshInfo"}
+_DECLARED = ("_unsharded_param",)   # FSDPParam's, set at the first gather: looked up in the class's annotations
 
 
-def missing_fsdp_internals(model) -> list[str]:
-    """The FSDP2 attributes listed above that this torch lacks, looked up on `model` (wrapped by
-    fully_shard, before anything is changed): the plug-in refuses in one line rather than failing
-    halfway through an install on another torch."""
+def _lacking(owner: str, obj) -> list[str]:
+    return [f"{_OWNER[owner]}.{n}" for n in _FSDP_NEEDS[owner] if not hasattr(obj, n)]
+
+
+def fsdp_internals_problem(model) -> str | None:
+    """Why the plug-in cannot run on this torch, in one line (None: it can): a release outside
+    SUPPORTED, or FSDP2 attributes listed above that it lacks, looked up on `model` (wrapped by
+    fully_shard, before anything is changed), so the plug-in refuses rather than failing halfway
+    through an install or quietly doing what another release did."""
     from torch.distributed.fsdp import FSDPModule
-    lacking: list[str] = []
-    owners = {"module": model, "state": None, "group": None, "param": None, "mesh info": None}
-    for module in model.modules():   # the first unit that manages parameters gives a group and a param
-        if isinstance(module, FSDPModule) and hasattr(module, "_get_fsdp_state"):
-            state = module._get_fsdp_state()
-            owners["state"] = owners["state"] or state
-            groups = getattr(state, "_fsdp_param_groups", None) or []
-            if groups and list(getattr(groups[0], "fsdp_params", None) or []):
-                owners.update(state=state, group=groups[0], param=list(groups[0].fsdp_params)[0])
-                owners["mesh info"] = getattr(groups[0], "mesh_info", None)
-                break
-    for owner, names in _FSDP_NEEDS.items():
-        obj = owners[owner]
-        lacking += [f"{_OWNER[owner]}.{n}" for n in names if obj is not None and not hasattr(obj, n)]
+    line = unsupported(str(torch.__version__))
+    if line:
+        return line
+    lacking = _lacking("module", FSDPModule) or _lacking("state", model._get_fsdp_state())
+    if not lacking:   # the first unit that manages parameters gives a group, a parameter and a mesh
+        group = next((g for m in model.modules() if isinstance(m, FSDPModule) and (g := param_group(m)) is not None),
+                     None)
+        lacking = [] if group is None else _lacking("group", group)
+        if group is not None and not lacking and group.fsdp_params:
+            param = group.fsdp_params[0]
+            declared = {name for cls in type(param).__mro__ for name in inspect.get_annotations(cls)}
+            lacking = (_lacking("param", param) + _lacking("mesh info", group.mesh_info)
+                       + [f"FSDPParam.{n}" for n in _DECLARED if n not in declared])
     try:
         from torch.distributed.fsdp._fully_shard._fsdp_init import _get_post_forward_mesh_info  # noqa: F401
     except ImportError:
         lacking.append("torch.distributed.fsdp._fully_shard._fsdp_init._get_post_forward_mesh_info")
-    return lacking
+    if not lacking:
+        return None
+    return (f"torch {torch.__version__} lacks {', '.join(lacking)}, FSDP2 internals that common/torch_private.py "
+            f"reads (checked against {CHECKED})")
 
 
 def fsdp_state(module):
@@ -125,7 +200,10 @@ def fsdp_state(module):
 
 def param_group(module):
     """The unit's FSDP parameter group, or None for a module that manages no parameters."""
-    groups = fsdp_state(module)._fsdp_param_groups or []
+    state = fsdp_state(module)
+    if _PARAM_GROUPS == "_fsdp_param_group":   # torch 2.11: one group, or None
+        return state._fsdp_param_group
+    groups = state._fsdp_param_groups
     return groups[0] if groups else None
 
 
@@ -148,9 +226,10 @@ def sharded_param(fsdp_param) -> torch.nn.Parameter:
 
 
 def unsharded_param(fsdp_param) -> torch.nn.Parameter | None:
-    """The gathered parameter forward computes with (None before the first gather); it persists
+    """The gathered parameter forward computes with (None before the first gather, FSDP2's own
+    test: the name is checked on FSDPParam's annotations when the plug-in is applied); it persists
     across steps, so a hook registered on it stays."""
-    return getattr(fsdp_param, "_unsharded_param", None)
+    return fsdp_param._unsharded_param if hasattr(fsdp_param, "_unsharded_param") else None
 
 
 def reads_of_reduction(group) -> list[str]:
@@ -174,6 +253,8 @@ def divide_factor(group) -> float | None:
 
 def reduces_unused(group) -> bool:
     """`set_reduce_scatter_unused_params(True)`: every parameter that requires grad is reduced."""
+    if _REDUCE_UNUSED is None:   # torch 2.11-2.12: no such setting
+        return False
     return bool(group.reduce_scatter_unused_params)
 
 
@@ -191,7 +272,7 @@ def post_forward_mesh(group):
 
 
 def set_post_forward_ranks(group, ranks: int, made: dict) -> None:
-    """What `fully_shard(reshard_after_forward=ranks)` sets on a group (torch 2.13's
+    """What `fully_shard(reshard_after_forward=ranks)` sets on a group (FSDP2's
     `set_reshard_after_forward` takes only a bool), on a mesh shared through `made`: every
     DeviceMesh is process groups of its own (two a rank here, each a communicator under NCCL),
     and fully_shard makes one per unit over the same ranks, so a model would hold two a layer,
@@ -219,13 +300,17 @@ def set_post_forward_ranks(group, ranks: int, made: dict) -> None:
 _HSDP_NEEDS = {"group": ("mesh_info", "all_reduce_grads"), "mesh info": ("replicate_process_group",)}
 
 
-def missing_hsdp_internals(group) -> list[str]:
-    """The HSDP attributes above that this torch lacks on `group` (a unit's FSDPParamGroup on a
-    2-D mesh): the plug-in refuses in one line naming them."""
-    owners = {"group": group, "mesh info": getattr(group, "mesh_info", None)}
+def hsdp_internals_problem(group) -> str | None:
+    """Why the plug-in cannot compress HSDP's all-reduce on this torch, in one line (None: it can):
+    the HSDP attributes above that `group` (a unit's FSDPParamGroup on a 2-D mesh) lacks."""
+    owners = {"group": group, "mesh info": group.mesh_info if hasattr(group, "mesh_info") else None}
     names = {"group": "FSDPParamGroup", "mesh info": "HSDPMeshInfo"}
-    return [f"{names[o]}.{n}" for o, attrs in _HSDP_NEEDS.items() for n in attrs
-            if owners[o] is None or not hasattr(owners[o], n)]
+    lacking = [f"{names[o]}.{n}" for o, attrs in _HSDP_NEEDS.items() for n in attrs
+               if owners[o] is None or not hasattr(owners[o], n)]
+    if not lacking:
+        return None
+    return (f"torch {torch.__version__} lacks {', '.join(lacking)}, FSDP2's HSDP internals that "
+            f"common/torch_private.py reads (checked against {CHECKED})")
 
 
 def replicate_group(group):

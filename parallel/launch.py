@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import os
+import signal
+import subprocess
 import sys
 import time
 from datetime import timedelta
@@ -18,12 +21,22 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def init_distributed(backend: str | None = None, timeout_minutes: int = 30) -> torch.device:
-    """Join the process group torchrun describes in the environment and return
-    this rank's device. Without torchrun's variables, run as one process."""
+def check_devices(backend: str | None = None) -> str:
+    """The backend, once this node can run it: NCCL needs a GPU for each of torchrun's ranks here."""
     backend = backend or default_backend()
     if backend == "nccl" and not torch.cuda.is_available():
         raise ConfigError("--distributed-backend nccl needs CUDA GPUs; use gloo on CPU")
+    ranks, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", 1)), torch.cuda.device_count()
+    if backend == "nccl" and ranks > gpus:
+        raise ConfigError(f"torchrun starts {ranks} ranks on this node and it has {gpus} GPU(s): pass "
+                          f"--nproc-per-node {gpus} (GPUS_PER_NODE={gpus} for the launch scripts)")
+    return backend
+
+
+def init_distributed(backend: str | None = None, timeout_minutes: int = 30) -> torch.device:
+    """Join the process group torchrun describes in the environment and return
+    this rank's device. Without torchrun's variables, run as one process."""
+    backend = check_devices(backend)
     if "WORLD_SIZE" in os.environ and not dist.is_initialized():
         dist.init_process_group(backend=backend, timeout=timedelta(minutes=timeout_minutes))
     if torch.cuda.is_available() and backend == "nccl":
@@ -119,14 +132,24 @@ def print_rank0(*args, **kwargs):
         print(*args, flush=True, **kwargs)
 
 
-# -- torchrun's exit status on SIGTERM ------------------------------------------------------
-# torchrun's agent turns a SIGTERM (or SIGINT) into SignalException: it forwards the signal to
-# the workers, waits up to --shutdown-timeout for them, then re-raises, so torchrun exits 1
-# with a traceback even when every worker saved and exited 0. `python -m parallel.launch`
-# (torchrun's arguments; what scripts/lib/launch.sh runs) runs torchrun and asks the workers
-# instead: each marks its start and a clean exit in a directory it is given, and when every
-# worker of this node's last attempt exited 0 the launcher exits 0 too.
+# -- `python -m parallel.launch`: torchrun with one line for a user error, exit 0 after a signal ----
+# torchrun (torch.distributed.run) turns any worker's non-zero exit into ChildFailedError, which
+# its main() re-raises: a traceback and a report repeating the error per rank, exit status 1,
+# after a user error as after a crash. And its agent turns a SIGTERM (or SIGINT) into
+# SignalException: it forwards the signal to the workers, waits up to --shutdown-timeout, then
+# re-raises, so torchrun exits 1 with a traceback even when every worker saved and exited 0.
+# `python -m parallel.launch` takes torchrun's arguments (scripts/lib/launch.sh runs it) and
+# 1. runs train.py's checks of its command line once, before any worker starts (CHECK_ONLY): a
+#    user error is train.py's one line and exit status 2;
+# 2. runs torchrun; when the workers stopped on a user error found only once they ran (train.py's
+#    exit status 2, its line in torchrun's error file), exits 2 without torchrun's report (rank 0
+#    printed the line), and with the report, as torchrun, for anything else: a crash keeps it all;
+# 3. after a SIGTERM/SIGINT exits 0 when every worker of this node's last attempt exited 0: each
+#    marks its start and a clean exit in a directory it is given (EXIT_MARKS).
 EXIT_MARKS = "ZEROPP_EXIT_MARKS"
+CHECK_ONLY = "ZEROPP_CHECK_ONLY"   # train.py checks its command line for this job's shape and exits
+TRAIN_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train.py")
+USER_ERROR_STATUS = 2
 
 
 def mark_worker(status: int | None = None):
@@ -155,42 +178,126 @@ def workers_exited_cleanly(folder: str) -> tuple[int, int]:
     return sum(m.startswith(f"{last}.") and m.endswith(".exit0") for m in marks), expected
 
 
+def check_before_start(args) -> int:
+    """train.py's checks of its command line (flags, config files, inputs, the job's shape), run
+    once in a process of its own before torchrun starts the workers: its exit status (2 after a
+    user error, whose line it printed on stderr; 0 when the workers may start). Its stdout (the
+    notes) is dropped: rank 0 prints them again. Other scripts are not run (0)."""
+    from torch.distributed import run as torchrun
+    script = args.training_script
+    if args.module or args.no_python or not os.path.isfile(script) or not os.path.samefile(script, TRAIN_SCRIPT):
+        return 0
+    local = torchrun.determine_local_world_size(args.nproc_per_node)
+    min_nodes, max_nodes = torchrun.parse_min_max_nnodes(args.nnodes)
+    env = {k: v for k, v in os.environ.items() if k != "WORLD_SIZE"}
+    env.update({CHECK_ONLY: "1", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": str(local)})
+    if min_nodes == max_nodes:   # an elastic job's size is known only once its nodes meet
+        env["WORLD_SIZE"] = str(min_nodes * local)
+    return subprocess.run([sys.executable, script, *args.training_script_args], env=env,
+                          stdout=subprocess.DEVNULL).returncode
+
+
+def user_error_line(failures: dict) -> str | None:
+    """The line of the user error the workers stopped on: every worker that exited by itself exited
+    with status 2 and train.py's line in its error file, the others were stopped by the agent
+    (SIGTERM, then SIGKILL after --shutdown-timeout). None for anything else (a crash)."""
+    lines = []
+    for failure in failures.values():
+        if failure.exitcode < 0:   # killed by a signal
+            if -failure.exitcode not in (signal.SIGTERM, signal.SIGKILL):
+                return None
+            continue
+        message = failure.message.get("message") if isinstance(failure.message, dict) else failure.message
+        if failure.exitcode != USER_ERROR_STATUS or not str(message).startswith("error: "):
+            return None
+        lines.append(str(message))
+    return lines[0] if lines else None
+
+
+class HeldShutdownLogs(logging.Filter):
+    """torchrun's agent logs a line per worker it stops and one naming the first failure. After a
+    user error, or a signal every worker answered by saving and exiting 0, they add nothing: they
+    are held from the first such line until the failure they lead to is known, shown at once for
+    any exit status but 2 (and before anything else the agent logs), and at the end unless the
+    launcher says they add nothing."""
+    LOGGER = "torch.distributed.elastic.multiprocessing.api"
+
+    def __init__(self):
+        super().__init__()
+        self.held: list[logging.LogRecord] = []
+        self.logger = logging.getLogger(self.LOGGER)
+        self.logger.addFilter(self)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = str(record.msg)
+        if message.startswith("Sending process") or (
+                message.startswith("failed (exitcode") and record.args and record.args[0] == USER_ERROR_STATUS):
+            self.held.append(record)
+            return False
+        self.release()
+        return True
+
+    def release(self, show: bool = True):
+        held, self.held = self.held, []
+        if show:
+            self.logger.removeFilter(self)
+            for record in held:
+                self.logger.handle(record)
+            self.logger.addFilter(self)
+
+    def close(self, show: bool):
+        self.release(show)
+        self.logger.removeFilter(self)
+
+
 def torchrun_main(argv: list[str]) -> int:
-    """torchrun with `argv`; exit status 0 after a SIGTERM/SIGINT that every worker survived
-    by saving and exiting 0, torchrun's own otherwise."""
-    import signal
+    """torchrun with `argv` (the three points above): 2 after a user error, 0 after a SIGTERM/SIGINT
+    that every worker survived by saving and exiting 0, torchrun's own otherwise."""
     import tempfile
 
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    with tempfile.TemporaryDirectory(prefix="zeropp_exit.") as folder:
+    args = torchrun.parse_args(argv)
+    status = check_before_start(args)
+    if status:
+        return status
+    logs = HeldShutdownLogs()   # closed showing what it holds, unless the workers' exits say otherwise
+    with tempfile.TemporaryDirectory(prefix="zeropp_launch.") as folder:
         os.environ[EXIT_MARKS] = folder
+        if args.log_dir is None:   # else torchrun leaves a folder of its workers' error files in /tmp per run
+            args.log_dir = os.path.join(folder, "torchelastic")
         try:
-            torchrun.main(argv)
+            torchrun.run(args)
+        except ChildFailedError as e:
+            line = user_error_line(e.failures)
+            if line is None:
+                raise
+            logs.close(show=False)
+            if 0 not in e.failures:   # rank 0 printed the line on its node, not on this one
+                print(line, file=sys.stderr, flush=True)
+            return USER_ERROR_STATUS
         except SignalException as e:
             if e.sigval not in (signal.SIGTERM, signal.SIGINT):
                 raise
             clean, expected = workers_exited_cleanly(folder)
+            logs.close(show=clean < expected)
             if clean < expected:
                 print(f"error: torchrun stopped by {e.sigval.name}: {expected - clean} of {expected} workers "
                       f"on this node did not exit 0 (their lines above say why)", file=sys.stderr, flush=True)
                 return 1
             print(f"> torchrun stopped by {e.sigval.name}: all {expected} workers on this node exited 0",
                   file=sys.stderr, flush=True)
+        finally:
+            logs.close(show=True)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(torchrun_main(sys.argv[1:]))
 
 
 def die_with_launcher():
     """Let the kernel end this rank when the process that started it (torchrun's agent) dies:
     a killed launcher must not leave ranks of its group running (Linux prctl PR_SET_PDEATHSIG;
     elsewhere nothing)."""
-    import ctypes
-    import signal
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
@@ -198,3 +305,7 @@ def die_with_launcher():
         return
     if os.getppid() == 1:   # the launcher died before the call
         os._exit(1)
+
+
+if __name__ == "__main__":
+    sys.exit(torchrun_main(sys.argv[1:]))

@@ -152,6 +152,14 @@ class Topology:
         return mine
 
 
+def expected_topology(ranks_per_node: int | None = None) -> Topology:
+    """The topology torchrun's environment describes (WORLD_SIZE, LOCAL_WORLD_SIZE), as rank 0
+    will see it, before any process group exists: for checks made before the workers start."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    return Topology(world_size=world, rank=0, ranks_per_node=ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE",
+                                                                                                   world)))
+
+
 def topology_from_env(ranks_per_node: int | None = None) -> Topology:
     """The topology of the running job. With no override, torchrun's
     LOCAL_WORLD_SIZE says how many ranks share a node."""

@@ -53,6 +53,7 @@ from planner.plan import Job, job_from_args, label, plan_config, print_plan
 from planner.probe import Measurements, measure
 from planner.trace import trace_model
 from common import ConfigError
+from training.preflight import missing_inputs
 from zeropp.config import AUTO, DeepSpeedConfig, OptimizerSettings, ZeroConfig
 from zeropp.stages.engine import compute_dtype
 
@@ -199,7 +200,12 @@ def measured_cluster(m: Measurements, nodes: int, ranks_per_node: int, overlap: 
 
 def print_dry_run(args) -> None:
     """`train.py --dry-run`: with auto switches, plan every candidate on --cluster, say which
-    auto would pick there, then print the plan of that choice."""
+    auto would pick there, then print the plan of that choice. First, the input paths the
+    flags name: every one that is missing, in one line."""
+    missing = missing_inputs(args)
+    if missing:
+        raise ConfigError(f"--dry-run: missing input(s): {'; '.join(missing)}; fix the path(s) (the dry run checks "
+                          f"them on the machine it runs on)")
     if args.outer_sync_interval is not None:   # groups of nodes synchronizing rarely
         print(format_outer_plan(args), flush=True)
         return

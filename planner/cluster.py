@@ -24,7 +24,9 @@ planner/outer.py's exchanges, which idle between them, get it), reserved_gb (mem
 framework and allocator keep, per GPU), description.
 
 Every key is checked: a typo or a missing key is one ConfigError naming the
-file, the key and the fix.
+file, the key and the fix. `--cluster FILE,key=value,...` plans the file's cluster with those
+keys changed (the launch scripts pass NNODES, GPUS_PER_NODE and GPU_MEMORY_GB this way:
+`v100_4x16_100gbps.yaml,gpus_per_node=8` is the same cluster with nodes of 8 GPUs).
 """
 from __future__ import annotations
 
@@ -95,11 +97,41 @@ class Cluster:
         return self.reserved_gb * 2**30
 
 
-def load_cluster(path: str | None) -> Cluster:
-    """Read and check a cluster YAML; every problem is a ConfigError naming the fix."""
-    if not path:
-        raise ConfigError("--dry-run needs --cluster FILE (a cluster description, e.g. "
-                          "configs/clusters/v100_4x16_100gbps.yaml)")
+def load_cluster(spec: str | None) -> Cluster:
+    """Read and check a cluster YAML, with the `key=value` changes after it (`FILE,key=value,...`);
+    every problem is a ConfigError naming the fix."""
+    if not spec:
+        raise ConfigError("--dry-run needs --cluster FILE, the machine to plan for: one of configs/clusters/*.yaml "
+                          "(v100_4x16_100gbps.yaml: the 18B run's 4 nodes x 16 V100s; emulated_slow_link.yaml: "
+                          "2 emulated nodes x 2 CPU ranks, configs/demo.yaml's world)")
+    path, *changes = spec.split(",")
+    raw = _read(path)
+    for change in changes:
+        key, sep, value = change.partition("=")
+        if not sep:
+            raise ConfigError(f"--cluster {spec}: '{change}' is not key=value; pass FILE,key=value,...")
+        raw[key.strip()] = yaml.safe_load(value)
+    fields = {f.name: f for f in dataclasses.fields(Cluster)}
+    for key in raw:
+        if key not in fields or key == "name":
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f"did you mean '{close[0]}'?" if close else f"known keys: {', '.join(fields)}"
+            raise ConfigError(f"--cluster {spec}: unknown key '{key}'; {hint}")
+    required = [f.name for f in fields.values()
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    missing = [k for k in required if k not in raw]
+    if missing:
+        raise ConfigError(f"--cluster {path}: missing key(s) {', '.join(missing)}; add them "
+                          f"(see planner/cluster.py)")
+    values = {key: _value(spec, key, str(fields[key].type), value) for key, value in raw.items()}
+    cluster = Cluster(**values, name=spec)
+    if not 0 < cluster.compute_efficiency <= 1 or not 0 < cluster.link_efficiency <= 1:
+        raise ConfigError(f"--cluster {spec}: compute_efficiency and link_efficiency are fractions in (0, 1]")
+    return cluster
+
+
+def _read(path: str) -> dict:
+    """The cluster file's mapping of keys to values."""
     try:
         with open(path) as f:
             raw = yaml.safe_load(f)
@@ -113,23 +145,7 @@ def load_cluster(path: str | None) -> Cluster:
         raise ConfigError(f"--cluster {path} is not valid YAML: {e}".replace("\n", " ")) from None
     if not isinstance(raw, dict):
         raise ConfigError(f"--cluster {path} must be a mapping of keys to values (see configs/clusters/)")
-    fields = {f.name: f for f in dataclasses.fields(Cluster)}
-    for key in raw:
-        if key not in fields or key == "name":
-            close = difflib.get_close_matches(str(key), list(fields), n=1)
-            hint = f"did you mean '{close[0]}'?" if close else f"known keys: {', '.join(fields)}"
-            raise ConfigError(f"--cluster {path}: unknown key '{key}'; {hint}")
-    required = [f.name for f in fields.values()
-                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
-    missing = [k for k in required if k not in raw]
-    if missing:
-        raise ConfigError(f"--cluster {path}: missing key(s) {', '.join(missing)}; add them "
-                          f"(see planner/cluster.py)")
-    values = {key: _value(path, key, str(fields[key].type), value) for key, value in raw.items()}
-    cluster = Cluster(**values, name=path)
-    if not 0 < cluster.compute_efficiency <= 1 or not 0 < cluster.link_efficiency <= 1:
-        raise ConfigError(f"--cluster {path}: compute_efficiency and link_efficiency are fractions in (0, 1]")
-    return cluster
+    return raw
 
 
 # Keys that may be 0 (a latency, a reserve, an overhead); every other number must be > 0.

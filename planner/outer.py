@@ -6,22 +6,20 @@ from __future__ import annotations
 
 import dataclasses
 
-from common import ConfigError
 from planner.cluster import load_cluster
 from planner.comm import PHASES, rank_bytes
 from planner.plan import companion, format_plan, job_from_args, label, plan_config
 from planner.trace import shard_layout, trace_model
+from training.args import flag
+from training.outer import check_groups
 from zeropp.outer.diloco import OuterSettings, exchange_per_step, fragment_bounds
 from zeropp.stages.engine import compute_dtype
 
 
 def format_outer_plan(args) -> str:
     cluster = load_cluster(args.cluster)
-    size, rpn = args.group_size, cluster.gpus_per_node
-    if cluster.nodes % size:
-        raise ConfigError(f"--group-size {size} must divide the {cluster.nodes} nodes of --cluster "
-                          f"{args.cluster}; pass a divisor of {cluster.nodes}")
-    groups = cluster.nodes // size
+    rpn = cluster.gpus_per_node
+    groups, size = check_groups(args, flag, cluster.nodes, rpn)   # training's own check, on the cluster's nodes
     job = job_from_args(args, cluster)   # the batch over the whole job
     zero = job.ds.zero_optimization
     trace = trace_model(job.cfg, compute_dtype(job.ds), job.micro_batch, job.seq_length,

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
 from dataclasses import dataclass
 
 import torch
 
 from model import GPTConfig, flops_per_iteration
+from common import note
 from planner.cluster import Cluster, load_cluster
 from planner.comm import PHASES, Step, bytes_by_phase, iteration_collectives
 from planner.memory import buffer_bytes, formula_bytes, model_state_bytes
@@ -46,6 +46,7 @@ class Job:
     seq_length: int
     accumulation: int
     vocab_note: str = ""   # where the vocabulary size came from
+    train_iters: int | None = None
 
 
 @dataclass
@@ -149,31 +150,32 @@ def companion(zero: ZeroConfig, ranks_per_node: int) -> ZeroConfig | None:
 
 
 def vocab_size(args) -> tuple[int, str]:
-    """The tokenizer's vocabulary; GPT-2's when its files are not here."""
+    """The tokenizer's vocabulary (its files were checked: training.preflight.missing_inputs);
+    GPT-2's BPE vocabulary when the flags name no tokenizer file."""
     from data.tokenizer import build_tokenizer
-    try:
-        tok = build_tokenizer(args.tokenizer_type, tokenizer_model=args.tokenizer_model,
-                              vocab_file=args.vocab_file, merge_file=args.merge_file)
-        return tok.vocab_size, f"from {args.tokenizer_model or args.vocab_file}"
-    except Exception:  # noqa: BLE001 - no tokenizer files on the planning machine
-        if args.tokenizer_type == "GPT2BPETokenizer" or not (args.tokenizer_model and os.path.exists(
-                args.tokenizer_model)):
-            return GPT2_VOCAB, "GPT-2's (tokenizer files not found)"
-        raise
+    files = args.tokenizer_model or args.vocab_file
+    if not files:
+        return GPT2_VOCAB, "GPT-2's BPE vocabulary: no tokenizer file given"
+    tok = build_tokenizer(args.tokenizer_type, tokenizer_model=args.tokenizer_model,
+                          vocab_file=args.vocab_file, merge_file=args.merge_file)
+    return tok.vocab_size, f"from {files}"
 
 
 def job_from_args(args, cluster: Cluster) -> Job:
-    from training.args import resolve_batch
+    from training.args import flag, resolve_batch
     from training.model_args import model_config
     world, rpn = cluster.world_size, cluster.gpus_per_node
+    if args.ranks_per_node and args.ranks_per_node != rpn:
+        note(f"{flag(args, 'ranks_per_node', args.ranks_per_node)} emulates nodes on one machine; the plan "
+             f"has the cluster's nodes of {rpn} GPUs")
     zero = args.ds_config.zero_optimization
     zero.validate_topology(rpn, world)
     resolve_batch(args, world)
-    vocab, note = vocab_size(args)
+    vocab, vocab_note = vocab_size(args)
     cfg = model_config(args, vocab, args.seed)
     return Job(cfg=cfg, ds=args.ds_config, optimizer=args.optimizer_settings, world=world, ranks_per_node=rpn,
                micro_batch=args.micro_batch_size, seq_length=args.seq_length,
-               accumulation=args.gradient_accumulation_steps, vocab_note=note)
+               accumulation=args.gradient_accumulation_steps, vocab_note=vocab_note, train_iters=args.train_iters)
 
 
 def build_plan(args) -> tuple[Job, Cluster, ModelTrace, list[ConfigPlan]]:
@@ -298,7 +300,15 @@ def format_plan(job: Job, cluster: Cluster, trace: ModelTrace, plans: list[Confi
     if len(plans) == 2:
         base, zpp = (plans[0], plans[1]) if plans[0].label == "ZeRO-3" else (plans[1], plans[0])
         out(f"   predicted speedup of ZeRO++ over ZeRO-3: {base.timing.iteration / zpp.timing.iteration:.2f}x")
+    if job.train_iters:
+        out(f"   training: {job.train_iters:,} iterations x global batch {batch} x seq {job.seq_length} = "
+            f"{job.train_iters * batch * job.seq_length / 1e9:.1f} B tokens; "
+            + ", ".join(f"{short(p.zero)} {_duration(job.train_iters * p.timing.iteration)}" for p in plans))
     return "\n".join(lines)
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds / 86400:.1f} days" if seconds >= 2 * 86400 else f"{seconds / 3600:.1f} hours"
 
 
 def print_plan(args) -> None:

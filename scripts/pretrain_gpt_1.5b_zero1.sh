@@ -7,7 +7,8 @@
 #   DRY_RUN=1 bash scripts/pretrain_gpt_1.5b_zero1.sh                         # the plan for $CLUSTER
 #   SMOKE=1 bash scripts/pretrain_gpt_1.5b_zero1.sh                           # shrunk, 4 CPU ranks as 2 nodes x 2
 #
-# Settings come from the environment (scripts/lib/launch.sh lists them); extra
+# Settings come from the environment (scripts/lib/launch.sh lists them; `--help` prints
+# them; DATA_PATH is required, SMOKE=1 runs on the bundled corpus); extra
 # arguments go to train.py.
 source "$(dirname "$0")/lib/launch.sh"
 
@@ -22,9 +23,7 @@ ZERO_STAGE=1
 DS_CONFIG=${DS_CONFIG:-configs/ds_zero1_config.json}
 CLUSTER=${CLUSTER:-configs/clusters/v100_1x8.yaml}
 PRECISION=${PRECISION---fp16}
-DATA_PATH=${DATA_PATH:-work_dir/kjv_text_document}
-TOKENIZER_TYPE=${TOKENIZER_TYPE:-SentencePieceTokenizer}
-TOKENIZER=${TOKENIZER:-work_dir/kjv_sp.model}
+TOKENIZER_TYPE=${TOKENIZER_TYPE:-GPT2BPETokenizer}
 EXTRA_ARGS=()
 
 launch_pretraining "$@"

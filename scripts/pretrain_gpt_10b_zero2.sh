@@ -8,7 +8,8 @@
 #   DRY_RUN=1 bash scripts/pretrain_gpt_10b_zero2.sh                         # the plan for $CLUSTER
 #   SMOKE=1 bash scripts/pretrain_gpt_10b_zero2.sh                           # shrunk, 4 CPU ranks as 2 nodes x 2
 #
-# Settings come from the environment (scripts/lib/launch.sh lists them); extra
+# Settings come from the environment (scripts/lib/launch.sh lists them; `--help` prints
+# them; DATA_PATH is required, SMOKE=1 runs on the bundled corpus); extra
 # arguments go to train.py.
 source "$(dirname "$0")/lib/launch.sh"
 
@@ -23,9 +24,7 @@ ZERO_STAGE=2
 DS_CONFIG=${DS_CONFIG:-configs/ds_zero2_config.json}
 CLUSTER=${CLUSTER:-configs/clusters/v100_2x16_100gbps.yaml}
 PRECISION=${PRECISION---fp16}
-DATA_PATH=${DATA_PATH:-work_dir/kjv_text_document}
-TOKENIZER_TYPE=${TOKENIZER_TYPE:-SentencePieceTokenizer}
-TOKENIZER=${TOKENIZER:-work_dir/kjv_sp.model}
+TOKENIZER_TYPE=${TOKENIZER_TYPE:-GPT2BPETokenizer}
 EXTRA_ARGS=(--checkpoint-activations)
 
 launch_pretraining "$@"

@@ -268,3 +268,40 @@ def test_fp16_only_flags_without_fp16_are_refused(precision, extra):
         parse_args(REQUIRED + precision + extra)
     assert extra[0] in str(error.value) and "\n" not in str(error.value)
     parse_args(REQUIRED + ["--fp16"] + extra)   # with --fp16 they act
+
+
+def test_every_flag_has_help_and_help_shows_defaults(capsys):
+    from training.flags import build_parser
+    from training.megatron_compat import Refused
+    parser = build_parser()
+    bare = [a.option_strings[0] for a in parser._actions
+            if a.option_strings and not isinstance(a, Refused) and not (a.help or "").strip()]
+    assert not bare, f"flags without help: {bare}"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "--num-layers NUM_LAYERS transformer blocks (default: 12)" in shown
+    assert "--lr-decay-style {constant,linear,cosine} shape of the decay after warmup (default: linear)" in shown
+    assert "--DDP-impl {local,torch} no effect here" in shown
+
+
+def test_an_empty_value_unsets_what_the_yaml_set(tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("tokenizer-model: sp.model\nmicro-batch-size: 2\nnum-layers: 3\n")
+    ds = write_ds(tmp_path, {"train_micro_batch_size_per_gpu": 4})
+    args = parse_args(REQUIRED + ["--config", str(cfg), "--tokenizer-model", "", "--micro-batch-size=",
+                                  "--num-layers", "", "--deepspeed_config", ds])
+    assert args.tokenizer_model is None and args.num_layers == 12   # the flags' defaults
+    assert args.micro_batch_size == 4                                # unset: the JSON's, as if never given
+    assert parse_args(REQUIRED + ["--config", str(cfg)]).tokenizer_model == "sp.model"
+
+
+def test_fp16_on_cpu_says_it_is_slow(capsys, monkeypatch):
+    import torch
+    from common import forget_notes
+    forget_notes()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    parse_args(REQUIRED + ["--fp16"])
+    assert capsys.readouterr().out.count("> note: --fp16 on CPU is slower than fp32") == 1
+    parse_args(REQUIRED + ["--bf16"])
+    assert "--fp16" not in capsys.readouterr().out

@@ -105,9 +105,8 @@ class TestFlags:
         (["--train-samples", "64"], ["--train-iters", "--train-samples"]),
         (["--lr-decay-samples", "100"], ["--lr-decay-samples needs --train-samples"]),
         (["--data-impl", "lazy"], ["--data-impl lazy", "mmap"]),
-        (["--model-parallel-size", "2"], ["--model-parallel-size", "use --tensor-model-parallel-size"]),
-        (["--partition-activations"], ["--partition-activations is not supported"]),
-        (["--use-flash-attn"], ["--use-flash-attn is not supported"]),
+        (["--model-parallel-size", "2"], ["--model-parallel-size 2 is not supported", "use 1"]),
+        (["--cpu-optimizer"], ["--cpu-optimizer is not supported"]),
         (["--sequence-parallel"], ["--sequence-parallel is not supported"]),
         (["--num-layer", "2"], ["--num-layer", "did you mean --num-layers"]),
         (["--vocab-file", "v.json"], ["--vocab-file", "no effect with --tokenizer-type SentencePieceTokenizer"]),
@@ -132,6 +131,24 @@ class TestFlags:
         resolve_batch(args, data_parallel_size=2)
         assert (args.train_iters, args.lr_decay_iters, args.lr_warmup_iters) == (12, 10, 2)  # samples // 8
 
+    def test_every_problem_of_a_command_line_in_one_run(self, corpus, capsys, tmp_path):
+        (tmp_path / "run.yaml").write_text("hiden-size: 64\n")
+        (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}, '
+                                          '"sub_group_size": 1e8}, "wall_clock_breakdwn": true}')
+        argv = good(corpus)
+        for flag in ("--lr", "--train-iters"):
+            del argv[argv.index(flag):argv.index(flag) + 2]
+        line = fails(argv + ["--num-layers", "four", "--hiden-size", "8", "--model-parallel-size", "2",
+                             "--cpu-optimizer", "--config", str(tmp_path / "run.yaml"),
+                             "--deepspeed_config", str(tmp_path / "ds.json")], capsys)
+        assert line.startswith("error: 9 problems: (1) argument --num-layers: expected a whole number, got 'four'")
+        for name in ("unrecognized arguments: --hiden-size 8; did you mean --hidden-size?", "--cpu-optimizer is not",
+                     "unknown key 'hiden-size'", "--model-parallel-size 2 is not supported",
+                     "offload_param is not supported", "sub_group_size", "unknown key 'wall_clock_breakdwn'",
+                     "--lr, --train-iters (or --train-samples) are required"):
+            assert name in line, name
+        assert "--num-layers 12" not in line    # no news about the value refused
+
     def test_megatron_spellings_accepted(self):
         from training.args import parse_args
         args = parse_args(["--train-iters", "2", "--lr", "1e-3", "--data-path", "x", "--data-impl", "mmap",
@@ -148,7 +165,7 @@ class TestYaml:
         ("lr: [1, 2]\n", ["lr takes one value"]),
         ("num-layers: 2\n  bad: indent\n", ["is not valid YAML at line"]),
         ("- a list\n", ["must be a mapping"]),
-        ("partition-activations: true\n", ["partition-activations is not supported"]),
+        ("cpu-optimizer: true\n", ["cpu-optimizer is not supported"]),
         ("min-lr: 0.5\n", ["--min-lr 0.5 (from", "is above --lr 0.001"]),
     ])
     def test_bad_yaml(self, corpus, tmp_path, capsys, text, names):
@@ -252,8 +269,15 @@ class TestTokenizer:
 
 
 class TestTopology:
-    def test_ranks_per_node(self, corpus, capsys):
-        fails(good(corpus, "--ranks-per-node", "3"), capsys, "--ranks-per-node 3 must divide the world size 1")
+    def test_ranks_per_node(self, corpus, capsys, monkeypatch):
+        monkeypatch.setenv("WORLD_SIZE", "4")          # as torchrun sets it, before any process group
+        fails(good(corpus, "--ranks-per-node", "3"), capsys, "--ranks-per-node 3 must divide the world size 4")
+
+    def test_emulated_nodes_without_torchrun_name_the_torchrun_command(self, corpus, capsys):
+        """One process (no torchrun) and nodes of 2 ranks: the command that would run it."""
+        fails(good(corpus, "--ranks-per-node", "2"), capsys,
+              "--ranks-per-node 2 emulates nodes of 2 ranks, and this is one process: launch with torchrun "
+              "--nproc-per-node 4 (2 nodes of 2), or drop --ranks-per-node")
 
     def test_hpz_against_the_node(self, corpus, capsys, monkeypatch):
         monkeypatch.setenv("WORLD_SIZE", "4")          # as torchrun sets it, before any process group

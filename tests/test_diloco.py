@@ -599,11 +599,52 @@ OUTER = ("--zero-stage", "3", "--outer-sync-interval", "4")
     (4, 2, OUTER + ("--sharding", "fsdp2"), "runs this application's engine in each group; drop --sharding fsdp2"),
     (1, 1, OUTER + ("--dry-run", "--cluster", "configs/clusters/v100_4x16_100gbps.yaml", "--group-size", "3"),
      "--group-size 3 must divide the 4 nodes of --cluster configs/clusters/v100_4x16_100gbps.yaml"),
+    # a job of one node without --ranks-per-node: what is wrong is the node, not --group-size
+    (4, 4, OUTER, "--outer-sync-interval 4 synchronizes groups of nodes, and this job is one node of 4 ranks "
+                  "(torchrun's --nproc-per-node, LOCAL_WORLD_SIZE); pass --ranks-per-node 2"),
+    (2, 2, OUTER, "this job is one node of 2 ranks (torchrun's --nproc-per-node, LOCAL_WORLD_SIZE); run 4+ ranks"),
+    (8, 2, OUTER + ("--group-size", "4"), "--group-size 4 makes one group of the 4 node(s) of 2 rank(s): there is no "
+                                          "other group to synchronize with; pass --group-size 1 or 2"),
+    # the dry run refuses the layouts training refuses (one function, planner/outer.py calls it)
+    (1, 1, OUTER + ("--dry-run", "--cluster", "configs/clusters/v100_4x16_100gbps.yaml", "--group-size", "4"),
+     "--group-size 4 makes one group of the 4 nodes of --cluster configs/clusters/v100_4x16_100gbps.yaml"),
+    (1, 1, OUTER + ("--dry-run", "--cluster", "configs/clusters/v100_1x8.yaml"),
+     "this job is one node of 8 ranks (--cluster configs/clusters/v100_1x8.yaml); plan a --cluster of 2+ nodes"),
 ])
 def test_bad_outer_input(corpus, capsys, monkeypatch, world, per_node, extra, says):  # noqa: F811
     monkeypatch.setenv("WORLD_SIZE", str(world))   # as torchrun sets them, before any process group
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(per_node))
     fails(good(corpus, *extra), capsys, says)
+
+
+def test_a_warmup_as_long_as_the_run_says_there_is_no_exchange(corpus, capsys, monkeypatch):  # noqa: F811
+    from training.args import parse_args
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    parse_args(good(corpus, *OUTER, "--outer-warmup-iters", "1"))   # 2 iterations: one exchange after the warm-up
+    assert "> note:" not in capsys.readouterr().out
+    parse_args(good(corpus, *OUTER, "--outer-warmup-iters", "5"))
+    assert "> note: --outer-warmup-iters 5 covers all 2 iterations of the run: it trains as one synchronous job " \
+           "throughout, with no exchange between the groups" in capsys.readouterr().out
+
+
+def test_the_drift_is_na_on_log_lines_before_an_exchange_is_merged(tmp_path, capsys):
+    """A run's (or a resume's) first log lines come before any merged exchange: no drift yet,
+    said as n/a, and no point in TensorBoard."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from training.logger import TrainingLogger
+    logger = TrainingLogger(str(tmp_path / "tb"))
+    line = {"consumed": 8, "iter_ms": 1.0, "lr": 1e-3, "global_batch": 8, "loss": 5.0, "loss_scale": 1.0,
+            "grad_norm": 1.0, "skipped": 0, "nan": 0, "samples_per_s": 1.0, "tokens_per_s": 1.0, "tflops": 0.0,
+            "intra_mb": 0.0, "inter_mb": 0.0, "outer_steps": 0, "cross_group_mb": 0.0, "loss_of": "group 0 of 2"}
+    logger.training_line(1, 4, {**line, "outer_drift": float("nan")})
+    logger.training_line(2, 4, {**line, "outer_steps": 1, "outer_drift": 2.5e-3})
+    logger.close()
+    first, second = [x for x in capsys.readouterr().out.splitlines() if "iteration" in x]
+    assert "| outer drift: n/a |" in first and "| outer drift: 2.500e-03 |" in second
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("outer/drift")] == [(2, pytest.approx(2.5e-3))]
 
 
 # -- train.py ------------------------------------------------------------------------------------------

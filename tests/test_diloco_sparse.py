@@ -303,6 +303,9 @@ OUTER = ("--zero-stage", "3", "--outer-sync-interval", "4")
      "--outer-topk-fraction: must be in (0, 0.1], got 0.2"),
     (OUTER + ("--outer-quantization", "topk2", "--outer-topk-fraction", "0"),
      "--outer-topk-fraction: must be in (0, 0.1], got 0"),
+    (OUTER + ("--outer-quantization", "topk2", "--outer-topk-fraction", "0.0004"),   # one element a chunk regardless
+     "--outer-topk-fraction 0.0004 is less than one element of each chunk of 2048 (one would be sent anyway); pass "
+     "at least 1/2048 = 0.00048828125"),
     (("--zero-stage", "3", "--outer-topk-fraction", "0.02"), "--outer-topk-fraction has no effect without --outer-sync"),
 ])
 def test_bad_topk_input(corpus, capsys, monkeypatch, extra, says):  # noqa: F811

@@ -83,7 +83,7 @@ def test_sigterm_training_exits_0(corpus, tmp_path):  # noqa: F811
     out = term_after(proc, "lm loss:", 3)
     assert proc.returncode == 0, out
     assert "Traceback" not in out and "SignalException" not in out, out
-    assert out.count("SIGTERM received: stopped after iteration") == 2, out
+    assert out.count("SIGTERM received: stopped after iteration") == 1, out   # once per job, by rank 0
     it = latest_iteration(str(tmp_path / "ckpt"))
     assert it is not None and it >= 3
 
@@ -97,5 +97,15 @@ def test_sigterm_through_a_launch_script(tmp_path):
     proc = start(["bash", "scripts/pretrain_gpt_1.5b_zero1.sh"], env)
     out = term_after(proc, "lm loss:", 2)
     assert proc.returncode == 0, out[-3000:]
-    assert out.count("SIGTERM received: stopped after iteration") == 4, out[-3000:]
+    assert out.count("SIGTERM received: stopped after iteration") == 1, out[-3000:]
     assert latest_iteration(str(tmp_path / "ckpt")) is not None
+
+
+@pytest.mark.slow
+def test_exit_interval_is_said_once_per_job(corpus, tmp_path):  # noqa: F811
+    args = flags(corpus, tmp_path, 100, ["--exit-interval", "2", "--log-interval", "1", "--eval-interval", "100000"])
+    proc = start([sys.executable, "-m", "parallel.launch", "--standalone", "--nproc-per-node", "2", "train.py",
+                  *args])
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    assert out.count("> --exit-interval reached: stopped after iteration 2; checkpoint") == 1, out

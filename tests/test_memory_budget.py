@@ -152,7 +152,7 @@ def test_dry_run_of_a_tiny_model_with_default_buckets_fits(tmp_path):
     ds.write_text('{"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}')
     cmd = [sys.executable, "train.py", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
            "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1",
-           "--deepspeed_config", str(ds), "--train-iters", "1", "--lr", "1e-4", "--data-path", "unused",
+           "--deepspeed_config", str(ds), "--train-iters", "1", "--lr", "1e-4",
            "--tokenizer-type", "GPT2BPETokenizer", "--cluster", "configs/clusters/emulated_slow_link.yaml",
            "--dry-run"]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)

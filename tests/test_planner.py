@@ -126,7 +126,7 @@ def dry_run(*extra, cluster="configs/clusters/v100_4x16_100gbps.yaml"):
     cmd = [sys.executable, "train.py", "--num-layers", "40", "--hidden-size", "6144", "--num-attention-heads", "32",
            "--seq-length", "512", "--micro-batch-size", "1", "--fp16", "--checkpoint-activations",
            "--deepspeed_config", "configs/ds_zeropp_config.json", "--train-iters", "10", "--lr", "1e-4",
-           "--data-path", "unused", "--tokenizer-type", "GPT2BPETokenizer", "--dry-run", *extra]
+           "--tokenizer-type", "GPT2BPETokenizer", "--dry-run", *extra]
     if cluster:
         cmd += ["--cluster", cluster]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -155,3 +155,72 @@ def test_cluster_file_errors_are_one_line_exit_2(tmp_path, content, message):
     r = dry_run(cluster=str(path))
     assert r.returncode == 2, r.stderr
     assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def plan_lines(capsys, monkeypatch, *argv) -> tuple[int, str, str]:
+    """train.run(argv) from the repository root, as one process: (status, stdout, stderr)."""
+    import train
+    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(ROOT)
+    status = train.run(list(argv))
+    out = capsys.readouterr()
+    return status, out.out, out.err
+
+
+def test_the_demo_config_plans_its_world(capsys, monkeypatch, tmp_path):
+    """configs/demo.yaml's 4 ranks as 2 nodes x 2, planned on the cluster that is that world
+    (it was refused: world size 1, not under torchrun). The dry run checks that its inputs exist
+    and reads the tokenizer: a small one here, so that the test does not need the demo corpus built."""
+    from data.train_tokenizer import train_sentencepiece
+    (tmp_path / "docs.jsonl").write_text("".join(f'{{"text": "the {n} birds went to the river"}}\n'
+                                                 for n in range(200)))
+    train_sentencepiece([str(tmp_path / "docs.jsonl")], str(tmp_path / "kjv_sp"), vocab_size=300)
+    for name in ("kjv_text_document.bin", "kjv_text_document.idx"):
+        (tmp_path / name).write_bytes(b"")
+    inputs = ["--data-path", str(tmp_path / "kjv_text_document"), "--tokenizer-model", str(tmp_path / "kjv_sp.model")]
+    status, out, err = plan_lines(capsys, monkeypatch, "--config", "configs/demo.yaml", "--dry-run", *inputs,
+                                  "--cluster", "configs/clusters/emulated_slow_link.yaml")
+    assert status == 0, err
+    assert "2 nodes x 2 GPUs = 4" in out and "ZeRO++ = ZeRO-3 + qwZ, hpZ 2, qgZ" in out
+    assert "training: 200 iterations x global batch 32 x seq 128 = 0.0 B tokens; ZeRO-3 " in out
+    status, out, err = plan_lines(capsys, monkeypatch, "--config", "configs/demo.yaml", "--dry-run", *inputs)
+    assert status == 2 and "--dry-run needs --cluster FILE" in err and "emulated_slow_link.yaml" in err
+
+
+def test_the_cluster_file_with_values_changed(capsys, monkeypatch):
+    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--micro-batch-size", "1", "--lr", "1e-4", "--zero-stage", "3", "--zero-hpz-size", "8", "--dry-run"]
+    status, out, err = plan_lines(capsys, monkeypatch, *base, "--ranks-per-node", "2", "--cluster",
+                                  "configs/clusters/v100_4x16_100gbps.yaml,gpus_per_node=8,gpu_memory_gb=80")
+    assert status == 0, err
+    assert "cluster configs/clusters/v100_4x16_100gbps.yaml,gpus_per_node=8,gpu_memory_gb=80: 4 nodes x 8 GPUs " \
+           "= 32, 80 GiB each" in out
+    assert "> note: --ranks-per-node 2 emulates nodes on one machine; the plan has the cluster's nodes of 8 GPUs" in out
+    assert "vocab 50257 (padded 50304, GPT-2's BPE vocabulary: no tokenizer file given)" in out
+    for spec, says in ((",gpus_per_nod=8", "unknown key 'gpus_per_nod'; did you mean 'gpus_per_node'?"),
+                       (",gpus_per_node=0", "gpus_per_node must be > 0, got 0"),
+                       (",gpus_per_node", "'gpus_per_node' is not key=value")):
+        status, out, err = plan_lines(capsys, monkeypatch, *base, "--cluster",
+                                      "configs/clusters/v100_4x16_100gbps.yaml" + spec)
+        assert status == 2 and says in err and len(err.splitlines()) == 1, err
+
+
+def test_dry_run_names_every_missing_input_path(capsys, monkeypatch, tmp_path):
+    (tmp_path / "half.bin").write_text("")
+    status, out, err = plan_lines(
+        capsys, monkeypatch, "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "32", "--lr", "1e-4", "--dry-run", "--cluster", "configs/clusters/v100_1x8.yaml",
+        "--data-path", "1", str(tmp_path / "half"), "1", str(tmp_path / "none"),
+        "--tokenizer-model", str(tmp_path / "sp.model"), "--load", str(tmp_path / "ckpt"), "--save", str(tmp_path / "s"))
+    assert status == 2 and len(err.splitlines()) == 1 and out == "", err
+    for text in (f"--data-path {tmp_path / 'half'} (no {tmp_path / 'half.idx'})",
+                 f"--data-path {tmp_path / 'none'} (no {tmp_path / 'none.bin'} or {tmp_path / 'none.idx'})",
+                 f"--tokenizer-model {tmp_path / 'sp.model'} (no such file)",
+                 f"--load {tmp_path / 'ckpt'} (no such directory)"):
+        assert text in err, text
+    status, out, err = plan_lines(   # --load = --save: a first run that resumes where it will save
+        capsys, monkeypatch, "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "32", "--lr", "1e-4", "--dry-run", "--cluster", "configs/clusters/v100_1x8.yaml",
+        "--load", str(tmp_path / "s"), "--save", str(tmp_path / "s"))
+    assert status == 0, err

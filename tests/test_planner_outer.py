@@ -1,6 +1,7 @@
 """planner/outer.py: the dry run's exchanges across groups (train.py --dry-run --outer-sync-interval)."""
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
 
@@ -64,3 +65,46 @@ def test_a_link_slower_than_the_steps_bounds_the_inner_step(tmp_path, capsys):
     link_per_step = sum(longest["exchanges"]) / H
     assert longest["step"] + longest["exposed"] == pytest.approx(link_per_step, abs=2e-3)
     assert longest["exposed"] == at_spacing["exposed"]
+
+
+# -- the dry run plans what training runs -------------------------------------------------------------
+
+CLUSTER = "configs/clusters/v100_4x16_100gbps.yaml"   # 4 nodes x 16
+LIGHTHOUSE = ["--zero-stage", "3", "--outer-sync-interval", "64", "--lighthouse", "http://127.0.0.1:1",
+              "--group-id", "0", "--num-groups", "2"]
+EXACT = MODEL[:MODEL.index("--outer-quantization")] + MODEL[MODEL.index("--outer-quantization") + 2:]   # fp32 outer
+
+
+def test_with_lighthouse_the_dry_run_plans_num_groups_groups_of_the_clusters_nodes(capsys):
+    import train
+    train.main(["--dry-run", "--cluster", CLUSTER, *EXACT, *LIGHTHOUSE])
+    assert "-- Outer synchronization: 2 groups of 2 node(s)" in capsys.readouterr().out
+
+
+def verdict(argv: list[str]) -> str | None:
+    """What parse_args (training's checks; the dry run's too) says of `argv`: None, or its one line."""
+    from common import ConfigError
+    from training.args import parse_args
+    try:
+        parse_args(argv)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchft") is None, reason="torchft is not installed")
+@pytest.mark.parametrize("extra, refused", [
+    (["--outer-quantization", "int4"], None),   # None: whatever training says
+    (["--outer-quantization", "topk2"], None),
+    (["--outer-warmup-iters", "5"], True),
+    (["--group-size", "1"], True),
+    (["--group-id", "2"], True),
+    ([], False),
+])
+def test_the_dry_run_refuses_what_training_refuses(monkeypatch, extra, refused):
+    monkeypatch.setenv("WORLD_SIZE", "16")   # one group of the cluster's: torchrun on its 2 nodes
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
+    training = verdict([*EXACT, *LIGHTHOUSE, "--data-path", "corpus", "--train-iters", "100", *extra])
+    planned = verdict(["--dry-run", "--cluster", CLUSTER, *EXACT, *LIGHTHOUSE, *extra])
+    assert planned == training
+    assert refused is None or (training is not None) == refused, training

@@ -1,26 +1,83 @@
 """common/torch_private.py: every private torch attribute the product uses exists and means what
 the product assumes, on the torch installed. When torch changes one, a test here fails by name;
-when torch's version moves past the one they were checked against, the first test fails so they
-are checked again."""
+a torch outside the releases they were checked against (SUPPORTED, pyproject.toml's range) fails
+the first test, and the plug-in refuses it in one line. scripts/test.sh --torch 2.14.1 runs this
+file (and the plug-in's tests) on the second release."""
 from __future__ import annotations
 
 import ast
+import importlib.util
+import re
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
+from packaging.requirements import Requirement
 
 from common import torch_private as tp
 from tests.distributed import run_distributed
 from tests.test_structure import ROOT, source_files
 
 
-def test_checked_against_the_installed_torch():
-    installed = ".".join(torch.__version__.split("+")[0].split(".")[:2])
-    assert installed == tp.CHECKED_TORCH, (
-        f"torch {installed} is installed; common/torch_private.py was checked against {tp.CHECKED_TORCH}: "
-        f"run this file, check each attribute, then update CHECKED_TORCH")
+def test_the_installed_torch_is_in_the_supported_range():
+    assert tp.unsupported(torch.__version__) is None, (
+        f"{tp.unsupported(torch.__version__)}: run this file and the plug-in's tests on it "
+        f"(scripts/test.sh --torch), check each attribute in its source, then widen SUPPORTED, MOVED and pyproject.toml")
+
+
+def test_a_release_outside_the_range_is_refused_in_one_line():
+    first, last = tp.SUPPORTED
+    for inside in (f"{first[0]}.{first[1]}.0", f"{last[0]}.{last[1]}.9+cu130", torch.__version__):
+        assert tp.unsupported(inside) is None, inside
+    for outside in (f"{first[0]}.{first[1] - 1}.2", f"{last[0]}.{last[1] + 1}.0", f"{last[0] + 1}.0.0+cpu", "1.13.1"):
+        line = tp.unsupported(outside)
+        assert line is not None and f"torch {outside} is outside {tp.CHECKED}" in line and "\n" not in line, line
+
+
+def test_pyproject_declares_the_supported_range():
+    """pip installs what SUPPORTED says: every release inside, none outside."""
+    spec = Requirement(re.search(r'^    "(torch[<>=!~].*?)",', (ROOT / "pyproject.toml").read_text(), re.M)[1]).specifier
+    for major, minor in [(1, 13)] + [(2, m) for m in range(0, 30)] + [(3, 0)]:
+        inside = tp.SUPPORTED[0] <= (major, minor) <= tp.SUPPORTED[1]
+        for patch in (0, 1, 9):
+            assert spec.contains(f"{major}.{minor}.{patch}") == inside, (f"{major}.{minor}.{patch}", str(spec))
+
+
+def test_setup_refuses_a_release_outside_the_range_before_installing():
+    for version in ("2.10.0", f"{tp.SUPPORTED[1][0]}.{tp.SUPPORTED[1][1] + 1}.0"):
+        venv = ROOT / f".venv-torch{version.rsplit('.', 1)[0]}"
+        assert not venv.exists(), venv
+        done = subprocess.run(["bash", "scripts/setup.sh", "--torch", version], cwd=ROOT, capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 2 and done.stdout == "", (done.returncode, done.stdout, done.stderr)
+        assert done.stderr.count("\n") == 1 and f"torch {version} is outside pyproject.toml" in done.stderr, done.stderr
+        assert not venv.exists(), venv
+
+
+def test_moved_attributes_cover_the_range_once():
+    """Each moved attribute says how every supported release reaches it: rows in order, no gap,
+    no overlap, none outside the range."""
+    for attribute, rows in tp.MOVED.items():
+        assert attribute in tp.ATTRIBUTES and rows[0][0] == tp.SUPPORTED[0] and rows[-1][1] == tp.SUPPORTED[1], rows
+        for (_, last, _), (first, _, _) in zip(rows, rows[1:]):
+            assert first == (last[0], last[1] + 1), (attribute, rows)
+        for first, last, name in rows:
+            assert first <= last and (name is None or attribute.split(".")[0] + "." + name in tp.ATTRIBUTES), rows
+            assert tp.reached(attribute, f"{last[0]}.{last[1]}.0") == name
+    assert tp.reached("FSDPState._fsdp_param_groups", "2.11.0") == "_fsdp_param_group"
+    assert tp.reached("FSDPParamGroup.reduce_scatter_unused_params", "2.12.1") is None
+
+
+def test_a_torch_without_an_autograd_attribute_fails_at_import_in_one_line(monkeypatch):
+    monkeypatch.delattr(torch._C, "_current_graph_task_id")
+    spec = importlib.util.spec_from_file_location("torch_private_copy", tp.__file__)
+    with pytest.raises(ImportError) as e:
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    message = str(e.value)
+    assert "torch._C._current_graph_task_id" in message and f"torch {torch.__version__}" in message, message
+    assert "\n" not in message, message
 
 
 FOREACH = "torch._foreach_"   # torch's documented multi-tensor ops (the optimizers' foreach path), not internals
@@ -101,8 +158,9 @@ def fsdp_attributes(rank, world):
     out["reads"].append(tp.reads_of_reduction(group))
     out["factor"] = tp.divide_factor(group)
     out["unused"] = tp.reduces_unused(group)
-    model[0].set_reduce_scatter_unused_params(True)
-    out["unused"] = (out["unused"], tp.reduces_unused(group))
+    if tp.reached("FSDPParamGroup.reduce_scatter_unused_params", torch.__version__):   # 2.13 on
+        model[0].set_reduce_scatter_unused_params(True)
+        out["unused"] = (out["unused"], tp.reduces_unused(group))
     model(torch.ones(2, 4))
     u = tp.unsharded_param(params[0])
     out["unsharded_after"] = u is not None and tuple(u.shape) == (4, 4)
@@ -121,7 +179,8 @@ def test_fsdp2_attributes():
     assert r["one mesh"] == (True, (2, 2), 1), r
     assert r["prefetch"] == (False, True), r
     assert r["reads"] == [[], ["an all-reduce hook", "a gradient divide factor", "a post-accumulate-grad hook"]], r
-    assert r["factor"] == 3.0 and r["unused"] == (False, True) and r["offload"] == ["CPU offload"], r
+    unused = (False, True) if tp.reached("FSDPParamGroup.reduce_scatter_unused_params", torch.__version__) else False
+    assert r["factor"] == 3.0 and r["unused"] == unused and r["offload"] == ["CPU offload"], r
 
 
 def test_every_listed_attribute_is_named_in_the_module():
@@ -132,30 +191,48 @@ def test_every_listed_attribute_is_named_in_the_module():
 
 
 def _refused_without(rank, world, owner: str, name: str):
+    import inspect
+
     from torch.distributed.fsdp import fully_shard
 
     from zeropp.fsdp import PluginError, apply_zeropp
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     fully_shard(model[0])
     fully_shard(model)
-    state = model._get_fsdp_state()   # the root's unit holds model[1]: the one the check looks at
-    objects = {"state": state, "group": state._fsdp_param_groups[0]}
-    delattr(objects[owner], name)   # what another torch lacks on every unit
-    try:
+    # the root's unit holds model[1]: the one the check looks at; what another torch lacks on every unit
+    group, version, annotations = tp.param_group(model), torch.__version__, {}
+    try:   # a pooled rank runs the next test too: the class and the version are put back
+        if owner == "version":
+            torch.__version__ = name   # a release the range leaves out
+        elif owner == "declared":   # set only at the first gather: its name is FSDPParam's annotation
+            cls = next(c for c in type(group.fsdp_params[0]).__mro__ if name in inspect.get_annotations(c))
+            annotations = {cls: cls.__annotations__[name]}
+            del cls.__annotations__[name]
+        else:
+            delattr({"state": tp.fsdp_state(model), "group": group}[owner], name)
         apply_zeropp(model, 1)
     except PluginError as e:
         return str(e)
+    finally:
+        torch.__version__ = version
+        for cls, annotation in annotations.items():
+            cls.__annotations__[name] = annotation
     return None
 
 
 @pytest.mark.slow
 def test_another_torch_without_a_listed_attribute_is_refused_in_one_line():
-    for owner, name, label in (("state", "_states_to_forward_prefetch", "FSDPState._states_to_forward_prefetch"),
-                               ("group", "reduce_scatter_unused_params",
-                                "FSDPParamGroup.reduce_scatter_unused_params")):
+    """A renamed attribute, even one FSDP2 sets only later (the gathered parameter, whose absence
+    before the first gather is no sign), and a release outside the range: one line, before
+    anything is changed."""
+    last = tp.SUPPORTED[1]
+    for owner, name, label in (("state", "_states_to_forward_prefetch", "lacks FSDPState._states_to_forward_prefetch"),
+                               ("group", "_all_reduce_hook", "lacks FSDPParamGroup._all_reduce_hook"),
+                               ("declared", "_unsharded_param", "lacks FSDPParam._unsharded_param"),
+                               ("version", f"{last[0]}.{last[1] + 1}.0", f"{last[0]}.{last[1] + 1}.0 is outside")):
         message = run_distributed(_refused_without, 1, args=(owner, name))[0]
         assert message is not None and label in message and "\n" not in message, message
-        assert f"checked against torch {tp.CHECKED_TORCH}" in message, message
+        assert message.startswith("apply_zeropp: torch ") and tp.CHECKED in message, message
 
 
 # -- HSDP -------------------------------------------------------------------------------------------
@@ -166,7 +243,7 @@ def hsdp_attributes(rank, world):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
     model = fully_shard(nn.Linear(4, 4), mesh=mesh)
     group = tp.param_group(model)
-    out = {"missing": tp.missing_hsdp_internals(group),
+    out = {"missing": tp.hsdp_internals_problem(group),
            "replicate": dist.get_process_group_ranks(tp.replicate_group(group)), "on": tp.replica_all_reduce_on(group)}
     model.set_requires_all_reduce(False)
     out["on"] = (out["on"], tp.replica_all_reduce_on(group))
@@ -180,7 +257,7 @@ def hsdp_attributes(rank, world):
     model.set_requires_all_reduce(True)
     model(torch.ones(2, 4)).sum().backward()
     out["seen"] = seen
-    out["plain"] = tp.missing_hsdp_internals(tp.param_group(fully_shard(nn.Linear(4, 4))))
+    out["plain"] = tp.hsdp_internals_problem(tp.param_group(fully_shard(nn.Linear(4, 4))))
     # a pooled rank's next body: an equal mesh over new groups (tests/test_fsdp_hsdp.py needs this)
     tp.forget_dtensor_plans()
     return out
@@ -188,9 +265,9 @@ def hsdp_attributes(rank, world):
 
 def test_hsdp_attributes():
     r = run_distributed(hsdp_attributes, 4)[0]
-    assert r["missing"] == [] and r["replicate"] == [0, 2] and r["on"] == (True, False), r
+    assert r["missing"] is None and r["replicate"] == [0, 2] and r["on"] == (True, False), r
     assert r["seen"] == [(10,)], r   # the weight's 2 rows of 4 and the bias's 2, one all-reduce per unit
-    assert r["plain"] == ["HSDPMeshInfo.replicate_process_group"], r
+    assert "lacks HSDPMeshInfo.replicate_process_group" in r["plain"] and tp.CHECKED in r["plain"], r
 
 
 def an_hsdp_weight_gathered(rank, world):

@@ -52,9 +52,76 @@ def test_train_logs_and_learns(corpus, tmp_path, capsys):
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    assert {"lm-loss", "learning-rate", "loss-scale", "grad-norm", "validation/lm-loss",
-            "validation/lm-loss-ppl", "tokens-per-second", "memory/peak-MB"} <= tags
-    assert len(events.Scalars("lm-loss")) == 6
+    assert {"lm loss", "learning-rate", "loss-scale", "grad-norm", "lm loss validation",
+            "throughput/tokens-per-second", "memory/peak-MB"} <= tags
+    assert len(events.Scalars("lm loss")) == 6
+
+
+def test_tensorboard_has_megatrons_and_deepspeeds_tags(corpus, tmp_path):
+    """Megatron's tag names and switches, each tag with its `vs samples` twin (x: samples consumed),
+    DeepSpeed's Train/Samples/ tags from the JSON's tensorboard section, ours under their prefixes."""
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"tensorboard": {"enabled": True, "output_path": str(tmp_path / "ds_logs"),
+                                              "job_name": "train_gpt"}, "wall_clock_breakdown": True}))
+    argv = [a for a in flags(corpus, tmp_path, 8, ["--deepspeed_config", str(ds), "--log-timers-to-tensorboard",
+                                                   "--log-validation-ppl-to-tensorboard", "--log-params-norm",
+                                                   "--log-world-size-to-tensorboard", "--split", "80,10,10"])]
+    del argv[argv.index("--tensorboard-dir"):argv.index("--tensorboard-dir") + 2]   # the JSON's directory
+    train.main(argv)
+    events = EventAccumulator(str(tmp_path / "ds_logs" / "train_gpt"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    megatron = ["learning-rate", "batch-size", "lm loss", "loss-scale", "grad-norm", "params-norm", "world-size",
+                "lm loss validation", "lm loss validation ppl", "lm loss test", "lm loss test ppl"]
+    assert {*megatron, *(f"{t} vs samples" for t in megatron), "iteration-time"} <= tags
+    assert {"Train/Samples/train_loss", "Train/Samples/lr", "Train/Samples/elapsed_time_ms_forward"} <= tags
+    assert {"throughput/samples-per-second", "comm/inter-node-MB-per-iteration", "memory/peak-MB", "time/step"} <= tags
+    assert [e.step for e in events.Scalars("lm loss")] == [2, 4, 6, 8]
+    assert [e.step for e in events.Scalars("lm loss vs samples")] == [8, 16, 24, 32]   # global batch 4
+    assert [e.value for e in events.Scalars("world-size")] == [1] * 4
+    assert not {t for t in tags if "/" not in t} - {*megatron, *(f"{t} vs samples" for t in megatron),
+                                                     "iteration-time"}   # ours are all prefixed
+
+
+def test_tensorboard_switches_off_and_interval(corpus, tmp_path):
+    """Without Megatron's switches their tags are absent; --tensorboard-log-interval 4 keeps every other log line."""
+    train.main(flags(corpus, tmp_path, 8, ["--tensorboard-log-interval", "4", "--no-log-loss-scale-to-tensorboard",
+                                           "--tensorboard-queue-size", "1"]))
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert not tags & {"loss-scale", "iteration-time", "lm loss validation ppl", "params-norm", "world-size",
+                       "Train/Samples/train_loss"}
+    assert [e.step for e in events.Scalars("lm loss")] == [4, 8]
+
+
+def test_megatrons_checkpoint_and_stop_flags(corpus, tmp_path, capsys):
+    """--exit-duration-in-mins stops after the first iteration past it and saves; --no-save-optim
+    and --no-save-rng leave those out, and a load says so; --finetune takes the weights only and
+    starts at iteration 0."""
+    import torch.distributed.checkpoint as dcp
+    first = tmp_path / "first"
+    train.main(flags(corpus, first, 6, ["--exit-duration-in-mins", "1e-9", "--no-save-optim", "--no-save-rng"]))
+    out = capsys.readouterr().out
+    assert "> --exit-duration-in-mins reached: stopped after iteration 1;" in out
+    saved = first / "ckpt" / "iter_0000001"
+    meta = json.loads((saved / "meta.json").read_text())
+    assert meta["optimizer_saved"] is False and meta["rng"] == []
+    assert not [k for k in dcp.FileSystemReader(str(saved)).read_metadata().state_dict_metadata if "optim" in k]
+    from training.args import parse_args
+    args = parse_args(flags(corpus, tmp_path, 2, ["--load", str(first / "ckpt"), "--use-checkpoint-args",
+                                                  "--num-layers", "5", "--hidden-size", "64"]))
+    assert (args.num_layers, args.hidden_size) == (2, 32)   # the checkpoint's, over the flags
+    assert f"--use-checkpoint-args: --num-layers 2, --hidden-size 32 from {saved}" in capsys.readouterr().out
+    second = tmp_path / "second"
+    train.main(flags(corpus, second, 2, ["--load", str(first / "ckpt"), "--finetune"]))
+    out = capsys.readouterr().out
+    assert f"--finetune: weights from {first / 'ckpt'}; training starts at iteration 0" in out
+    assert "consumed samples:            8" in out and sorted(os.listdir(second / "ckpt"))[0] == "iter_0000002"
+    train.main(flags(corpus, tmp_path / "third", 2, ["--load", str(first / "ckpt")]))
+    out = capsys.readouterr().out
+    assert "saved without its optimizer state (--no-save-optim): a new optimizer starts" in out
+    assert "saved without random-number states (--no-save-rng)" in out
 
 
 def test_resume_continues_exactly(corpus, tmp_path):
@@ -111,7 +178,8 @@ def test_topology_error_is_one_line_and_exit_2(corpus, tmp_path):
                           cwd=os.path.dirname(os.path.abspath(train.__file__)))
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "error: --ranks-per-node 3 must divide the world size 1; pass a divisor of 1"]
+        "error: --ranks-per-node 3 emulates nodes of 3 ranks, and this is one process: launch with torchrun "
+        "--nproc-per-node 6 (2 nodes of 3), or drop --ranks-per-node"]
 
 
 def test_log_lines_are_megatrons(capsys):

@@ -111,7 +111,8 @@ def optimizer_moments(settings) -> int:
 
 
 def save_checkpoint(save_dir: str, iteration: int, engine, consumed_train_samples: int, meta: dict,
-                    keep_last: int | None = None, storage_writer=None, async_group=None):
+                    keep_last: int | None = None, storage_writer=None, async_group=None,
+                    save_optim: bool = True, save_rng: bool = True):
     """Collective: every rank calls it. `storage_writer(path)` makes the DCP
     writer (default: FileSystemWriter, fsyncing its files).
 
@@ -120,7 +121,7 @@ def save_checkpoint(save_dir: str, iteration: int, engine, consumed_train_sample
     copied to CPU memory and written by a background thread;
     a `PendingSave` comes back, whose finish() (every rank, e.g. before the next
     save) completes the checkpoint. Otherwise the files are written now and a
-    SaveResult comes back."""
+    SaveResult comes back. `save_optim`, `save_rng`: False for --no-save-optim, --no-save-rng."""
     this_rank, world = rank(), world_size()
     start = time.time()
     final = iteration_dir(save_dir, iteration)
@@ -139,12 +140,13 @@ def save_checkpoint(save_dir: str, iteration: int, engine, consumed_train_sample
     # The tensors first: taking them may complete what the scalar state then records (an outer
     # exchange in flight, zeropp/outer/diloco.py). The metadata is taken now: training may go on
     # while the files are written.
-    state = engine.checkpoint_state()
+    state = engine.checkpoint_state(optimizer=save_optim)
     scalars = engine.scalar_state()   # rank 0's is meta.json's "engine"; with groups, each group's too
     topology = engine.comm.topology
     info = dict(meta, format=FORMAT_VERSION, iteration=iteration, consumed_train_samples=consumed_train_samples,
-                world_size=world, groups=topology.groups, engine=scalars)
-    done = _Finisher(save_dir, iteration, tmp, final, info, {"rng": rng_state(), "engine": scalars}, keep_last,
+                world_size=world, groups=topology.groups, engine=scalars, optimizer_saved=save_optim)
+    own = {"rng": rng_state() if save_rng else None, "engine": scalars}
+    done = _Finisher(save_dir, iteration, tmp, final, info, own, keep_last,
                      start, topology.groups)
     writer = (storage_writer or _default_writer)(tmp)
     try:
@@ -200,7 +202,7 @@ class _Finisher:
         error = None
         if this_rank == 0:
             try:
-                info = dict(self.info, rng=[g["rng"] for g in gathered])
+                info = dict(self.info, rng=[g["rng"] for g in gathered if g["rng"] is not None])
                 if self.groups > 1:   # each group's own loss scale, skipped steps (its LR), ...: its first rank's
                     info["engine_groups"] = [g["engine"] for g in gathered[::len(gathered) // self.groups]]
                 checksums = {name: v for g in gathered for name, v in g["checksums"].items()}
@@ -286,8 +288,10 @@ class Checkpointer:
     `async_save` the files are written by a background thread while training
     goes on, one save at a time: the next save, or finish(), completes it."""
 
-    def __init__(self, save_dir: str, engine, meta: dict, keep_last: int | None = None, async_save: bool = False):
+    def __init__(self, save_dir: str, engine, meta: dict, keep_last: int | None = None, async_save: bool = False,
+                 save_optim: bool = True, save_rng: bool = True):
         self.save_dir, self.engine, self.meta, self.keep_last = save_dir, engine, meta, keep_last
+        self.save_optim, self.save_rng = save_optim, save_rng
         # Background saves get a gloo group of their own, so the writer's collectives never
         # interleave with training's.
         self.async_group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
@@ -300,7 +304,8 @@ class Checkpointer:
         iteration = progress.iteration
         result = save_checkpoint(self.save_dir, iteration, self.engine, progress.consumed_train_samples,
                                  {**self.meta, "consumed_valid_samples": progress.consumed_valid_samples},
-                                 keep_last=self.keep_last, async_group=self.async_group)
+                                 keep_last=self.keep_last, async_group=self.async_group,
+                                 save_optim=self.save_optim, save_rng=self.save_rng)
         if isinstance(result, PendingSave):
             self.pending = result
             print_rank0(f"> writing checkpoint at iteration {iteration} in the background (training paused "
@@ -342,6 +347,9 @@ def load_checkpoint(load: str, engine, load_optim: bool = True, load_rng: bool =
             raise ConfigError(f"--load {path} holds a different model: {'; '.join(diff)}; "
                               f"pass the model flags it was trained with")
 
+    if load_optim and meta.get("optimizer_saved") is False:
+        load_optim = False
+        print_rank0(f"> {path} was saved without its optimizer state (--no-save-optim): a new optimizer starts")
     topology = engine.comm.topology
     groups, saved_groups = topology.groups, meta.get("groups", 1)
     grouped = saved_groups == groups > 1   # each group's own state end to end (zeropp/outer/diloco.py)
@@ -379,7 +387,9 @@ def load_checkpoint(load: str, engine, load_optim: bool = True, load_rng: bool =
             if this_rank == 0:
                 print(f"> {path}: {note}", flush=True)
     if load_rng:
-        if this_rank < len(meta["rng"]):
+        if not meta["rng"]:
+            print_rank0(f"> {path} was saved without random-number states (--no-save-rng): fresh ones")
+        elif this_rank < len(meta["rng"]):
             set_rng_state(meta["rng"][this_rank])
         elif this_rank == len(meta["rng"]):
             print(f"> {path} was saved by {len(meta['rng'])} ranks: ranks from {len(meta['rng'])} on "

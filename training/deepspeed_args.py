@@ -3,16 +3,17 @@ DeepSpeedConfig and the optimizer's settings (training/args.py calls it once
 the command line and the YAML are read).
 
 An explicit flag (command line or YAML) wins over the JSON, and a disagreement
-is reported as a UserWarning. A JSON `optimizer` section brings DeepSpeed's
+is reported in a `> note:` line. A JSON `optimizer` section brings DeepSpeed's
 defaults for the parameters it leaves out (e.g. weight_decay 0), not the flags'
-defaults. Every file error is a ConfigError naming the file.
+defaults. Every file error is a ConfigError naming the file; every refusal of the
+file joins the command line's problems (common.Problems).
 """
 from __future__ import annotations
 
 import math
 import os
 
-from common import ConfigError, note
+from common import ConfigError, Problems
 from zeropp.config import AUTO, DeepSpeedConfig, LocoConfig, OptimizerSettings, load_json
 
 
@@ -21,16 +22,24 @@ _GIVEN = object()  # merge(): "take the flag's value if it was given"
 _MEGATRON_OPTIMIZERS = {"adam": "adamw", "adamw": "adamw", "sgd": "sgd"}
 
 
-def merge_deepspeed_config(args, explicit: set[str]) -> DeepSpeedConfig:
-    """One DeepSpeedConfig from the JSON and the flags; flags win and conflicts are reported."""
+def merge_deepspeed_config(args, explicit: set[str], problems: Problems) -> DeepSpeedConfig:
+    """One DeepSpeedConfig from the JSON and the flags; flags win and conflicts are noted. The
+    file's refusals join `problems` (a file that cannot be read at all raises)."""
     path = args.deepspeed_config
     raw = _read_json(path) if path else {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} must be a JSON object, got {type(raw).__name__}")
     # Checked once the flags are merged: a JSON section may rely on a switch a flag turns on
     # (zeropp_loco_param in the file, --zero-quantized-gradients on the command line).
-    ds = DeepSpeedConfig.from_dict(raw, where=path or "defaults", validate=False)
+    ds = DeepSpeedConfig.from_dict(raw, where=path or "defaults", validate=False, problems=problems)
     for name in ("optimizer", "scheduler"):   # sections the flags merge into: their values first
         if getattr(ds, name) is not None:
-            getattr(ds, name).validate(f"{path}: {name}")
+            section = Problems()
+            with section.collect():
+                getattr(ds, name).validate(f"{path}: {name}")
+            for message in section.messages:   # reported; the flags' own go on being checked
+                problems.add(message)
+                setattr(ds, name, None)
     in_file = _dotted_keys(raw)
     zero = ds.zero_optimization
 
@@ -41,7 +50,7 @@ def merge_deepspeed_config(args, explicit: set[str]) -> DeepSpeedConfig:
         if value is None:
             return
         if json_key in in_file and getattr(obj, attr) != value:
-            _conflict(dest, value if shown is None else shown, json_key, getattr(obj, attr), path)
+            _conflict(args, dest, value if shown is None else shown, json_key, getattr(obj, attr), path)
         setattr(obj, attr, value)
 
     merge("zero_stage", "zero_optimization.stage", zero, "stage")
@@ -51,6 +60,13 @@ def merge_deepspeed_config(args, explicit: set[str]) -> DeepSpeedConfig:
         else:
             merge(dest, f"zero_optimization.{key}", zero, key)
     merge("zero_reduce_bucket_size", "zero_optimization.reduce_bucket_size", zero, "reduce_bucket_size")
+    merge("zero_allgather_bucket_size", "zero_optimization.allgather_bucket_size", zero, "allgather_bucket_size")
+    merge("zero_contigious_gradients", "zero_optimization.contiguous_gradients", zero, "contiguous_gradients")
+    merge("zero_reduce_scatter", "zero_optimization.reduce_scatter", zero, "reduce_scatter")
+    merge("overlap_comm", "zero_optimization.overlap_comm", zero, "overlap_comm")
+    if args.accumulate_allreduce_grads_in_fp32:
+        merge("accumulate_allreduce_grads_in_fp32", "communication_data_type", ds, "communication_data_type",
+              value="fp32", shown="(fp32)")
     merge("zero_quantized_weight_deltas", "zero_optimization.zero_quantized_weight_deltas", zero,
           "zero_quantized_weight_deltas")
     merge("zero_hadamard_gradients", "zero_optimization.zero_hadamard_gradients", zero, "zero_hadamard_gradients")
@@ -77,6 +93,8 @@ def merge_deepspeed_config(args, explicit: set[str]) -> DeepSpeedConfig:
     if "steps_per_print" in in_file:
         args.log_interval = ds.steps_per_print
     ds.steps_per_print = args.log_interval
+    _tensorboard(args, ds, explicit, path)
+    args.no_op_extra += ds.activation_checkpointing.no_ops(f"{path}: activation_checkpointing")
     args.optimizer_settings = _optimizer_settings(args, ds, explicit, in_file, merge)
     # The flags now mirror the merged config.
     args.fp16, args.bf16 = ds.fp16.enabled, ds.bf16.enabled
@@ -84,9 +102,23 @@ def merge_deepspeed_config(args, explicit: set[str]) -> DeepSpeedConfig:
     args.micro_batch_size = ds.train_micro_batch_size_per_gpu   # None: resolve_batch derives it
     args.global_batch_size = ds.train_batch_size
     args.clip_grad = ds.gradient_clipping
-    ds.validate(f"{path} with the flags" if path else "flags")
-    _check_loss_scaling(ds, path or "flags")
+    with problems.collect():
+        ds.validate(f"{path} with the flags" if path else "flags")
+        _check_loss_scaling(ds, path or "flags")
     return ds
+
+
+def _tensorboard(args, ds: DeepSpeedConfig, explicit: set[str], path: str):
+    """The JSON's tensorboard section is --tensorboard-dir's default (DeepSpeed's output_path/job_name)
+    and asks for DeepSpeed's own tags too (docs/tensorboard.md); the flag wins."""
+    json_dir = ds.tensorboard.log_dir()
+    args.deepspeed_tensorboard = json_dir is not None
+    if json_dir is None:
+        return
+    if "tensorboard_dir" not in explicit:
+        args.tensorboard_dir = json_dir
+    elif os.path.normpath(args.tensorboard_dir) != os.path.normpath(json_dir):
+        _conflict(args, "tensorboard_dir", args.tensorboard_dir, "tensorboard.output_path/job_name", json_dir, path)
 
 
 # The per-technique flags and their JSON keys, which --zeropp auto sets to "auto".
@@ -104,8 +136,10 @@ def _auto_wins(args, dest: str, explicit: set[str]) -> bool:
     return not pinned
 
 
-def _conflict(dest: str, value, json_key: str, json_value, path: str):
-    note(f"--{dest.replace('_', '-')} {value} conflicts with {json_key}={json_value} in {path}; using the flag")
+def _conflict(args, dest: str, value, json_key: str, json_value, path: str):
+    """Noted once the command line is known to be good (training/args.py)."""
+    args.notes.append(f"--{dest.replace('_', '-')} {value} conflicts with {json_key}={json_value} in {path}; "
+                      f"using the flag")
 
 
 def _optimizer_settings(args, ds: DeepSpeedConfig, explicit: set[str], in_file: set[str],
@@ -120,7 +154,7 @@ def _optimizer_settings(args, ds: DeepSpeedConfig, explicit: set[str], in_file: 
         # What the JSON leaves out takes DeepSpeed's defaults for its optimizer, not the flags'.
         settings = ds.optimizer.settings()
         if "optimizer" in explicit and flag_type != settings.type:
-            _conflict("optimizer", f"{args.optimizer} ({flag_type})", "optimizer.type",
+            _conflict(args, "optimizer", f"{args.optimizer} ({flag_type})", "optimizer.type",
                       f"{ds.optimizer.type} ({settings.type})", args.deepspeed_config)
             settings.type = flag_type
         merge("lr", "optimizer.params.lr", settings, "lr")
@@ -131,7 +165,7 @@ def _optimizer_settings(args, ds: DeepSpeedConfig, explicit: set[str], in_file: 
         for i, dest in enumerate(("adam_beta1", "adam_beta2")):
             if dest in explicit:
                 if "optimizer.params.betas" in in_file and betas[i] != getattr(args, dest):
-                    _conflict(dest, getattr(args, dest), f"optimizer.params.betas[{i}]", betas[i],
+                    _conflict(args, dest, getattr(args, dest), f"optimizer.params.betas[{i}]", betas[i],
                               args.deepspeed_config)
                 betas[i] = getattr(args, dest)
         settings.betas = tuple(betas)

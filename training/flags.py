@@ -1,7 +1,7 @@
-"""The command line's flags: Megatron-LM's names and meanings, each numeric flag
-range-checked as it is parsed (the same types check YAML values, see
-training/args.py), and the Megatron/DeepSpeed flags of features this product
-does not have, refused by name with the reason."""
+"""The command line's flags: Megatron-LM's names and meanings (Megatron's old names as
+option strings of the new flag, as Megatron maps them), each numeric flag range-checked as it is
+parsed (the same types check YAML values, see training/args.py). Megatron's and DeepSpeed's flags
+that mean nothing here, or that are refused, are in training/megatron_compat.py."""
 from __future__ import annotations
 
 import argparse
@@ -9,20 +9,28 @@ import difflib
 import math
 
 from data.tokenizer import TOKENIZER_TYPES
-from common import ConfigError, OneLineParser, parse_int
+from common import OneLineParser, parse_int
+from training.megatron_compat import add_compat_flags
 
 
-class _Parser(OneLineParser):
-    """A bad command line is one line; an unknown flag gets a "did you mean"."""
+def unrecognized(parser: argparse.ArgumentParser, extras: list[str]) -> str:
+    """The message for arguments no flag takes, with a "did you mean" for each unknown flag."""
+    flags = [s for a in parser._actions for s in a.option_strings if a.help != argparse.SUPPRESS]
+    hints = [close[0] for text in extras if text.startswith("--")
+             for close in [difflib.get_close_matches(text.split("=")[0], flags, n=1)] if close]
+    hint = f"did you mean {', '.join(hints)}? " if hints else ""
+    return f"unrecognized arguments: {' '.join(extras)}; {hint}see `python train.py --help`"
 
-    def error(self, message):
-        if message.startswith("unrecognized arguments:"):
-            unknown = message.split(":", 1)[1].split()[0].split("=")[0]
-            flags = [s for a in self._actions for s in a.option_strings if a.help != argparse.SUPPRESS]
-            close = difflib.get_close_matches(unknown, flags, n=1)
-            hint = f"did you mean {close[0]}? " if close else ""
-            message += f"; {hint}see `python train.py --help`"
-        super().error(message)
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """--help shows each flag's default, where it has one."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.option_strings and action.default not in (None, False, argparse.SUPPRESS) \
+                and "%(default)" not in text:
+            text += " (default: %(default)s)"
+        return text
 
 
 def ranged(convert, rule: str, ok, hint: str = ""):
@@ -79,77 +87,27 @@ _zeropp_mode.expected = "auto"   # what a YAML value must be (training/args.py s
 _seed = ranged(whole, "in [0, 2**32)", lambda v: 0 <= v < 2**32)   # numpy's RandomState range
 
 
-class Refused(argparse.Action):
-    """A Megatron/DeepSpeed flag for a feature this product does not have: refused by
-    name with the reason, never silently ignored. Hidden from --help."""
-
-    def __init__(self, option_strings, dest, reason="", **kwargs):
-        self.reason = reason
-        super().__init__(option_strings, dest, nargs="*", default=None, help=argparse.SUPPRESS)
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        raise ConfigError(f"{option_string} is not supported: {self.reason}")
-
-
-NO_TP = "this product does data parallelism with ZeRO sharding only"
-_GPT2 = "the model is GPT-2 (learned positions, GeLU MLP, LayerNorm, tied embeddings); remove the flag"
-# Flags found in Megatron-LM / Megatron-DeepSpeed pretrain_gpt scripts for features we lack.
-REFUSED_FLAGS = {
-    "--model-parallel-size": f"it is Megatron's old name; use --tensor-model-parallel-size ({NO_TP}, so 1)",
-    "--num-layers-per-virtual-pipeline-stage": f"pipeline parallelism is not implemented ({NO_TP})",
-    "--sequence-parallel": f"sequence parallelism needs tensor parallelism ({NO_TP})",
-    "--ds-sequence-parallel-size": f"DeepSpeed-Ulysses sequence parallelism is not implemented ({NO_TP})",
-    "--use-distributed-optimizer": "Megatron's distributed optimizer is ZeRO stage 1 here; use --zero-stage 1 "
-                                   "(or 2, 3)",
-    "--overlap-grad-reduce": "set zero_optimization.overlap_comm in --deepspeed_config instead",
-    "--overlap-param-gather": "set zero_optimization.overlap_comm in --deepspeed_config instead",
-    "--partition-activations": "DeepSpeed's partitioned activation checkpoints are not implemented; "
-                               "--checkpoint-activations recomputes each block",
-    "--contigious-checkpointing": "DeepSpeed's contiguous activation checkpoints are not implemented; "
-                                  "--checkpoint-activations recomputes each block",
-    "--checkpoint-in-cpu": "activation checkpoints stay on the device (no CPU offload)",
-    "--synchronize-each-layer": "DeepSpeed activation-checkpointing options are not implemented",
-    "--profile-backward": "DeepSpeed activation-checkpointing options are not implemented",
-    "--cpu-optimizer": "ZeRO-Offload is not implemented; the optimizer runs where the model does",
-    "--cpu-torch-adam": "ZeRO-Offload is not implemented; the optimizer runs where the model does",
-    "--use-flash-attn": "attention is torch's scaled_dot_product_attention, which picks a flash kernel "
-                        "by itself where it can; remove the flag",
-    "--use-flash-attn-v2": "attention is torch's scaled_dot_product_attention, which picks a flash kernel "
-                           "by itself where it can; remove the flag",
-    "--use-flash-attn-triton": "attention is torch's scaled_dot_product_attention; remove the flag",
-    "--num-experts": "mixture of experts is not implemented",
-    "--moe-expert-parallel-size": "mixture of experts is not implemented",
-    "--rampup-batch-size": "batch-size ramp-up is not implemented; use a fixed --global-batch-size",
-    "--use-checkpoint-lr-scheduler": "the schedule always follows the flags and the iteration count",
-    "--swiglu": _GPT2,
-    "--use-rotary-position-embeddings": _GPT2,
-    "--position-embedding-type": _GPT2,
-    "--normalization": _GPT2,
-    "--untie-embeddings-and-output-weights": _GPT2,
-    "--disable-bias-linear": _GPT2,
-    "--group-query-attention": _GPT2,
-    "--num-key-value-heads": _GPT2,
-    "--fp8-format": "fp8 training is not implemented; use --fp16 or --bf16",
-}
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(description="GPT-2 pretraining with ZeRO / ZeRO++", allow_abbrev=False)
+    p = OneLineParser(prog="train.py", usage="[torchrun ...] %(prog)s [--flag value ...]",
+                      description="GPT-2 pretraining with ZeRO / ZeRO++, Megatron-LM's flags. A flag given '' "
+                                  "(--tokenizer-model '') takes its default, whatever --config sets.",
+                      allow_abbrev=False, exit_on_error=False, formatter_class=_HelpFormatter)
     p.add_argument("--config", help="YAML file of flag values (keys as flag names); flags override it")
 
     g = p.add_argument_group("model")
-    g.add_argument("--num-layers", type=_int, default=12)
-    g.add_argument("--hidden-size", type=_int, default=768)
-    g.add_argument("--num-attention-heads", type=_int, default=12)
-    g.add_argument("--ffn-hidden-size", type=_int, default=None)
-    g.add_argument("--seq-length", type=_int, default=1024)
+    g.add_argument("--num-layers", type=_int, default=12, help="transformer blocks")
+    g.add_argument("--hidden-size", type=_int, default=768, help="width of the residual stream")
+    g.add_argument("--num-attention-heads", type=_int, default=12, help="must divide --hidden-size")
+    g.add_argument("--ffn-hidden-size", type=_int, default=None, help="MLP width (default: 4 x --hidden-size)")
+    g.add_argument("--seq-length", type=_int, default=1024, help="tokens per sample")
     g.add_argument("--max-position-embeddings", type=_int, default=None,
-                   help="default: --seq-length")
-    g.add_argument("--hidden-dropout", type=_below_one, default=0.1)
-    g.add_argument("--attention-dropout", type=_below_one, default=0.1)
-    g.add_argument("--init-method-std", type=_positive, default=0.02)
-    g.add_argument("--layernorm-epsilon", type=_positive, default=1e-5)
-    g.add_argument("--make-vocab-size-divisible-by", type=_int, default=128)
+                   help="learned positions (default: --seq-length)")
+    g.add_argument("--hidden-dropout", type=_below_one, default=0.1, help="dropout after attention and MLP")
+    g.add_argument("--attention-dropout", type=_below_one, default=0.1, help="dropout of the attention weights")
+    g.add_argument("--init-method-std", type=_positive, default=0.02, help="std of the normal weight init")
+    g.add_argument("--layernorm-epsilon", type=_positive, default=1e-5, help="LayerNorm's epsilon")
+    g.add_argument("--make-vocab-size-divisible-by", type=_int, default=128,
+                   help="pad the vocabulary to a multiple of this")
     g.add_argument("--checkpoint-activations", action="store_true",
                    help="recompute each transformer block in backward (= --recompute-granularity full)")
     g.add_argument("--deepspeed-activation-checkpointing", action="store_true",
@@ -157,13 +115,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--recompute-activations", action="store_true",
                    help="Megatron's selective recompute (= --recompute-granularity selective): the attention "
                         "core is recomputed in backward")
-    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
-    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
-    g.add_argument("--recompute-num-layers", type=_int, default=None)
+    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
+                   help="full: each block is recomputed; selective: the attention core")
+    g.add_argument("--recompute-method", "--activations-checkpoint-method", choices=["uniform", "block"],
+                   default=None, help="uniform only (each block on its own)")
+    g.add_argument("--recompute-num-layers", "--checkpoint-num-layers", "--activations-checkpoint-num-layers",
+                   type=_int, default=None, help="blocks per recomputed unit: 1 only")
 
     g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=_int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=_int, default=1)
+    g.add_argument("--tensor-model-parallel-size", "--model-parallel-size", type=_int, default=1,
+                   help="1 only: data parallelism with ZeRO sharding (--model-parallel-size is Megatron's old name)")
+    g.add_argument("--pipeline-model-parallel-size", type=_int, default=1, help="1 only: no pipeline parallelism")
     g.add_argument("--no-pipeline-parallel", action="store_true",
                    help="accepted for Megatron-DeepSpeed scripts; there is no pipeline parallelism anyway")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
@@ -184,10 +146,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--deepspeed", action="store_true", help="accepted for compatibility; always on")
     g.add_argument("--deepspeed_config", "--deepspeed-config", default=None,
                    help="DeepSpeed-style JSON (.json or .config)")
-    g.add_argument("--zero-stage", type=whole, default=None, choices=[0, 1, 2, 3])
+    g.add_argument("--zero-stage", type=whole, default=None, choices=[0, 1, 2, 3],
+                   help="zero_optimization.stage: 0 is DDP (default: the JSON's, else 0)")
     g.add_argument("--zero-hpz-size", type=_int, default=None, help="zero_hpz_partition_size")
-    g.add_argument("--zero-quantized-weights", action="store_true", default=None)
-    g.add_argument("--zero-quantized-gradients", action="store_true", default=None)
+    g.add_argument("--zero-quantized-weights", action="store_true", default=None,
+                   help="qwZ: INT8 weight gathers (zero_quantized_weights)")
+    g.add_argument("--zero-quantized-gradients", action="store_true", default=None,
+                   help="qgZ: hierarchical INT4 gradient reduction (zero_quantized_gradients)")
     g.add_argument("--zero-quantized-gradients-bits", type=whole, choices=[4, 2], default=None,
                    help="bits of qgZ's gradients across nodes (zero_quantized_gradients_bits; default 4; "
                         "needs --zero-quantized-gradients)")
@@ -203,7 +168,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--zero-hadamard-gradients", action="store_true", default=None,
                    help="rotate qgZ's INT4 gradient blocks by a Walsh-Hadamard transform before quantizing "
                         "(zero_hadamard_gradients; needs --zero-quantized-gradients)")
-    g.add_argument("--zero-reduce-bucket-size", type=_int, default=None)
+    g.add_argument("--zero-reduce-bucket-size", type=_int, default=None,
+                   help="reduce_bucket_size, elements (default: from the model)")
+    g.add_argument("--zero-allgather-bucket-size", type=_int, default=None,
+                   help="allgather_bucket_size, elements (default: from the model)")
+    g.add_argument("--zero-contigious-gradients", action="store_true", default=None,
+                   help="contiguous_gradients (Megatron-DeepSpeed's spelling): always on")
+    g.add_argument("--zero-reduce-scatter", action="store_true", default=None,
+                   help="reduce_scatter: always on")
+    g.add_argument("--overlap-grad-reduce", "--overlap-param-gather", dest="overlap_comm", action="store_true",
+                   default=None, help="overlap the gradient reductions and weight gathers with compute "
+                                      "(zero_optimization.overlap_comm; on by default at stage 3)")
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", "--fp32-allreduce", action="store_true", default=None,
+                   help="reduce gradients in fp32 (communication_data_type fp32); they always accumulate in fp32")
     g.add_argument("--zeropp", type=_zeropp_mode, default=None, metavar="auto",
                    help="auto: set qwZ, hpZ and qgZ to \"auto\" (measure the links at start-up, let the "
                         "planner pick; planner/auto.py); an explicit per-technique flag keeps its value")
@@ -213,24 +190,34 @@ def build_parser() -> argparse.ArgumentParser:
                    help="per rank (--batch-size is Megatron's old name)")
     g.add_argument("--global-batch-size", type=_int, default=None,
                    help="default: micro-batch-size x data-parallel size (no accumulation)")
-    g.add_argument("--train-iters", type=_int, default=None)
+    g.add_argument("--train-iters", type=_int, default=None, help="iterations to train (or --train-samples)")
     g.add_argument("--train-samples", type=_int, default=None,
                    help="train for this many samples instead of --train-iters (iterations = samples // "
                         "global batch size, as Megatron)")
-    g.add_argument("--lr", type=_non_negative, default=None)
-    g.add_argument("--min-lr", type=_non_negative, default=0.0)
-    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="linear")
+    g.add_argument("--train-tokens", type=_int, default=None,
+                   help="also stop once this many tokens are consumed (Megatron-DeepSpeed: global batch x "
+                        "--seq-length tokens an iteration)")
+    g.add_argument("--lr", type=_non_negative, default=None, help="peak learning rate")
+    g.add_argument("--min-lr", type=_non_negative, default=0.0, help="the schedule decays to this")
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="linear",
+                   help="shape of the decay after warmup")
     g.add_argument("--lr-decay-iters", type=_int, default=None, help="default: --train-iters")
     g.add_argument("--lr-decay-samples", type=_int, default=None,
                    help="with --train-samples (default: --train-samples)")
-    g.add_argument("--lr-warmup-iters", type=_count, default=0)
+    g.add_argument("--lr-decay-tokens", type=_int, default=None,
+                   help="decay over this many tokens (Megatron-DeepSpeed; counted in iterations as --train-tokens)")
+    g.add_argument("--lr-warmup-iters", "--warmup-iters", type=_count, default=0, help="linear warmup iterations")
     g.add_argument("--lr-warmup-samples", type=_count, default=0, help="with --train-samples")
-    g.add_argument("--lr-warmup-fraction", type=_fraction, default=None,
-                   help="warmup as a fraction of the decay iterations (or samples)")
-    g.add_argument("--weight-decay", type=_non_negative, default=0.01)
-    g.add_argument("--adam-beta1", type=_below_one, default=0.9)
-    g.add_argument("--adam-beta2", type=_below_one, default=0.999)
-    g.add_argument("--adam-eps", type=_positive, default=1e-8)
+    g.add_argument("--lr-warmup-tokens", type=_int, default=None,
+                   help="warm up over this many tokens (Megatron-DeepSpeed; counted in iterations as --train-tokens)")
+    g.add_argument("--lr-warmup-fraction", "--warmup", type=_fraction, default=None,
+                   help="warmup as a fraction of the decay iterations (or samples); --warmup is Megatron's old name")
+    g.add_argument("--override-lr-scheduler", "--override-opt_param-scheduler", action="store_true",
+                   help="the schedule always follows the flags, never the checkpoint's (always on)")
+    g.add_argument("--weight-decay", type=_non_negative, default=0.01, help="decoupled weight decay")
+    g.add_argument("--adam-beta1", type=_below_one, default=0.9, help="Adam's beta1")
+    g.add_argument("--adam-beta2", type=_below_one, default=0.999, help="Adam's beta2")
+    g.add_argument("--adam-eps", type=_positive, default=1e-8, help="Adam's epsilon")
     g.add_argument("--clip-grad", type=_non_negative, default=None,
                    help="global gradient norm; 0 = off (default 1.0)")
     g.add_argument("--optimizer", choices=["adam", "adamw", "sgd"], default="adam",
@@ -238,56 +225,92 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sgd-momentum", type=_below_one, default=0.9, help="momentum of --optimizer sgd")
 
     g = p.add_argument_group("mixed precision")
-    g.add_argument("--fp16", action="store_true")
-    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--fp16", action="store_true", help="fp16 weights and compute, dynamic loss scaling")
+    g.add_argument("--bf16", action="store_true", help="bf16 weights and compute")
     g.add_argument("--loss-scale", type=_positive, default=None, help="static fp16 loss scale")
     g.add_argument("--initial-loss-scale", type=_power_of_two, default=None, help="default 2**16")
-    g.add_argument("--min-loss-scale", type=_positive, default=None)
-    g.add_argument("--loss-scale-window", type=_int, default=None)
-    g.add_argument("--hysteresis", type=_int, default=None)
+    g.add_argument("--min-loss-scale", type=_positive, default=None, help="dynamic scaling's floor (default 1)")
+    g.add_argument("--loss-scale-window", type=_int, default=None,
+                   help="clean steps before the scale grows (default 1000)")
+    g.add_argument("--hysteresis", type=_int, default=None, help="overflows before the scale halves (default 2)")
 
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="+", default=None,
                    help="PREFIX, or a blend: W1 PREFIX1 W2 PREFIX2 ...")
     g.add_argument("--data-impl", default=None,
                    help="accepted for Megatron scripts: mmap (or infer) only, the .bin/.idx format")
-    g.add_argument("--split", default="969,30,1")
+    g.add_argument("--split", default="969,30,1", help="train,validation,test weights")
     g.add_argument("--data-cache-path", default=None, help="where index .npy files go (default: beside the data)")
-    g.add_argument("--num-workers", type=_count, default=0)
-    g.add_argument("--tokenizer-type", default="SentencePieceTokenizer",
-                   choices=list(TOKENIZER_TYPES))
-    g.add_argument("--tokenizer-model", default=None)
-    g.add_argument("--vocab-file", default=None)
-    g.add_argument("--merge-file", default=None)
+    g.add_argument("--num-workers", type=_count, default=0, help="data-loader worker processes")
+    g.add_argument("--resume-dataloader", action="store_true",
+                   help="the data loader resumes where the checkpoint stopped (always on)")
+    g.add_argument("--tokenizer-type", default=None, choices=list(TOKENIZER_TYPES),
+                   help="the tokenizer the data was written with (default: GPT2BPETokenizer with --vocab-file "
+                        "or --merge-file, as Megatron's pretrain_gpt; else SentencePieceTokenizer)")
+    g.add_argument("--tokenizer-model", default=None, help="sentencepiece .model file")
+    g.add_argument("--vocab-file", default=None, help="GPT-2 BPE vocab.json")
+    g.add_argument("--merge-file", default=None, help="GPT-2 BPE merges.txt")
 
-    g = p.add_argument_group("checkpointing, evaluation, logging")
-    g.add_argument("--save", default=None)
-    g.add_argument("--load", default=None)
-    g.add_argument("--save-interval", type=_int, default=None)
-    g.add_argument("--exit-interval", type=_int, default=None,
-                   help="stop (saving a checkpoint with --save) after an iteration divisible by this, as Megatron")
-    g.add_argument("--no-load-optim", action="store_true")
-    g.add_argument("--no-load-rng", action="store_true")
+    g = p.add_argument_group("checkpointing, evaluation, stopping")
+    g.add_argument("--save", default=None, help="directory for checkpoints")
+    g.add_argument("--load", default=None, help="checkpoint directory to resume from")
+    g.add_argument("--save-interval", type=_int, default=None, help="save every N iterations (and at the end)")
+    g.add_argument("--no-save-optim", action="store_true", help="save without the optimizer state")
+    g.add_argument("--no-save-rng", action="store_true", help="save without the random-number states")
+    g.add_argument("--no-load-optim", action="store_true", help="load the weights, start a new optimizer")
+    g.add_argument("--no-load-rng", action="store_true", help="keep fresh random-number states")
+    g.add_argument("--finetune", action="store_true",
+                   help="load the weights only and start at iteration 0 (= --no-load-optim --no-load-rng, "
+                        "progress reset)")
+    g.add_argument("--use-checkpoint-args", action="store_true",
+                   help="take the model's shape from the checkpoint in --load, over the flags")
     g.add_argument("--keep-last", type=_int, default=None,
                    help="keep the K newest checkpoints in --save; older ones go once a newer one is complete")
     g.add_argument("--async-save", action="store_true",
                    help="write checkpoints in the background (torch.distributed.checkpoint.async_save) while "
                         "training goes on; each is completed before the next save and at exit")
+    g.add_argument("--exit-interval", type=_int, default=None,
+                   help="stop (saving a checkpoint with --save) after an iteration divisible by this, as Megatron")
+    g.add_argument("--exit-duration-in-mins", type=_positive, default=None,
+                   help="stop (saving a checkpoint with --save) after the first iteration that ends this many "
+                        "minutes after start-up, as Megatron")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="SIGTERM saves and stops (always on)")
     g.add_argument("--max-nan-iters", type=_int, default=None,
                    help="stop (saving the last good state) after this many consecutive non-finite losses")
     g.add_argument("--eval-interval", type=_at_least(1, "; to turn evaluation off use --eval-iters 0"),
-                   default=1000)
-    g.add_argument("--eval-iters", type=_count, default=100, help="0 turns evaluation off")
+                   default=1000, help="evaluate every N iterations")
+    g.add_argument("--eval-iters", type=_count, default=100, help="batches per evaluation; 0 turns evaluation off")
+    g.add_argument("--seed", type=_seed, default=1234, help="weights, dropout and data order")
+
+    g = p.add_argument_group("logging and TensorBoard (tags: docs/tensorboard.md)")
     g.add_argument("--log-interval", type=_int, default=100,
                    help="default: steps_per_print of --deepspeed_config if it sets it, else 100")
-    g.add_argument("--tensorboard-dir", default=None)
-    g.add_argument("--seed", type=_seed, default=1234)
+    g.add_argument("--tensorboard-dir", default=None,
+                   help="write TensorBoard events here (default: the JSON's tensorboard section, if enabled)")
+    g.add_argument("--tensorboard-log-interval", type=_int, default=1,
+                   help="write TensorBoard at the log lines of iterations divisible by this")
+    g.add_argument("--tensorboard-queue-size", type=_int, default=1000,
+                   help="events held before the writer flushes")
+    g.add_argument("--log-timers-to-tensorboard", action="store_true", help="write iteration-time")
+    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
+                   help="write the validation perplexity")
+    g.add_argument("--log-batch-size-to-tensorboard", action="store_true", help="batch-size (always written)")
+    g.add_argument("--no-log-learning-rate-to-tensorboard", dest="log_learning_rate_to_tensorboard",
+                   action="store_false", help="do not write learning-rate")
+    g.add_argument("--no-log-loss-scale-to-tensorboard", dest="log_loss_scale_to_tensorboard",
+                   action="store_false", help="do not write loss-scale")
+    g.add_argument("--log-world-size-to-tensorboard", action="store_true", help="write world-size")
+    g.add_argument("--log-memory-to-tensorboard", action="store_true",
+                   help="write the CUDA allocator's memory statistics")
+    g.add_argument("--log-params-norm", action="store_true",
+                   help="compute the norm of the weights: in the log line and TensorBoard")
 
     g = p.add_argument_group("outer synchronization (streaming DiLoCo across groups of nodes)")
     g.add_argument("--outer-sync-interval", type=_int, default=None, metavar="H",
                    help="groups of --group-size nodes train apart and exchange each parameter every H inner "
                         "steps (off when absent; training/outer.py)")
-    g.add_argument("--outer-lr", type=_positive, default=0.7)
+    g.add_argument("--outer-lr", type=_positive, default=0.7, help="the outer Nesterov step's learning rate")
     g.add_argument("--outer-momentum", type=_below_one, default=0.9, help="Nesterov")
     g.add_argument("--outer-fragments", type=_int, default=1,
                    help="exchange each rank's shard in this many equal parts, at staggered steps")
@@ -322,6 +345,5 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print the memory, communication and time plan for --cluster and exit (no training)")
     g.add_argument("--cluster", default=None, help="cluster description YAML for --dry-run (configs/clusters/)")
 
-    for flag, reason in REFUSED_FLAGS.items():
-        p.add_argument(flag, action=Refused, reason=reason)
+    add_compat_flags(p)
     return p

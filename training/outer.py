@@ -7,12 +7,14 @@ import contextlib
 import importlib.util
 import os
 
-from common import ConfigError
+from common import ConfigError, note
 from parallel.comm import Communicator
 from parallel.launch import die_with_launcher, print_rank0
 from parallel.topology import Topology
 from zeropp.collectives.partition import Partition
 from parallel.membership import TorchftGroups
+from training.checkpoint_files import META, TRACKER, complete_iterations
+from zeropp.kernels.sparse import DEFAULT_CHUNK
 from zeropp.outer.diloco import KEY, PHASE, WARMUP, OuterSettings, attach, saved_layout
 from zeropp.outer.edges import final_sync as synchronize_groups
 from zeropp.outer.edges import heal, join, outer_state, with_global_weights
@@ -35,6 +37,10 @@ def check_outer_args(args, flag):
     if args.outer_quantization != "topk2" and "outer_topk_fraction" in args.explicit:
         raise ConfigError(f"{flag(args, 'outer_topk_fraction', args.outer_topk_fraction)} has no effect without "
                           f"--outer-quantization topk2; add it or drop the fraction")
+    if args.outer_quantization == "topk2" and args.outer_topk_fraction * DEFAULT_CHUNK < 1:   # (sparse.topk_count)
+        raise ConfigError(f"{flag(args, 'outer_topk_fraction', args.outer_topk_fraction)} is less than one element "
+                          f"of each chunk of {DEFAULT_CHUNK} (one would be sent anyway); pass at least "
+                          f"1/{DEFAULT_CHUNK} = {1 / DEFAULT_CHUNK:.8g}")
     if getattr(args, "sharding", "zero") != "zero":   # the outer loop steps this application's fp32 masters
         raise ConfigError(f"{H} runs this application's engine in each group; drop --sharding {args.sharding}")
     stage = args.ds_config.zero_optimization.stage
@@ -54,24 +60,59 @@ def check_outer_args(args, flag):
     if args.outer_fragments > args.outer_sync_interval:
         raise ConfigError(f"{flag(args, 'outer_fragments', args.outer_fragments)} exceeds {H} (each fragment is "
                           f"exchanged at its own inner step); pass at most {args.outer_sync_interval}")
-    if args.dry_run:   # the planner checks the groups against --cluster (planner/outer.py)
-        return
     if args.lighthouse is not None or any(d in args.explicit for d in FAULT_TOLERANT_FLAGS):
         check_fault_tolerant_args(args, flag, H)
-        return
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    per_node = args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    nodes, size = world // per_node, args.group_size
-    if nodes % size:
-        raise ConfigError(f"{flag(args, 'group_size', size)} must divide the {nodes} node(s) of {per_node} rank(s); "
-                          f"pass a divisor of {nodes}")
-    if size * per_node < 2:
-        raise ConfigError(f"{flag(args, 'group_size', size)} makes groups of one rank (nodes of {per_node}); "
-                          f"ZeRO-3 needs 2+ ranks a group: pass a larger --group-size or more --ranks-per-node")
-    if nodes == size:   # the outer step would only move the one group against itself
-        raise ConfigError(f"{flag(args, 'group_size', size)} makes one group of the job's {nodes} node(s): there is "
-                          f"no other group to synchronize with; pass a --group-size below {nodes} (and "
-                          f"--ranks-per-node for the ranks of one node) or drop {H}")
+        if not args.dry_run:
+            group_paths(args)
+    elif not args.dry_run:   # the dry run checks the groups on --cluster's nodes (planner/outer.py)
+        world = int(os.environ.get("WORLD_SIZE", 1))
+        per_node = args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        check_groups(args, flag, world // per_node, per_node)
+    warmup = args.outer_warmup_iters
+    if warmup and args.train_iters is not None and warmup >= args.train_iters:
+        note(f"{flag(args, 'outer_warmup_iters', warmup)} covers all {args.train_iters} iterations of the run: it "
+             f"trains as one synchronous job throughout, with no exchange between the groups; shorten the warm-up "
+             f"to leave inner steps for {H}")
+
+
+def check_groups(args, flag, nodes: int, per_node: int) -> tuple[int, int]:
+    """(groups, nodes a group) of a job of `nodes` nodes of `per_node` ranks (training: torchrun's;
+    the dry run: --cluster's), one line for a layout that training refuses: the dry run plans
+    only what trains. --lighthouse (the dry run's only): --num-groups groups of equal nodes."""
+    H = flag(args, "outer_sync_interval", args.outer_sync_interval)
+    shape = (f"the {nodes} nodes of --cluster {args.cluster} ({per_node} GPUs each)" if args.dry_run
+             else f"the {nodes} node(s) of {per_node} rank(s)")
+    if fault_tolerant(args):
+        if nodes % args.num_groups:
+            raise ConfigError(f"--num-groups {args.num_groups} must divide {shape}: each group is a torchrun job of "
+                              f"equal nodes; pass a divisor of {nodes}")
+        return args.num_groups, nodes // args.num_groups
+    size = args.group_size
+    if nodes % size == 0 and size < nodes and size * per_node >= 2:
+        return nodes // size, size
+    given = flag(args, "group_size", size)
+    if nodes == 1:   # a group is one node or more: the ranks per node are what is wrong
+        source = (f"--cluster {args.cluster}" if args.dry_run else "torchrun's --nproc-per-node, LOCAL_WORLD_SIZE"
+                  if args.ranks_per_node is None else flag(args, "ranks_per_node", args.ranks_per_node))
+        what = f"{H} synchronizes groups of nodes, and this job is one node of {per_node} ranks ({source})"
+    elif nodes % size:
+        what = f"{given} must divide {shape}"
+    elif size * per_node < 2:
+        what = f"{given} makes groups of one rank ({shape}); ZeRO-3 needs 2+ ranks a group"
+    else:
+        what = f"{given} makes one group of {shape}: there is no other group to synchronize with"
+    sizes = [s for s in range(1, nodes) if nodes % s == 0 and s * per_node >= 2]
+    if sizes:
+        fix = f"pass --group-size {' or '.join(map(str, sizes))}" if len(sizes) <= 3 else \
+            f"pass a --group-size that divides {nodes} and is below it (e.g. {sizes[-1]})"
+    elif args.dry_run:
+        fix = f"plan a --cluster of 2+ nodes, or drop {H}"
+    else:   # emulated nodes (--ranks-per-node): the most ranks a node that still makes 2 groups of 2+
+        world = nodes * per_node
+        emulated = [r for r in range(world // 2, 1, -1) if world % r == 0]
+        fix = (f"pass --ranks-per-node {emulated[0]} (emulated nodes of {emulated[0]} ranks, a group each) or "
+               f"drop {H}" if emulated else f"run 4+ ranks (2 groups of 2), or drop {H}")
+    raise ConfigError(f"{what}; {fix}")
 
 
 def check_fault_tolerant_args(args, flag, H):
@@ -98,8 +139,30 @@ def check_fault_tolerant_args(args, flag, H):
         raise ConfigError(f"{flag(args, 'outer_sync_delay', args.outer_sync_delay)} must be below {H} / "
                           f"--outer-fragments {args.outer_fragments} = {spacing} with --lighthouse; pass at most "
                           f"{spacing - 1}")
-    if importlib.util.find_spec("torchft") is None:   # found, not imported (it imports Triton)
+    if not args.dry_run and importlib.util.find_spec("torchft") is None:   # found, not imported (it imports Triton)
         raise ConfigError("--lighthouse needs torchft; pip install torchft")
+
+
+def group_paths(args):
+    """--lighthouse: the directories the run names (flags or --config) made this group's own,
+    DIR/group<g>, so that no two groups write one checkpoint or TensorBoard folder, however the
+    groups are launched. --load DIR reads DIR/group<g> too, unless only DIR holds a checkpoint:
+    one that every group starts from (a warm-up trained as one job)."""
+    own = lambda path: os.path.join(path, f"group{args.group_id}")   # noqa: E731
+    if args.load and (holds_checkpoint(own(args.load)) or not holds_checkpoint(args.load)):
+        args.load = own(args.load)
+    for dest in ("save", "tensorboard_dir"):
+        if getattr(args, dest):
+            setattr(args, dest, own(getattr(args, dest)))
+    named = [f"--{d.replace('_', '-')} {getattr(args, d)}" for d in ("save", "load", "tensorboard_dir")
+             if getattr(args, d)]
+    if named:
+        note(f"group {args.group_id} keeps its own files: {', '.join(named)}")
+
+
+def holds_checkpoint(path: str) -> bool:
+    """Whether --load `path` names a checkpoint (training/checkpoint_files.py resolve_checkpoint)."""
+    return any(os.path.exists(os.path.join(path, name)) for name in (TRACKER, META)) or bool(complete_iterations(path))
 
 
 def fault_tolerant(args) -> bool:

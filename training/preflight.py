@@ -1,6 +1,7 @@
 """Checks of the input files before any expensive work (process group, index building, model).
 
     tokenizer = check_inputs(args)   # raises a ConfigError subclass on a user error
+    data_rank, data_world, model_cfg = job_shape(args, topology, tokenizer)   # the same, against the job's shape
 
 Every rank runs the same checks on the same files, so every rank fails the same
 way and none is left waiting at a barrier. Each check reads little: the .idx
@@ -18,6 +19,11 @@ from common import ConfigError
 from data.gpt_dataset import parse_data_path, parse_split
 from data.indexed_dataset import DataError, IndexedDataset
 from data.tokenizer import build_tokenizer
+from parallel.launch import check_devices
+from parallel.topology import Topology, expected_topology
+from training.args import resolve_batch
+from training.model_args import model_config
+from training.outer import data_partition
 from zeropp.kernels import quant, cpu_quant
 
 
@@ -43,6 +49,23 @@ def check_inputs(args):
     for dataset in datasets:
         check_token_ids(dataset, tokenizer)
     return tokenizer
+
+
+def job_shape(args, topology: Topology, tokenizer):
+    """(this rank's part of the data, the number of parts, the model config): the batch arithmetic
+    and the model's settings checked against the job's shape."""
+    data_rank, data_world = data_partition(args, topology)   # with --lighthouse: this group's part of the job's
+    resolve_batch(args, data_world)
+    return data_rank, data_world, model_config(args, tokenizer.vocab_size, args.seed)
+
+
+def check_job(args):
+    """What a worker checks before training (check_inputs, the node's GPUs, job_shape), for the job
+    torchrun's environment describes, without a process group: train.check, which
+    `python -m parallel.launch` runs once before any worker starts."""
+    tokenizer = check_inputs(args)
+    check_devices(args.distributed_backend)
+    job_shape(args, expected_topology(args.ranks_per_node), tokenizer)
 
 
 def check_token_ids(dataset: IndexedDataset, tokenizer):
@@ -104,3 +127,24 @@ def check_load_path(load: str):
     if os.path.exists(load) and not os.path.isdir(load):
         raise ConfigError(f"--load {load} is a file; pass the --save directory of a run, or one of its "
                           f"iter_* directories")
+
+
+def missing_inputs(args) -> list[str]:
+    """The input files the flags name that are not there, each as `--flag path (what is missing)`:
+    what the dry run checks (it reads none of them), so that a plan made on the machine that will
+    train says so before the job is queued. --load may be absent when it is --save (a first run)."""
+    missing = []
+    if args.data_path:
+        prefixes, _ = parse_data_path(args.data_path)
+        for prefix in prefixes:
+            absent = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
+            if absent:
+                missing.append(f"--data-path {prefix} (no {' or '.join(absent)})")
+    for dest in ("tokenizer_model", "vocab_file", "merge_file"):
+        path = getattr(args, dest)
+        if path and not os.path.isfile(path):
+            missing.append(f"--{dest.replace('_', '-')} {path} (no such file)")
+    if args.load and not os.path.exists(args.load) and not (
+            args.save and os.path.abspath(args.load) == os.path.abspath(args.save)):
+        missing.append(f"--load {args.load} (no such directory)")
+    return missing

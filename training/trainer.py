@@ -10,7 +10,8 @@ evaluation every --eval-interval and a checkpoint every --save-interval. As in
 Megatron, the learning rate follows the applied optimizer steps (a skipped fp16
 step does not advance it) and each evaluation reads the next --eval-iters
 batches of the validation set, where the last one stopped (also across a resume). A signal
-(SIGTERM, SIGINT) or a loss that stays non-finite stops the loop after saving.
+(SIGTERM, SIGINT), --exit-interval, --exit-duration-in-mins or a loss that stays non-finite
+stops the loop after saving.
 """
 from __future__ import annotations
 
@@ -31,6 +32,18 @@ from zeropp.memory import memory_report
 
 class TrainingDiverged(RuntimeError):
     """The loss stayed non-finite: training stopped after saving the last good state."""
+
+
+def params_norm(engine, comm: Communicator, device: torch.device) -> float:
+    """--log-params-norm: the 2-norm of the fp32 weights (the masters in 16-bit training), from
+    each rank's shard, each unsharded weight counted once."""
+    total = 0.0
+    for key, state in engine.checkpoint_state().items():
+        if key.startswith("model.") and (state.sharded or comm.topology.rank == 0):
+            total += float(state.local.detach().float().pow(2).sum())
+    t = torch.tensor([total], dtype=torch.float64, device=device)
+    comm.all_reduce(t, phase="other")
+    return math.sqrt(t.item())
 
 
 def mean_over_ranks(comm: Communicator, values, device: torch.device):
@@ -179,15 +192,26 @@ class Trainer:
             if self.iteration == self.args.train_iters:
                 final_sync(self.engine)   # the outer mode: the global parameters take the last steps
             self.evaluate_and_save_on_interval()
-            exiting = bool(exit_interval) and self.iteration % exit_interval == 0 \
-                and self.iteration < self.args.train_iters
+            if self.iteration < self.args.train_iters:
+                exiting = ("--exit-interval" if exit_interval and self.iteration % exit_interval == 0 else
+                           "--exit-duration-in-mins" if self.out_of_time() else False)
             if exiting:
                 break
         stop.restore()
         if diverged or signalled or exiting:
-            return self.stop_early(stop.name if signalled else "--exit-interval" if exiting else None)
+            return self.stop_early(stop.name if signalled else exiting or None)
         self.finish()
         return None
+
+    def out_of_time(self) -> bool:
+        """--exit-duration-in-mins: whether any rank has run that long since start-up (agreed over the
+        job, as Megatron: one all-reduce an iteration, only with the flag)."""
+        limit = getattr(self.args, "exit_duration_in_mins", None)
+        if not limit:
+            return False
+        up = torch.tensor([time.time() - self.args.start_time >= 60 * limit], dtype=torch.int32, device=self.device)
+        self.job.all_reduce(up, op=torch.distributed.ReduceOp.MAX, phase="other")
+        return bool(up.item())
 
     def train_step(self, log_memory: bool = False) -> Step:
         """One iteration: forward and backward over the micro-batches, then the optimizer step."""
@@ -229,18 +253,19 @@ class Trainer:
             "tokens_per_s": samples_per_s * args.seq_length,
             "tflops": self.flops_per_iteration / elapsed / (self.comm.topology.world_size * self.comm.topology.groups) / 1e12,
             "intra_mb": intra / window.iterations / 2**20,
-            "inter_mb": inter / window.iterations / 2**20, **outer_fields(self.engine, stats, window.iterations)})
+            "inter_mb": inter / window.iterations / 2**20, **outer_fields(self.engine, stats, window.iterations),
+            "params_norm": params_norm(self.engine, self.comm, self.device) if args.log_params_norm else None})
         if self.engine.clock.enabled:   # wall_clock_breakdown
             seconds = self.engine.clock.read_and_reset()
             self.logger.wall_clock_line(self.iteration, {name: 1000 * s / window.iterations
-                                                         for name, s in seconds.items()})
+                                                         for name, s in seconds.items()}, self.consumed_samples)
         self.window = LogWindow()
 
     def evaluate_and_save_on_interval(self):
         args, iteration = self.args, self.iteration
         if self.valid_ds is not None and args.eval_interval and iteration % args.eval_interval == 0:
             loss, drift = self.validate()
-            self.logger.validation_line(iteration, "validation", loss, drift=drift)
+            self.logger.validation_line(iteration, "validation", loss, drift=drift, samples=self.consumed_samples)
         if self.save_due():
             self.save()
         if self.window.iterations == 0:
@@ -264,11 +289,12 @@ class Trainer:
         args, iteration = self.args, self.iteration
         if self.valid_ds is not None and iteration % args.eval_interval != 0:
             loss, drift = self.validate()
-            self.logger.validation_line(iteration, "validation", loss, end_of_training=True, drift=drift)
+            self.logger.validation_line(iteration, "validation", loss, end_of_training=True, drift=drift,
+                                        samples=self.consumed_samples)
         if self.test_ds is not None:
             test_batches = iter(self._loader(self.test_ds, 0))
             loss, drift = self.evaluate(test_batches)
-            self.logger.validation_line(iteration, "test", loss, drift=drift)
+            self.logger.validation_line(iteration, "test", loss, drift=drift, samples=self.consumed_samples)
         if self.checkpointer is not None:
             if not self.save_due():  # unless --save-interval just saved it
                 self.save()

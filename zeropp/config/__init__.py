@@ -22,9 +22,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from common import ConfigError, parse_int, parse_number, refuse_value
+from common import ConfigError, Problems, parse_int, parse_number, refuse_value
 from zeropp.config.bits import validate_bits
 from zeropp.config.keys import BUCKET_DEFAULTS, UNSUPPORTED
+from zeropp.config.monitor import ActivationCheckpointingConfig, TensorBoardConfig
 from zeropp.config.optim import OptimizerConfig, OptimizerSettings, SchedulerConfig
 from zeropp.config.precision import BF16Config, DataTypesConfig, FP16Config, normalize_dtype
 
@@ -107,9 +108,12 @@ class ZeroConfig:
     def validate(self, where: str = "zero_optimization"):
         if self.stage not in (0, 1, 2, 3):
             raise ConfigError(f"{where}.stage is {self.stage}; ZeRO stages are 0, 1, 2 and 3")
+        fixed = Problems()   # every such key of the file in one error
         for name, (ok, why) in _ZERO_FIXED.items():
             if getattr(self, name) != ok:
-                refuse_value(f"{where}.{name}", getattr(self, name), ok, why)
+                with fixed.collect():
+                    refuse_value(f"{where}.{name}", getattr(self, name), ok, why)
+        fixed.raise_if_any()
         for name in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
                      "stage3_max_live_parameters"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
@@ -224,21 +228,39 @@ class DeepSpeedConfig:
     # true. Here the optimizer is always one the engine builds and tests (Adam, AdamW,
     # SGD), so the check never applies and either value is honest.
     zero_allow_untested_optimizer: bool = False
-    activation_checkpointing: dict = field(default_factory=dict)   # empty only
+    activation_checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
+    tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
 
     @classmethod
     def from_file(cls, path: str) -> "DeepSpeedConfig":
         return cls.from_dict(load_json(path), where=path)
 
     @classmethod
-    def from_dict(cls, raw: dict, where: str = "config", validate: bool = True) -> "DeepSpeedConfig":
-        """validate=False: the keys' types only; the caller validates once it has merged its flags."""
-        cfg = _build(cls, raw, where)
+    def from_dict(cls, raw: dict, where: str = "config", validate: bool = True,
+                  problems: Problems | None = None) -> "DeepSpeedConfig":
+        """validate=False: the keys' types only; the caller validates once it has merged its flags.
+        Every refusal in `raw` is reported together, in one ConfigError, or added to `problems`."""
+        found = Problems() if problems is None else problems
+        cfg = _build(cls, raw, where, found)
         if validate:
-            cfg.validate(where)
+            with found.collect():
+                cfg.validate(where)
+        if problems is None:
+            found.raise_if_any()
         return cfg
 
     def validate(self, where: str = "config"):
+        """The whole file's refusals in one error: its own keys', then each section's."""
+        problems = Problems()
+        with problems.collect():
+            self._validate_top(where)
+        for name in ("activation_checkpointing", "optimizer", "scheduler", "zero_optimization"):
+            if getattr(self, name) is not None:
+                with problems.collect():
+                    getattr(self, name).validate(f"{where}: {name}")
+        problems.raise_if_any()
+
+    def _validate_top(self, where: str):
         if self.fp16.enabled and self.bf16.enabled:
             raise ConfigError(f"{where}: fp16 and bf16 are both enabled; pick one")
         if self.gradient_clipping < 0:
@@ -250,10 +272,6 @@ class DeepSpeedConfig:
         if self.fp16.auto_cast:
             refuse_value(f"{where}: fp16.auto_cast", True, False,
                     "fp16 runs the model with fp16 weights; autocast over fp32 weights is not implemented")
-        if self.activation_checkpointing:
-            raise ConfigError(f"{where}: activation_checkpointing is not supported (DeepSpeed's "
-                              f"partitioned/CPU activation checkpoints are not implemented); remove the "
-                              f"section and use --checkpoint-activations to recompute each block")
         if self.communication_data_type is not None:
             dtype = normalize_dtype(self.communication_data_type)
             if dtype is None:
@@ -282,11 +300,6 @@ class DeepSpeedConfig:
             raise ConfigError(f"{where}: gradient_predivide_factor {self.gradient_predivide_factor} has no "
                               f"effect with prescale_gradients true (DeepSpeed then divides by the world "
                               f"size before reducing); drop one of the two")
-        if self.optimizer is not None:
-            self.optimizer.validate(f"{where}: optimizer")
-        if self.scheduler is not None:
-            self.scheduler.validate(f"{where}: scheduler")
-        self.zero_optimization.validate(f"{where}: zero_optimization")
 
     def gradient_scale_factors(self, world_size: int) -> tuple[float, float]:
         """(before, after): multiply gradients by `before` ahead of the sum over ranks and by
@@ -325,33 +338,36 @@ def _section_of(key: str) -> str | None:
     return None
 
 
-def _build(cls, raw: Any, where: str):
+def _build(cls, raw: Any, where: str, problems: Problems):
+    """`cls` from `raw`; each key that cannot be taken joins `problems` (the others are taken)."""
     if not isinstance(raw, dict):
-        raise ConfigError(f"{where} must be a JSON object, got {type(raw).__name__}")
+        problems.add(f"{where} must be a JSON object, got {type(raw).__name__}")
+        return cls()
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unsupported: dict[str, tuple[Callable, str]] = UNSUPPORTED.get(cls.__name__, {})
     kwargs = {}
     for key, value in raw.items():
         if key in unsupported:
             is_off, advice = unsupported[key]
-            if is_off(value):
-                continue  # the "off" value: exactly what this engine does
-            raise ConfigError(f"{where}.{key} is not supported: {advice}")
-        if key not in fields:
+            if not is_off(value):   # the "off" value is exactly what this engine does
+                problems.add(f"{where}.{key} is not supported: {advice}")
+        elif key not in fields:
             home = _section_of(key)
-            if home is not None:
-                raise ConfigError(f"{where}: '{key}' belongs {home}, not here; move it there")
             close = difflib.get_close_matches(key, list(fields), n=1, cutoff=0.5)
             hint = f"; did you mean '{close[0]}'?" if close else f"; known keys: {', '.join(fields)}"
-            raise ConfigError(f"{where}: unknown key '{key}'{hint}")
-        kwargs[key] = _coerce(fields[key], value, f"{where}.{key}")
+            problems.add(f"{where}: '{key}' belongs {home}, not here; move it there" if home is not None
+                         else f"{where}: unknown key '{key}'{hint}")
+        else:
+            with problems.collect():
+                kwargs[key] = _coerce(fields[key], value, f"{where}.{key}", problems)
     return cls(**kwargs)
 
 
-_SECTIONS = (ZeroConfig, LocoConfig, FP16Config, BF16Config, DataTypesConfig, OptimizerConfig, SchedulerConfig)
+_SECTIONS = (ZeroConfig, LocoConfig, FP16Config, BF16Config, DataTypesConfig, OptimizerConfig, SchedulerConfig,
+             ActivationCheckpointingConfig, TensorBoardConfig)
 
 
-def _coerce(f: dataclasses.Field, value: Any, where: str):
+def _coerce(f: dataclasses.Field, value: Any, where: str, problems: Problems):
     typ = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
     if (value is None and "None" in typ) or (f.name in BUCKET_DEFAULTS and value == AUTO):   # "auto": HF's
         return None
@@ -363,7 +379,7 @@ def _coerce(f: dataclasses.Field, value: Any, where: str):
         return value
     for nested in _SECTIONS:
         if typ.startswith(nested.__name__):
-            return _build(nested, value, where)
+            return _build(nested, value, where, problems)
     if typ.startswith("bool"):
         if not isinstance(value, bool):
             raise ConfigError(f"{where} must be true or false, got {value!r}")

@@ -77,7 +77,6 @@ UNSUPPORTED: dict[str, dict[str, tuple[Callable, str]]] = {
         "memory_breakdown": (_only(False), f"the log already prints a model-state memory report; {_REMOVE}"),
         "graph_harvesting": (_only(False), f"CUDA graphs are not implemented; {_REMOVE}"),
         "seq_parallel_comm_data_type": (_never, f"sequence parallelism is not implemented; {_REMOVE}"),
-        "tensorboard": (_disabled, "use --tensorboard-dir DIR and remove the section"),
         "wandb": (_disabled, f"Weights & Biases logging is not implemented; use --tensorboard-dir; {_OFF}"),
         "csv_monitor": (_disabled, f"CSV logging is not implemented; use --tensorboard-dir; {_OFF}"),
         "comet": (_disabled, f"Comet logging is not implemented; use --tensorboard-dir; {_OFF}"),

@@ -39,8 +39,8 @@ from __future__ import annotations
 import torch
 
 from common.errors import ConfigError
-from common.torch_private import (CHECKED_TORCH, has_forward_prefetch, missing_fsdp_internals, param_group,
-                                  post_forward_ranks, set_post_forward_ranks, set_unshard_async)
+from common.torch_private import (fsdp_internals_problem, has_forward_prefetch, param_group, post_forward_ranks,
+                                  set_post_forward_ranks, set_unshard_async)
 from parallel.comm import Communicator
 from parallel.topology import Topology, TopologyError
 from zeropp.config import LocoConfig, ZeroConfig
@@ -73,11 +73,9 @@ def apply_zeropp(model: torch.nn.Module, topology: Topology | int | None = None,
                           f"call fully_shard(model) first")
     if getattr(model, "_zeropp", None) is not None:
         raise PluginError("apply_zeropp was already applied to this model: call it once")
-    lacking = missing_fsdp_internals(model)
-    if lacking:
-        raise PluginError(f"apply_zeropp reads FSDP2 internals checked against torch {CHECKED_TORCH} "
-                          f"(common/torch_private.py); torch {torch.__version__} lacks {', '.join(lacking)}: "
-                          f"install torch=={CHECKED_TORCH}.* or use --sharding zero")
+    problem = fsdp_internals_problem(model)
+    if problem:
+        raise PluginError(f"apply_zeropp: {problem}: install a torch in that range or use --sharding zero")
     for name, on in (("loco", loco), ("hadamard", hadamard)):
         if on and not quantized_gradients:
             raise PluginError(f"apply_zeropp: {name}=True works on qgZ's INT4 gradients: set quantized_gradients=True")
@@ -96,6 +94,8 @@ def apply_zeropp(model: torch.nn.Module, topology: Topology | int | None = None,
     except ConfigError as e:   # the engine's key names, said as this call's arguments
         raise PluginError(_argument_names(str(e))) from None
     units = _units(model)
+    if replicas > 1:
+        replicate.check_internals(units)
     ranks = topology.ranks_per_node if hpz and 1 < topology.ranks_per_node < topology.world_size else None
     hpz_meshes = _check_reshard(units, ranks, topology.world_size)
     device = next(model.parameters()).device

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from common.notes import note
-from common.torch_private import missing_hsdp_internals, replicate_group, set_replicate_group, CHECKED_TORCH
+from common.torch_private import hsdp_internals_problem, replicate_group, set_replicate_group
 from parallel.comm import Work
 from parallel.topology import Topology
 from zeropp.collectives.buffer_pool import BufferPool, take_wire
@@ -171,16 +171,20 @@ class ReplicaReduce:
         return Work(work, then=quantized)
 
 
+def check_internals(units):
+    """Before anything is installed: one line if this torch lacks what HSDP's reduction reads."""
+    for _, group in units:
+        problem = hsdp_internals_problem(group)
+        if problem:
+            raise PluginError(f"apply_zeropp on HSDP: {problem}: install a torch in that range or pass "
+                              f"fully_shard a 1-D mesh")
+
+
 def install(plugin, units, exact_gather: bool, totals: dict, device):
     """Give every unit's mesh a ReplicaGroup (one per replicate group FSDP2 holds) and tell LoCo
     the errors to expect (`totals`: each unit's trained shard elements)."""
     reductions: dict = {}
     for _, group in units:
-        lacking = missing_hsdp_internals(group)
-        if lacking:
-            raise PluginError(f"apply_zeropp on HSDP reads FSDP2 internals checked against torch {CHECKED_TORCH} "
-                              f"(common/torch_private.py); torch {torch.__version__} lacks {', '.join(lacking)}: "
-                              f"install torch=={CHECKED_TORCH}.* or pass fully_shard a 1-D mesh")
         inner = replicate_group(group)
         if isinstance(inner, ReplicaGroup):
             continue
