@@ -11,7 +11,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tests.distributed import run_distributed
-from tests.test_fsdp_plugin import batch, state, tiny_gpt, train, weights
+from tests.test_fsdp_plugin import (batch, dropped_model_is_freed, load_then_go_on, save_then_go_on, tiny_gpt, train,
+                                    weights)
 from tests.test_zeropp import int4_bound
 
 OFF = dict(quantized_weights=False, hpz=False, quantized_gradients=False)
@@ -181,36 +182,22 @@ def test_qgz_and_loco_train_like_plain_hsdp(bf16):
 
 
 # -- resume ------------------------------------------------------------------------------------------
-def save_then_go_on(rank, world, path):
-    import torch.distributed.checkpoint as dcp
-    model, opt, zpp = hsdp(LOCO)
-    train(model, opt, rank, 3)
-    dcp.save(state(model, opt, zpp), checkpoint_id=path)
-    return train(model, opt, rank, 3, first=3)
+def hsdp_loco(ranks_per_node: int = 2, **kw):
+    return hsdp(LOCO, ranks_per_node=ranks_per_node, **kw)
 
 
-def load_then_go_on(rank, world, path, exact_gather):
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-    model, opt, zpp = hsdp(LOCO, exact_replica_gather=exact_gather)
-    train(model, opt, rank, 1, first=100)   # state to be overwritten: the errors, the moments
-    sd = state(model, opt, zpp)
-    del sd["zeropp"]
-    dcp.load(sd, checkpoint_id=path)
-    set_model_state_dict(model, sd["model"])
-    set_optimizer_state_dict(model, opt, sd["optim"])
-    notes = zpp.load(path)
-    return train(model, opt, rank, 3, first=3), notes
+def hsdp_exact_gather(ranks_per_node: int = 2):
+    return hsdp_loco(ranks_per_node, exact_replica_gather=True)
 
 
 @pytest.mark.slow
 def test_resume_continues_exactly_and_another_gather_says_what_reset(tmp_path):
     path = str(tmp_path / "ckpt")
-    went_on = run_distributed(save_then_go_on, 4, args=(path,))
-    resumed = run_distributed(load_then_go_on, 4, args=(path, False))
+    went_on = run_distributed(save_then_go_on, 4, args=(path, hsdp_loco))
+    resumed = run_distributed(load_then_go_on, 4, args=(path, 2, hsdp_loco))
     for a, (b, notes) in zip(went_on, resumed):
         assert a == b and notes == [], (a, b, notes)
-    exact = run_distributed(load_then_go_on, 4, args=(path, True))   # no gather error to carry: a reset
+    exact = run_distributed(load_then_go_on, 4, args=(path, 2, hsdp_exact_gather))   # no gather error: a reset
     for _, notes in exact:
         assert len(notes) == 1 and "starts from zero" in notes[0], notes
 
@@ -254,18 +241,7 @@ def test_a_shard_group_spanning_nodes_is_one_line_and_qwz_hpz_one_note():
     assert all("\n" not in v for v in r.values()), r
 
 
-def dropped_model_is_freed(rank, world):
-    import gc
-    import weakref
-    model, opt, zpp = hsdp(LOCO)
-    train(model, opt, rank, 1)
-    refs = weakref.ref(model), weakref.ref(zpp)
-    del model, opt, zpp
-    gc.collect()
-    return [r() is None for r in refs]
-
-
 def test_a_dropped_hsdp_model_and_its_plugin_are_freed():
     """The process group the plug-in gives FSDP2 holds the plug-in, which holds the model's groups: a
     cycle the collector must see (a pybind object's Python subclass), or every HSDP model would leak."""
-    assert run_distributed(dropped_model_is_freed, 4) == [[True, True]] * 4
+    assert run_distributed(dropped_model_is_freed, 4, args=(hsdp_loco,)) == [[True, True]] * 4
