@@ -72,7 +72,7 @@ def main(argv=None):
         model = GPT(cfg)
     engine = zeropp.initialize(model, args.ds_config, comm, device, args.optimizer_settings,
                                args.gradient_accumulation_steps, param_init=model.init_parameter,
-                               sharding=args.sharding)
+                               sharding=args.sharding, replicas=args.data_parallel_replicate_degree)
     attach_outer(args, engine)
     schedule = build_lr_schedule(args)
     print_job(args, topology, cfg, engine, device, tokenizer.vocab_size)

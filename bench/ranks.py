@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from bench.dist_counter import COUNTER
-from bench.systems import (DEEPSPEED, FSDP2, FSDP2_PLUGIN, OPTIM, OURS, bf16, make_batches, make_model,
+from bench.systems import (DEEPSPEED, FSDP2, FSDP2_PLUGIN, HSDP, OPTIM, OURS, bf16, make_batches, make_model,
                            outer_argv, ranks_per_node, zero_section)
 
 
@@ -129,12 +129,18 @@ def plugin_reduce_dtype(system: str) -> torch.dtype:
 
 def setup_fsdp2(a, system="fsdp2"):
     """fully_shard per transformer block (FSDP2's "bucket"), then the root, reshard_after_forward=True
-    (every weight re-gathered, as our reuse-0 row); "fsdp2-hpz": reshard to the node; "fsdp2+...":
-    then our plug-in with the row's switches, its Communicator's counts the row's."""
+    (every weight re-gathered, as our reuse-0 row); "fsdp2-hpz": reshard to the node; "hsdp...": on a
+    (nodes, ranks per node) mesh; "...+...": then our plug-in with the row's switches, its
+    Communicator's counts the row's."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=plugin_reduce_dtype(system))
           } if bf16(a) else {}
     reshard = ranks_per_node(a) if system == "fsdp2-hpz" else True
+    if system in HSDP:   # one copy of the model per node, sharded over its ranks
+        from torch.distributed.device_mesh import init_device_mesh
+        rpn = ranks_per_node(a)
+        kw["mesh"] = init_device_mesh("cpu", (dist.get_world_size() // rpn, rpn),
+                                      mesh_dim_names=("dp_replicate", "dp_shard"))
     model = make_model(a)
     for unit in [*model.blocks, model]:
         fully_shard(unit, reshard_after_forward=reshard, **kw)

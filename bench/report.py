@@ -77,7 +77,8 @@ FIGURES = {
                "convergence_hadamard_1235.json", "convergence_int2_deltas_1234.json", "convergence_int2_deltas_1235.json",
                "convergence_loco_int8_errors_fp32_1234.json", "convergence_loco_int8_errors_fp32_1235.json",
                "convergence_loco_int8_errors_bf16_1234.json", "convergence_loco_int8_errors_bf16_1235.json",
-               "convergence_fsdp2_1234.json", "convergence_fsdp2_1235.json"],
+               "convergence_fsdp2_1234.json", "convergence_fsdp2_1235.json",
+               "convergence_hsdp_1234.json", "convergence_hsdp_1235.json"],
         commands={"convergence_hadamard_1234.json": CONV.replace(" S", " 1234") + " --persistence-threshold 1000 --zeropp-flags "
                   "'--zero-stage 3 --zero-quantized-weights --zero-hpz-size 2 --zero-quantized-gradients --zero-hadamard-gradients'",
                   "convergence_hadamard_1235.json": CONV.replace(" S", " 1235") + " --persistence-threshold 1000 --zeropp-flags "
@@ -281,6 +282,8 @@ def render_headline() -> str:
          _seeds("convergence_int2_deltas", "ZeRO++ INT2 + LoCo + INT2 deltas"), link("Convergence")],
         ["FSDP2 + plug-in vs plain FSDP2, final validation loss", _seeds("convergence_fsdp2", "FSDP2 + ZeRO++", "FSDP2"),
          link("Convergence")],
+        ["HSDP + plug-in (INT4 all-reduce across replicas, LoCo) vs plain HSDP, final validation loss",
+         _seeds("convergence_hsdp", "HSDP + ZeRO++", "HSDP"), link("Convergence")],
         ["streaming DiLoCo H=16 vs ZeRO-3, final validation loss", _seeds("convergence_diloco_h16", "DiLoCo H=16"),
          link("Convergence")],
         ["the same, H=64 after a synchronous warm-up of 100 iterations",

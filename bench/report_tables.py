@@ -36,7 +36,8 @@ def rate_name(mbit):
 
 def slow_link(files, opts):
     """bench.slow_link: one row per (system, rate); x is samples/s over the file's first system
-    at the same rate; veth and counted bytes are the cross-node bytes per step."""
+    at the same rate; veth and counted bytes are the cross-node bytes per step; `memory`: the peak
+    RSS per rank beside the step."""
     rows = []
     for name, data in files:
         base = {}
@@ -46,13 +47,14 @@ def slow_link(files, opts):
         for rate in order:
             for r in (r for r in data["results"] if r["rate_mbit"] == rate):
                 x = r["samples_per_s"] / base[rate]["samples_per_s"]
-                row = [r["label"], rate_name(rate), f(r["step_ms_median"], 0), f(r["samples_per_s"]),
-                       f(x, 2, "x"), f(r.get("link_bytes_per_step", 0) / MB),
+                row = [r["label"], rate_name(rate), f(r["step_ms_median"], 0)]
+                row += [f(r.get("peak_rss_mb"), 0)] if opts.get("memory") else []
+                row += [f(r["samples_per_s"]), f(x, 2, "x"), f(r.get("link_bytes_per_step", 0) / MB),
                        f((r.get("counted_inter_bytes_per_step") or 0) / MB),
                        f(r.get("step_over_bound")), f(r.get("exposed_ms"), 0)]
                 rows.append(([opts.get("runs", {}).get(name, name)] if len(files) > 1 else []) + row)
-    head = ["system", "rate", "step ms", "samples/s", "x first system", "veth MB/step", "counted MB/step",
-            "step/bound", "exposed ms"]
+    head = ["system", "rate", "step ms", *(["peak RSS MB/rank"] if opts.get("memory") else []), "samples/s",
+            "x first system", "veth MB/step", "counted MB/step", "step/bound", "exposed ms"]
     return table((["run"] if len(files) > 1 else []) + head, rows)
 
 

@@ -7,7 +7,8 @@ on the veth next to the counted ones; the markdown table and the plot.
   rate); bound = max(compute, link time); exposed = step at the rate - compute.
 - targets: step / bound <= STEP_OVER_BOUND_MAX at every throttled rate (ours), our ZeRO-3 at least as
   fast as FSDP2 and DeepSpeed ZeRO-3 at every rate, ZeRO++ and auto against ZeRO-3 unthrottled, auto
-  against the best fixed combination, FSDP2 + plug-in against plain FSDP2 and our ZeRO++ (PLUGIN)."""
+  against the best fixed combination, FSDP2 + plug-in against plain FSDP2 and our ZeRO++, HSDP + plug-in
+  against plain HSDP (PLUGIN). Peak RSS per rank beside the step: HSDP pays memory for its bytes."""
 from __future__ import annotations
 
 import statistics
@@ -26,7 +27,8 @@ FIXED_OF_CHOICE = {"none (ZeRO-3)": "zero3-reuse0", "qwZ": "zeropp-qwz", "hpZ": 
 PAIRS = (("zero3-reuse0", "fsdp2"), ("zero3-reuse0", "deepspeed-z3-reuse0"), ("zero3", "deepspeed-z3-reuse0"))
 STEP_OVER_BOUND_MAX, ZEROPP_OVER_ZERO3_MIN, AUTO_OVER_ZERO3_MIN, AUTO_OVER_BEST_MIN = 1.15, 0.90, 0.98, 0.95
 PLUGIN = (("fsdp2+zeropp", "fsdp2", (100,), 3.0), ("fsdp2+zeropp", "zeropp-loco", (100, 200), 0.90),
-          ("fsdp2+zeropp", "zeropp", (100, 200), 0.90), ("fsdp2+zeropp", "fsdp2", (0,), 0.95))
+          ("fsdp2+zeropp", "zeropp", (100, 200), 0.90), ("fsdp2+zeropp", "fsdp2", (0,), 0.95),
+          ("hsdp+zeropp", "hsdp", (100,), 3.0), ("hsdp+zeropp", "hsdp", (0,), 0.95))
 
 
 def rate_name(r):
@@ -97,8 +99,9 @@ def derive(rows):
 def row_table(rows, systems, rates, labels=LABELS, rate_name=rate_name):
     """(header, lines): one line per (system, rate), the bound beside the step."""
     by = derive(rows)
-    hdr = ["system", "rate", "step ms", "samples/s", "x ZeRO-3", "veth MB/step", "counted MB/step", "link ms",
-           "compute ms", "bound ms", f"step/bound (<= {STEP_OVER_BOUND_MAX})", "exposed ms"]
+    hdr = ["system", "rate", "step ms", "peak RSS MB/rank", "samples/s", "x ZeRO-3", "veth MB/step",
+           "counted MB/step", "link ms", "compute ms", "bound ms", f"step/bound (<= {STEP_OVER_BOUND_MAX})",
+           "exposed ms"]
     lines = []
     for s in systems:
         for rate in rates:
@@ -111,7 +114,8 @@ def row_table(rows, systems, rates, labels=LABELS, rate_name=rate_name):
             mark = "" if sb is None or not rate else (" ok" if sb <= STEP_OVER_BOUND_MAX else " OVER")
             label = labels.get(s, s) + (" -> " + "/".join(sorted({chosen(a.get("switches")) for a in x["auto"]}))
                                         if x.get("auto") else "")
-            lines.append([label, rate_name(rate), f"{x['step_ms_median']:.0f}", f"{x['samples_per_s']:.2f}",
+            lines.append([label, rate_name(rate), f"{x['step_ms_median']:.0f}", num(x.get("peak_rss_mb")),
+                          f"{x['samples_per_s']:.2f}",
                           num(x["x_zero3"], "{:.2f}x"), mb(x["link_bytes_per_step"]),
                           mb(x["counted_inter_bytes_per_step"]), num(x["link_time_ms"]), num(x["compute_ms"]),
                           num(x["bound_ms"]), (num(sb, "{:.2f}") + mark) if rate else "-",

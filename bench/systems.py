@@ -30,9 +30,14 @@ FSDP2_PLUGIN = {"fsdp2+overlap": dict(_OFF), "fsdp2+qwz": {**_OFF, "quantized_we
                 "fsdp2+hpz": {**_OFF, "hpz": True}, "fsdp2+qgz": {**_OFF, "quantized_gradients": True},
                 "fsdp2+loco": {**_OFF, "quantized_gradients": True, "loco": True},
                 "fsdp2+zeropp": dict(quantized_weights=True, hpz=True, quantized_gradients=True, loco=True)}
-FSDP2 = FSDP2_PLAIN + tuple(FSDP2_PLUGIN)
+# HSDP: FSDP2 on a (nodes, ranks per node) mesh, the weights gathered inside the node and the gradients
+# all-reduced across it: plain, and with the plug-in compressing that all-reduce (qgZ + LoCo).
+HSDP = ("hsdp", "hsdp+zeropp")
+FSDP2_PLUGIN["hsdp+zeropp"] = {**_OFF, "quantized_gradients": True, "loco": True}
+FSDP2 = FSDP2_PLAIN + ("hsdp",) + tuple(FSDP2_PLUGIN)
 # Rows whose reduce-scatter is torch's reduce_scatter_tensor, which gloo runs as a full all-reduce
-# (twice a ring's bytes); ours send an all-to-all on gloo (zeropp/collectives/exact.py).
+# (twice a ring's bytes); ours send an all-to-all on gloo (zeropp/collectives/exact.py). HSDP's stays
+# inside the node.
 GLOO_ALL_REDUCE_PEERS = (FSDP2_PLAIN + tuple(k for k, v in FSDP2_PLUGIN.items() if not v["quantized_gradients"])
                          + tuple(DEEPSPEED))
 # One node, no link (`bench.slow_link local`); the ZeRO++ rows need nodes: SLOW_LINK_SYSTEMS.
@@ -41,7 +46,7 @@ ALL_SYSTEMS = ["ddp", "zero1", "zero2", "zero3", "zero3-reuse0", "fsdp2", "deeps
 DEFAULT_SYSTEMS = ["ddp", "zero1", "zero2", "zero3", "zero3-reuse0", "fsdp2", "deepspeed-z3"]
 WORLD1_SYSTEMS = ["plain", "ddp", "zero3"]
 SLOW_LINK_SYSTEMS = ["zero3-reuse0", "zero3", *(s for s in ZEROPP if not s.startswith("deepspeed")), "fsdp2",
-                     "fsdp2-hpz", "deepspeed-z3-reuse0", "deepspeed-z3-hpz", *FSDP2_PLUGIN, *DILOCO]
+                     "fsdp2-hpz", "deepspeed-z3-reuse0", "deepspeed-z3-hpz", "hsdp", *FSDP2_PLUGIN, *DILOCO]
 LABELS = {"ddp": "ours stage 0 (DDPEngine)", "zero1": "ours ZeRO-1", "zero2": "ours ZeRO-2",
           "zero3": "ours ZeRO-3", "zero3-reuse0": "ours ZeRO-3 (reuse 0)",
           "fsdp2": "PyTorch FSDP2 (reshard)", "deepspeed-z1": "DeepSpeed ZeRO-1",
@@ -58,6 +63,7 @@ LABELS = {"ddp": "ours stage 0 (DDPEngine)", "zero1": "ours ZeRO-1", "zero2": "o
           "fsdp2+overlap": "FSDP2 + plug-in, no technique (its CPU overlap)", "fsdp2+qwz": "FSDP2 + plug-in qwZ",
           "fsdp2+hpz": "FSDP2 + plug-in hpZ", "fsdp2+qgz": "FSDP2 + plug-in qgZ",
           "fsdp2+loco": "FSDP2 + plug-in qgZ+LoCo", "fsdp2+zeropp": "FSDP2 + plug-in qwZ+hpZ+qgZ+LoCo",
+          "hsdp": "PyTorch HSDP (FSDP2, replicate x node)", "hsdp+zeropp": "HSDP + plug-in qgZ+LoCo",
           **{s: f"ours streaming DiLoCo H={s.rsplit('-h', 1)[1]}" for s in DILOCO}}
 PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's default stage3_param_persistence_threshold
 # "reuse 0": weights released after forward, gathered again in backward; prefetch bucket

@@ -23,6 +23,8 @@ autograd attributes are looked up at import, the FSDP2 ones when the plug-in is 
 | FSDPParam.post_forward_mesh_info, ._init_sharded_post_forward_param_metadata | hpZ's post-forward shard |
 | FSDPMeshInfo.mesh, .shard_mesh_size | the DeviceMesh a group shards over, and its size |
 | torch.distributed.fsdp._fully_shard._fsdp_init._get_post_forward_mesh_info | fully_shard(reshard_after_forward=int)'s mesh |
+| HSDPMeshInfo.replicate_process_group, FSDPParamGroup.all_reduce_grads | HSDP: the group of the replica all-reduce, whether it runs |
+| torch.distributed.tensor._redistribute._gen_transform_infos, torch._C._clear_DTensor_sharding_propagator_cache | DTensor's cached plans, dropped with a pooled rank's groups |
 
 Where one moved inside the range, MOVED says how each release reaches it. The test suite runs on
 2.13.0 and 2.14.1 (`bash scripts/test.sh --torch 2.14.1`); 2.11.0 ran the plug-in's tests once by
@@ -73,6 +75,10 @@ ATTRIBUTES = (
     "FSDPMeshInfo.mesh",
     "FSDPMeshInfo.shard_mesh_size",
     "torch.distributed.fsdp._fully_shard._fsdp_init._get_post_forward_mesh_info",
+    "HSDPMeshInfo.replicate_process_group",
+    "FSDPParamGroup.all_reduce_grads",
+    "torch.distributed.tensor._redistribute._gen_transform_infos",
+    "torch._C._clear_DTensor_sharding_propagator_cache",
 )
 
 
@@ -193,7 +199,7 @@ def fsdp_internals_problem(model) -> str | None:
     try:
         from torch.distributed.fsdp._fully_shard._fsdp_init import _get_post_forward_mesh_info  # noqa: F401
     except ImportError:
-        lacking.append(ATTRIBUTES[-1])
+        lacking.append("torch.distributed.fsdp._fully_shard._fsdp_init._get_post_forward_mesh_info")
     if not lacking:
         return None
     return (f"torch {torch.__version__} lacks {', '.join(lacking)}, FSDP2 internals that common/torch_private.py "
@@ -303,3 +309,49 @@ def set_post_forward_ranks(group, ranks: int, made: dict) -> None:
         p.post_forward_mesh_info = info
         if info is not None:
             p._init_sharded_post_forward_param_metadata(torch.empty(p._orig_size, device="meta"))
+
+
+# -- FSDP2 on a (replicate, shard) mesh: HSDP ------------------------------------------------------
+# FSDP2 all-reduces each unit's reduced shard across replicas with `dist.all_reduce` over its mesh
+# info's replicate group and has no comm hook for it (`set_all_reduce_hook` runs after it): the
+# plug-in gives the group a process group whose all-reduce is its own (zeropp/fsdp/replicate.py).
+_HSDP_NEEDS = {"group": ("mesh_info", "all_reduce_grads"), "mesh info": ("replicate_process_group",)}
+
+
+def hsdp_internals_problem(group) -> str | None:
+    """Why the plug-in cannot compress HSDP's all-reduce on this torch, in one line (None: it can):
+    the HSDP attributes above that `group` (a unit's FSDPParamGroup on a 2-D mesh) lacks."""
+    owners = {"group": group, "mesh info": group.mesh_info if hasattr(group, "mesh_info") else None}
+    names = {"group": "FSDPParamGroup", "mesh info": "HSDPMeshInfo"}
+    lacking = [f"{names[o]}.{n}" for o, attrs in _HSDP_NEEDS.items() for n in attrs
+               if owners[o] is None or not hasattr(owners[o], n)]
+    if not lacking:
+        return None
+    return (f"torch {torch.__version__} lacks {', '.join(lacking)}, FSDP2's HSDP internals that "
+            f"common/torch_private.py reads (checked against {CHECKED})")
+
+
+def replicate_group(group):
+    """The process group FSDP2 all-reduces the unit's gradients over, across replicas."""
+    return group.mesh_info.replicate_process_group
+
+
+def set_replicate_group(group, process_group) -> None:
+    """FSDP2 all-reduces the unit's gradients over `process_group` from now on."""
+    group.mesh_info.replicate_process_group = process_group
+
+
+def replica_all_reduce_on(group) -> bool:
+    """False after `set_requires_all_reduce(False)`: FSDP2 keeps the reduced shard to add to the
+    next backward's (it reads the reduction's output) and all-reduces only then."""
+    return bool(group.all_reduce_grads)
+
+
+def forget_dtensor_plans() -> None:
+    """Drop DTensor's cached redistribution plans and sharding propagations. Each holds the meshes
+    it was made for (an output spec, its mesh and process groups), and DeviceMesh equality ignores
+    process groups: in a process whose groups were destroyed (parallel/spawn.py's pooled ranks) a
+    new equal mesh would find a cached spec naming a destroyed group."""
+    from torch.distributed.tensor._redistribute import _gen_transform_infos
+    _gen_transform_infos.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()   # DTensor's dispatch caches propagations in C++

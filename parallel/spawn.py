@@ -43,6 +43,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from common.torch_private import forget_dtensor_plans
+
 MAX_THREADS = 32   # a pooled rank past this many threads is replaced (gloo groups a body kept alive keep their loops)
 MAX_POOLS = 3   # world sizes kept alive at once (the least recently used goes first): 1, 2 and 4 are the common ones
 # What the fork server imports once for every rank: torch, torch._dynamo (torch's optimizers import
@@ -89,6 +91,7 @@ def _restore_state(saved: tuple) -> bool:
             dist.destroy_process_group(group)
     except Exception:
         return False
+    forget_dtensor_plans()   # they hold meshes of the groups just destroyed, found by equal meshes after
     gc.collect()   # frees the groups' gloo contexts, and their threads, once nothing holds them
     try:   # a gloo group still referenced keeps threads that poll its (closed) peers: CPU lost to every test
         return len(os.listdir("/proc/self/task")) <= MAX_THREADS

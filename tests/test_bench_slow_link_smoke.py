@@ -144,6 +144,18 @@ def test_split_where_the_time_goes(tmp_path):
 
 
 @pytest.mark.slow
+def test_hsdp_rows_side_by_side(tmp_path):
+    """Plain HSDP and HSDP + the plug-in (2 x 2 over loopback, no link needed): each row runs, the
+    plug-in's all-reduce across replicas is inside the collectives it issues."""
+    out = tmp_path / "h.json"
+    cli("bench.slow_link", "split", *TINY, "--repeats", "1", "--reps", "1", "--systems", "hsdp,hsdp+zeropp",
+        "--out", str(out), timeout=900)
+    r = written(out)["systems"]
+    assert all("error" not in r[s] and r[s]["step_ms"] > 0 for s in ("hsdp", "hsdp+zeropp")), r
+    assert "all_reduce" in r["hsdp"]["calls_per_step_rank0"] and "all_to_all_single" in r["hsdp+zeropp"]["calls_per_step_rank0"], r
+
+
+@pytest.mark.slow
 @EVERY_COMMAND
 def test_calibrate_and_planner(tmp_path):
     cli("bench.slow_link", "calibrate", "--repeats", "1", "--steps", "2", "--systems", "", "--out", str(tmp_path / "c.json"),

@@ -180,18 +180,24 @@ def state(model, opt, zpp):
             "zeropp": zpp.state_dict()}
 
 
-def save_then_go_on(rank, world, path):
+def every_switch_model(**kw):
+    return sharded(ALL, **kw)
+
+
+def save_then_go_on(rank, world, path, build=every_switch_model):
+    """3 steps, a DCP save, 3 more: their losses (`build(**kw)`: model, optimizer, plug-in)."""
     import torch.distributed.checkpoint as dcp
-    model, opt, zpp = sharded(ALL)
+    model, opt, zpp = build()
     train(model, opt, rank, 3)
     dcp.save(state(model, opt, zpp), checkpoint_id=path)
     return train(model, opt, rank, 3, first=3)
 
 
-def load_then_go_on(rank, world, path, ranks_per_node):
+def load_then_go_on(rank, world, path, ranks_per_node, build=every_switch_model, **kw):
+    """A step to be overwritten, the load, 3 steps: their losses and what the load said was reset."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-    model, opt, zpp = sharded(ALL, ranks_per_node=ranks_per_node)
+    model, opt, zpp = build(ranks_per_node=ranks_per_node, **kw)
     train(model, opt, rank, 1, first=100)   # state to be overwritten: the error, the moments
     sd = state(model, opt, zpp)
     del sd["zeropp"]
@@ -214,10 +220,10 @@ def test_resume_continues_exactly_and_another_layout_says_what_reset(tmp_path):
         assert len(notes) == 1 and "starts from zero" in notes[0] and "2 nodes" in notes[0], notes
 
 
-def dropped_model_is_freed(rank, world):
+def dropped_model_is_freed(rank, world, build=every_switch_model):
     import gc
     import weakref
-    model, opt, zpp = sharded(ALL)
+    model, opt, zpp = build()
     train(model, opt, rank, 1)
     refs = weakref.ref(model), weakref.ref(zpp)
     del model, opt, zpp

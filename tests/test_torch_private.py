@@ -250,3 +250,52 @@ def test_another_torch_without_a_listed_attribute_is_refused_in_one_line():
         message = run_distributed(_refused_without, 1, args=(owner, name))[0]
         assert message is not None and label in message and "\n" not in message, message
         assert message.startswith("apply_zeropp: torch ") and tp.CHECKED in message, message
+
+
+# -- HSDP -------------------------------------------------------------------------------------------
+def hsdp_attributes(rank, world):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    model = fully_shard(nn.Linear(4, 4), mesh=mesh)
+    group = tp.param_group(model)
+    out = {"missing": tp.hsdp_internals_problem(group),
+           "replicate": dist.get_process_group_ranks(tp.replicate_group(group)), "on": tp.replica_all_reduce_on(group)}
+    model.set_requires_all_reduce(False)
+    out["on"] = (out["on"], tp.replica_all_reduce_on(group))
+    seen, inner = [], tp.replicate_group(group)
+
+    class Seen(dist.ProcessGroup):   # what FSDP2 all-reduces over once set
+        def allreduce(self, tensors, opts=None):
+            seen.append(tuple(tensors[0].shape))
+            return inner.allreduce(tensors, opts)
+    tp.set_replicate_group(group, Seen(inner.rank(), inner.size()))
+    model.set_requires_all_reduce(True)
+    model(torch.ones(2, 4)).sum().backward()
+    out["seen"] = seen
+    out["plain"] = tp.hsdp_internals_problem(tp.param_group(fully_shard(nn.Linear(4, 4))))
+    # a pooled rank's next body: an equal mesh over new groups (tests/test_fsdp_hsdp.py needs this)
+    tp.forget_dtensor_plans()
+    return out
+
+
+def test_hsdp_attributes():
+    r = run_distributed(hsdp_attributes, 4)[0]
+    assert r["missing"] is None and r["replicate"] == [0, 2] and r["on"] == (True, False), r
+    assert r["seen"] == [(10,)], r   # the weight's 2 rows of 4 and the bias's 2, one all-reduce per unit
+    assert "lacks HSDPMeshInfo.replicate_process_group" in r["plain"] and tp.CHECKED in r["plain"], r
+
+
+def an_hsdp_weight_gathered(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    return fully_shard(nn.Linear(4, 4), mesh=mesh).weight.full_tensor().shape == (4, 4)
+
+
+def test_pooled_ranks_forget_dtensors_plans_with_their_groups():
+    """DeviceMesh equality ignores process groups: without forget_dtensor_plans (parallel/spawn.py calls
+    it between bodies) the second body's FSDP2 parameters come out on the first body's destroyed groups."""
+    for _ in range(2):
+        assert run_distributed(an_hsdp_weight_gathered, 4) == [True] * 4

@@ -23,12 +23,17 @@ ZEROPP = ["--zero-quantized-weights", "--zero-hpz-size", "2", "--zero-quantized-
 def test_fsdp2_with_every_switch_resumes_bit_for_bit(corpus, tmp_path):  # noqa: F811
     """bf16, dropout on, 2 micro-batches per step, LoCo's error carried: 6 iterations in one go against
     3, stop, resume for 3 more; the losses and the weights are identical."""
-    common = [*COMMON, "--sharding", "fsdp2", "--bf16", *ZEROPP]
+    full_log = resumes_bit_for_bit(corpus, tmp_path, [*COMMON, "--sharding", "fsdp2", "--bf16", *ZEROPP])
+    assert "FSDP2 + ZeRO++ plug-in (qwZ, hpZ, qgZ, LoCo)" in full_log
+    assert "; FSDP2 without the plug-in would send " in full_log   # the plain count is plain FSDP2's
+
+
+def resumes_bit_for_bit(corpus, tmp_path, common: list[str]) -> str:  # noqa: F811
+    """6 iterations saved at 3 against 3 resumed from there: the same losses and weights; the first
+    run's log."""
     straight, split = tmp_path / "straight", tmp_path / "split"
     rc, full_log = train_ranks(4, flags(corpus, straight, 6, [*common, "--save-interval", "3"]))
     assert rc == 0, full_log
-    assert "FSDP2 + ZeRO++ plug-in (qwZ, hpZ, qgZ, LoCo)" in full_log
-    assert "; FSDP2 without the plug-in would send " in full_log   # the plain count is plain FSDP2's
     rc, log = train_ranks(4, flags(corpus, split, 6, [*common, "--load", str(straight / "ckpt" / "iter_0000003")]))
     assert rc == 0, log
     assert "resumed from" in log and "starts from zero" not in log
@@ -36,6 +41,7 @@ def test_fsdp2_with_every_switch_resumes_bit_for_bit(corpus, tmp_path):  # noqa:
     assert sorted(b) == [4, 5, 6] and all(a[i] == b[i] for i in b), (a, b)
     wa, wb = consolidated_state_dict(str(straight / "ckpt"))[0], consolidated_state_dict(str(split / "ckpt"))[0]
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    return full_log
 
 
 @pytest.mark.slow
@@ -233,3 +239,38 @@ def test_communication_data_type_and_overlap_comm_do_what_they_say_under_fsdp2()
         assert a > 0 and b * 2 == a, (a, b)   # the gradients reduced in bf16: half the bytes
         assert label.startswith("reductions overlap backward in 3 of 3 units"), label
         assert label_off == "reductions overlap backward in 0 of 3 units (overlap is off)", label_off
+
+
+# -- HSDP: --data-parallel-replicate-degree ---------------------------------------------------------
+HSDP = ["--data-parallel-replicate-degree", "2", "--zero-quantized-gradients", "--zero-loco"]
+
+
+@pytest.mark.slow
+def test_hsdp_with_qgz_and_loco_resumes_bit_for_bit_and_the_engine_loads_it(corpus, tmp_path):  # noqa: F811
+    """HSDP (2 replicas x 2 shards, one per node) with the replica all-reduce in INT4 and LoCo's errors:
+    6 iterations against 3, stop, resume for 3 more: the same losses and weights; the ZeRO engine loads
+    the checkpoint."""
+    full_log = resumes_bit_for_bit(corpus, tmp_path, [*COMMON, "--sharding", "fsdp2", "--bf16", *HSDP])
+    assert "FSDP2 HSDP (2 replicas) + ZeRO++ plug-in (qgZ, LoCo)" in full_log, full_log
+    assert "plain HSDP would send" in full_log, full_log
+    rc, engine = train_ranks(4, flags(corpus, tmp_path / "engine", 4, [*COMMON, "--bf16", "--load",
+                                                                     str(tmp_path / "straight" / "ckpt" / "iter_0000003")]))
+    assert rc == 0 and "resumed from" in engine, engine
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--sharding", "fsdp2", "--data-parallel-replicate-degree", "4"],
+     "--data-parallel-replicate-degree 4 shards the model over groups of 1 rank(s), which only replicate: HSDP "
+     "shards inside a node; pass 2 (one copy per node)"),
+    (["--sharding", "fsdp2", "--data-parallel-replicate-degree", "3"],
+     "--data-parallel-replicate-degree 3 must divide the world size 4"),
+    (["--data-parallel-replicate-degree", "2"],
+     "--data-parallel-replicate-degree is HSDP under --sharding fsdp2; this application's engine shards over "
+     "every rank"),
+])
+def test_an_hsdp_layout_it_cannot_run_is_one_line(corpus, tmp_path, monkeypatch, extra, message):  # noqa: F811
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ConfigError) as e:
+        parse_args(flags(corpus, tmp_path, 2, ["--zero-stage", "3", *extra]))
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)

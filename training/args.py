@@ -246,6 +246,10 @@ def _check_topology(args):
         _check_job_shape(args, world, ranks_per_node)
     if args.sharding == "fsdp2":
         _check_fsdp2(args, ranks_per_node, world)
+    elif args.data_parallel_replicate_degree != 1:
+        raise ConfigError(f"{flag(args, 'data_parallel_replicate_degree')} is HSDP under --sharding fsdp2; this "
+                          f"application's engine shards over every rank (hpZ keeps a copy inside the node): pass "
+                          f"--sharding fsdp2 or drop it")
 
 
 def _check_job_shape(args, world: int, ranks_per_node: int):
@@ -261,7 +265,7 @@ def _check_job_shape(args, world: int, ranks_per_node: int):
 
 
 def _check_fsdp2(args, ranks_per_node: int, world: int):
-    from zeropp.fsdp.engine import check_fsdp2_config
+    from zeropp.fsdp.engine import check_fsdp2_config, check_replicas
     if args.dry_run:
         raise ConfigError("--dry-run plans this application's engine; drop --sharding fsdp2 to plan it")
     zero = args.ds_config.zero_optimization
@@ -269,6 +273,8 @@ def _check_fsdp2(args, ranks_per_node: int, world: int):
         raise ConfigError("--zeropp auto chooses for this application's engine; under --sharding fsdp2 "
                           "name the switches (--zero-quantized-weights, --zero-hpz-size, ...)")
     check_fsdp2_config(zero, ranks_per_node, world)
+    check_replicas(args.data_parallel_replicate_degree, ranks_per_node, world,
+                   flag(args, "data_parallel_replicate_degree"))
 
 
 def _check_schedule(args):

@@ -133,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sharding", choices=["zero", "fsdp2"], default="zero",
                    help="zero: this application's ZeRO engine; fsdp2: torch's fully_shard with ZeRO++ as "
                         "its plug-in (zeropp/fsdp/apply.py), stage 3 only")
+    g.add_argument("--data-parallel-replicate-degree", type=_int, default=1,
+                   help="--sharding fsdp2 only: HSDP, the model sharded inside groups of world / this many "
+                        "consecutive ranks (inside a node) and replicated across them (torchtitan's "
+                        "data_parallel_replicate_degree); default 1: sharded over all ranks")
     g.add_argument("--ranks-per-node", type=_int, default=None,
                    help="emulate nodes of this many ranks (default: torchrun's LOCAL_WORLD_SIZE)")
     g.add_argument("--local_rank", "--local-rank", type=_count, default=None,

@@ -17,7 +17,7 @@ from zeropp.bucket_sizing import describe as describe_buckets
 
 def print_job(args, topology, cfg, engine, device, vocab_size: int):
     world = topology.world_size
-    label = zeropp_label(args.ds_config.zero_optimization, args.sharding)
+    label = zeropp_label(args.ds_config.zero_optimization, args.sharding, args.data_parallel_replicate_degree)
     if world == 1 and label != "ZeRO stage 0":   # one process runs unsharded (zeropp.initialize)
         label = f"unsharded (one process; {label} acts from 2 ranks on)"
     print_rank0(f"> {world} ranks on {topology.num_nodes} node(s) x {topology.ranks_per_node}, "
@@ -48,10 +48,12 @@ def peak_memory_line() -> str:
             f"at least {min(peaks):.0f} MB")
 
 
-def zeropp_label(zero, sharding: str = "zero") -> str:
+def zeropp_label(zero, sharding: str = "zero", replicas: int = 1) -> str:
     on = techniques.names(zero)
     if sharding == "fsdp2":
-        return f"FSDP2 + ZeRO++ plug-in ({', '.join(on)})" if on else "FSDP2"
+        name = f"FSDP2 HSDP ({replicas} replicas)" if replicas > 1 else "FSDP2"
+        on = [n for n in on if replicas == 1 or n not in ("qwZ", "hpZ")]   # HSDP's weights stay in the node
+        return f"{name} + ZeRO++ plug-in ({', '.join(on)})" if on else name
     return f"ZeRO-3 + ZeRO++ ({', '.join(on)})" if on else f"ZeRO stage {zero.stage}"
 
 
@@ -64,9 +66,11 @@ def print_summary(args, topology, cross_node: CrossNodeTraffic, engine):
             print_rank0(f"> cross-node bytes per iteration (mean over ranks): {sent:.2f} MB, the groups' engines "
                         f"and the outer exchange between them (--dry-run compares them with ZeRO-3 over the job)")
         else:
-            without = "FSDP2 without the plug-in" if args.sharding == "fsdp2" else "ZeRO-3 without ZeRO++"
+            replicas = args.data_parallel_replicate_degree
+            without = ("plain HSDP" if replicas > 1 else "FSDP2 without the plug-in" if args.sharding == "fsdp2"
+                       else "ZeRO-3 without ZeRO++")
             print_rank0(f"> cross-node bytes per iteration (mean over ranks): {sent:.2f} MB with "
-                        f"{zeropp_label(args.ds_config.zero_optimization, args.sharding)}; {without} "
+                        f"{zeropp_label(args.ds_config.zero_optimization, args.sharding, replicas)}; {without} "
                         f"would send {plain:.2f} MB ({sent / plain if plain else 1.0:.3f}x)")
     for line in engine.summary():
         print_rank0(f"> {line}")

@@ -10,7 +10,7 @@ from zeropp.stages.stage0 import DDPEngine
 
 def initialize(module, config: DeepSpeedConfig, comm, device, optim: OptimizerSettings,
                gradient_accumulation_steps: int = 1, param_init: ParamInit | None = None,
-               sharding: str = "zero") -> Engine:
+               sharding: str = "zero", replicas: int = 1) -> Engine:
     """Wrap `module` in the engine for `config.zero_optimization.stage`.
 
     `module` may be built on the meta device; `param_init(name, tensor)` then
@@ -19,7 +19,8 @@ def initialize(module, config: DeepSpeedConfig, comm, device, optim: OptimizerSe
     be resolved first (planner.auto.resolve). At world size 1 every stage
     takes the short path (DDPEngine without DDP): the shard is the weight,
     and ZeRO++ has nothing to send. Stages 1-3 are composed by zeropp/build.py.
-    `sharding="fsdp2"`: torch's FSDP2 with ZeRO++ as its plug-in (zeropp/fsdp/engine.py).
+    `sharding="fsdp2"`: torch's FSDP2 with ZeRO++ as its plug-in (zeropp/fsdp/engine.py); with
+    `replicas` > 1 on HSDP's (replicas, world / replicas) mesh.
     """
     zero = config.zero_optimization
     if zero.auto_switches():
@@ -31,7 +32,7 @@ def initialize(module, config: DeepSpeedConfig, comm, device, optim: OptimizerSe
         if comm.topology.world_size > 1:
             zero.validate_topology(comm.topology.ranks_per_node, comm.topology.world_size)
         from zeropp.fsdp.engine import FSDP2Engine
-        return FSDP2Engine(module, config, comm, device, optim, gradient_accumulation_steps, param_init)
+        return FSDP2Engine(module, config, comm, device, optim, gradient_accumulation_steps, param_init, replicas)
     zero = bucket_sizes(zero, sum(p.numel() for p in module.parameters()))   # those not set
     config = dataclasses.replace(config, zero_optimization=zero)
     if comm.topology.world_size > 1:

@@ -26,11 +26,13 @@ class TwoHops(Work):
             self._second = self._start_second()
 
     def progress(self) -> bool:
+        """Either hop may itself be several (HSDP's replica reduction: the hop inside the node, then
+        qgZ's hop across, then the gather): each is advanced in turn."""
         if self._second is None:
-            if not self._first.is_completed():
+            if not self._first.progress():
                 return False
             self.start_second()
-        return self._second.is_completed()
+        return self._second.progress()
 
     def is_completed(self) -> bool:
         return self._second is not None and self._second.is_completed()

@@ -32,6 +32,9 @@ FSDP2 (everything it promises: hooks, frozen and unused parameters, evaluation, 
   orders the optimizer after its `_last_post_reduce_events`; the plug-in completes every
   reduction before `backward()` returns, which those events then find done.
 
+On HSDP (a (replicate, shard) mesh, shard groups inside a node) the weights never leave the node:
+qgZ and LoCo compress FSDP2's gradient all-reduce across replicas instead (zeropp/fsdp/replicate.py).
+
 The techniques are the engine's own parts, built from the same registry (zeropp/techniques)
 and charging the same byte accounting (parallel/comm.py): `stats` says what crossed nodes.
 It is collective: every rank calls it, or those that did say which did not (zeropp/fsdp/arrival.py).
@@ -48,6 +51,7 @@ from common.torch_private import (fsdp_internals_problem, group_params, has_forw
 from parallel.comm import Communicator
 from parallel.topology import Topology, TopologyError
 from zeropp.config import LocoConfig, ZeroConfig
+from zeropp.fsdp import replicate
 from zeropp.fsdp.arrival import all_ranks_arrive
 from zeropp.fsdp.comms import NodeAwareGather, UnitReduce, shard_dim
 from zeropp.fsdp.forward import ForwardWatch
@@ -61,13 +65,17 @@ def apply_zeropp(model: torch.nn.Module, topology: Topology | int | None = None,
                  weight_block_size: int = 256, gradient_block_size: int = 128, gradient_bits: int = 4,
                  loco_beta: float | None = None,
                  loco_reset_every: int = 1024, overlap: bool = True, max_inflight_reductions: int = 2,
-                 communicator: Communicator | None = None, arrival_timeout_s: float = 300.0) -> ZeroPP:
+                 exact_replica_gather: bool = False, communicator: Communicator | None = None,
+                 arrival_timeout_s: float = 300.0) -> ZeroPP:
     """Install ZeRO++ on `model`, the root a `fully_shard` returned (collective: every rank
     calls it). `topology`: which ranks share a node: a `parallel.topology.Topology`, the ranks
     per node, or None for torchrun's LOCAL_WORLD_SIZE; `communicator`: a `parallel.comm.Communicator`
     to count the bytes in (it brings its topology); `arrival_timeout_s`: how long the ranks that
-    called wait for the others before they say which did not. Returns the `ZeroPP` that holds
-    what it installed (its `stats`, its checkpoint state)."""
+    called wait for the others before they say which did not. On HSDP (a (replicate, shard) mesh,
+    shard groups inside a node) qgZ and LoCo compress the gradient all-reduce across replicas, whose
+    reduced rows are gathered quantized, or exactly with `exact_replica_gather`
+    (zeropp/fsdp/replicate.py). Returns the `ZeroPP` that holds what it installed (its `stats`,
+    its checkpoint state)."""
     from torch.distributed.fsdp import FSDPModule
     if not isinstance(model, FSDPModule):
         raise PluginError(f"apply_zeropp needs the module fully_shard returned, got a {type(model).__name__}: "
@@ -82,6 +90,10 @@ def apply_zeropp(model: torch.nn.Module, topology: Topology | int | None = None,
             raise PluginError(f"apply_zeropp: {name}=True works on qgZ's INT4 gradients: set quantized_gradients=True")
     all_ranks_arrive("apply_zeropp", arrival_timeout_s)   # before the first collective (a process group)
     topology = communicator.topology if communicator is not None else _topology(topology)
+    replicas = _check_world(model, topology)
+    if replicas > 1:   # HSDP: the weights never leave the node
+        replicate.weights_note(quantized_weights, hpz)
+        quantized_weights = hpz = False
     zero = ZeroConfig(stage=3, zero_quantized_weights=quantized_weights, zero_quantized_gradients=quantized_gradients,
                       zeropp_loco_param=LocoConfig(loco_beta, loco_reset_every) if loco else None,
                       zero_hadamard_gradients=hadamard, zero_quantized_weights_block_size=weight_block_size,
@@ -92,14 +104,16 @@ def apply_zeropp(model: torch.nn.Module, topology: Topology | int | None = None,
     except ConfigError as e:   # the engine's key names, said as this call's arguments
         raise PluginError(_argument_names(str(e))) from None
     units = _units(model)
-    _check_world(model, topology)
+    if replicas > 1:
+        replicate.check_internals(units)
     ranks = topology.ranks_per_node if hpz and 1 < topology.ranks_per_node < topology.world_size else None
     hpz_meshes = _check_reshard(model, units, ranks, topology.world_size)
     device = next(model.parameters()).device
     plugin = ZeroPP(topology, zero, device, overlap, max_inflight_reductions, communicator)
+    plugin.shards = topology.world_size // replicas
     gather, totals = NodeAwareGather(plugin, plugin.gather), {}
     for key, (modules, group) in enumerate(units):
-        reduce = UnitReduce(plugin, key, group, topology.world_size)
+        reduce = UnitReduce(plugin, key, group, plugin.shards)
         modules[0].set_custom_all_gather(gather)
         modules[0].set_custom_reduce_scatter(reduce)
         plugin.units.append(reduce)
@@ -112,7 +126,9 @@ def apply_zeropp(model: torch.nn.Module, topology: Topology | int | None = None,
     prefetch = overlap and device.type == "cpu"   # on CUDA FSDP2 overlaps through its streams
     if prefetch:
         set_unshard_async(model, True)
-    if plugin.reduction is not None:
+    if replicas > 1:
+        replicate.install(plugin, units, exact_replica_gather, totals, device)
+    elif plugin.reduction is not None:
         plugin.reduction.expect(totals, topology, device)
     # prefetch from the order the units run in (a unit the user gave its own prefetch keeps it);
     # hpZ's node copies after a forward without grad
@@ -221,16 +237,8 @@ def _topology(topology) -> Topology:
         raise PluginError(_argument_names(f"apply_zeropp: {e}")) from None
 
 
-def _check_world(model, topology: Topology):
-    """The plug-in shards over the world, ranks in order (a node is consecutive ranks)."""
+def _check_world(model, topology: Topology) -> int:
+    """The plug-in shards over the world, ranks in order (a node is consecutive ranks), or over the
+    ranks of a node on HSDP: the number of replicas (1: none)."""
     mesh = next((p.device_mesh for p in model.parameters() if hasattr(p, "device_mesh")), None)
-    if mesh is None:
-        return
-    world = topology.world_size
-    if mesh.ndim != 1 or mesh.size() != world:
-        raise PluginError(f"apply_zeropp shards over all {world} ranks; this model's FSDP mesh is "
-                          f"{tuple(mesh.shape)}: pass fully_shard a 1-D mesh over the world (HSDP is not supported)")
-    order = mesh.mesh.flatten().tolist()
-    if order != list(range(world)):
-        raise PluginError(f"apply_zeropp's nodes are consecutive ranks; this model's FSDP mesh orders them {order}: "
-                          f"pass fully_shard a mesh over ranks 0..{world - 1} in order")
+    return 1 if mesh is None else replicate.replicas_of(mesh, topology)

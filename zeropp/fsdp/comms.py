@@ -9,7 +9,7 @@ import torch
 from torch.distributed import ReduceOp
 
 from common.torch_private import (divide_factor, group_params, in_backward, reads_of_reduction, reduces_unused,
-                                  sharded_param, unsharded_param)
+                                  replica_all_reduce_on, sharded_param, unsharded_param)
 from zeropp.collectives.exact import ShardGather
 from zeropp.collectives.partition import Partition
 from zeropp.fsdp.plugin import Issued, PluginError
@@ -62,6 +62,7 @@ class UnitReduce:
         self.marked: set[int] = set()
         self.reads: list[str] | None = None   # what read the last reduction at once (None: none yet)
         self._watched: dict[int, torch.Tensor] = {}
+        self._kept = False   # HSDP: FSDP2 kept this reduction to add to the next (no all-reduce)
         self._named: set = set()
 
     @property
@@ -84,10 +85,10 @@ class UnitReduce:
 
     def __call__(self, output_tensor, input_tensor, group, op=ReduceOp.SUM, async_op: bool = False):
         plugin = self.plugin
-        world = plugin.partition.size
-        if input_tensor.numel() != world * output_tensor.numel():
+        world, shards = plugin.partition.size, plugin.shards
+        if input_tensor.numel() != shards * output_tensor.numel():
             raise PluginError(f"apply_zeropp: FSDP2 reduced over {input_tensor.numel() // output_tensor.numel()} "
-                              f"ranks, not the world's {world}: apply it to a model sharded over all ranks")
+                              f"ranks, not the {shards} its mesh shards over: apply it to a model sharded on one mesh")
         factor = divide_factor(self.group)
         scaled = op not in (ReduceOp.SUM, ReduceOp.AVG)   # set_gradient_divide_factor: a pre-multiplied sum
         if scaled and factor is None:
@@ -96,15 +97,17 @@ class UnitReduce:
         plugin.check_committed()
         plugin.progress()
         reduced = self.reduced(output_tensor.numel())
-        if plugin.reduction is None:   # FSDP2's own reduce-scatter, counted (gloo has no pre-multiplied sum)
+        key = self.error_key(reduced, output_tensor.numel()) if plugin.carried else self.key
+        if plugin.reduction is None or plugin.replicas:   # FSDP2's own reduce-scatter, counted (gloo has no
+            # pre-multiplied sum); on HSDP it stays inside the node and the replicas' all-reduce follows
             work = plugin.comm.reduce_scatter(output_tensor, input_tensor, op=ReduceOp.SUM if scaled else op,
                                               group=group, async_op=True, phase="grad_reduce")
             divisor = factor if scaled else 1
         else:
-            key = self.error_key(reduced, output_tensor.numel()) if plugin.carried else self.key
             work = plugin.reduction.start(input_tensor.view(world, output_tensor.numel()), output_tensor,
                                           plugin.partition, "grad_reduce", async_op=True, key=key)
             divisor = factor if scaled else (world if op == ReduceOp.AVG else 1)
+        plugin.reducing = (output_tensor, key)
         self.reads = self.readers(output_tensor, op)
         plugin.issued(work, output_tensor, divisor, later=plugin.overlap and not self.reads)
         return None
@@ -119,6 +122,10 @@ class UnitReduce:
             reads.append("a dtype conversion")
         if any(p.grad is not None for p in self.params):
             reads.append("gradient accumulation")
+        if self.plugin.replicas is not None:   # HSDP: FSDP2 adds a kept shard to the next one
+            kept, self._kept = self._kept, not replica_all_reduce_on(self.group)
+            if kept or self._kept:
+                reads.append("set_requires_all_reduce(False)")
         return reads
 
     def reduced(self, numel: int) -> tuple[int, ...] | None:

@@ -60,6 +60,20 @@ def check_fsdp2_config(zero: ZeroConfig, ranks_per_node: int, world_size: int):
                           f"{ranks_per_node} ranks; pass --zero-hpz-size {ranks_per_node}")
 
 
+def check_replicas(replicas: int, ranks_per_node: int, world_size: int, name: str = "replicas"):
+    """HSDP's layout: `replicas` copies of the model, each sharded over world / replicas consecutive
+    ranks inside a node (one line otherwise, before any work)."""
+    if replicas < 1 or world_size % replicas:
+        raise ConfigError(f"{name} {replicas} must divide the world size {world_size}")
+    shards = world_size // replicas
+    if replicas > 1 and (shards == 1 or ranks_per_node % shards):
+        nodes = world_size // ranks_per_node
+        raise ConfigError(f"{name} {replicas} shards the model over groups of {shards} rank(s), which "
+                          f"{'only replicate' if shards == 1 else f'span nodes of {ranks_per_node} ranks'}: HSDP "
+                          f"shards inside a node; pass {nodes} (one copy per node)"
+                          + (" or a multiple of it" if ranks_per_node > 2 else ""))
+
+
 def plugin_switches(zero: ZeroConfig) -> dict:
     loco = zero.zeropp_loco_param
     return dict(quantized_weights=bool(zero.zero_quantized_weights), hpz=zero.zero_hpz_partition_size > 1,
@@ -73,19 +87,25 @@ def plugin_switches(zero: ZeroConfig) -> dict:
 
 class FSDP2Engine(Engine):
     def __init__(self, module, config, comm, device, optim, gradient_accumulation_steps=1,
-                 param_init: ParamInit | None = None):
+                 param_init: ParamInit | None = None, replicas: int = 1):
+        """`replicas` > 1: HSDP, FSDP2 on a (replicas, world / replicas) mesh: each group of
+        world / replicas consecutive ranks (inside a node) shards the model, the groups replicate it."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         topo = comm.topology
         check_fsdp2_config(config.zero_optimization, topo.ranks_per_node, topo.world_size)
+        check_replicas(replicas, topo.ranks_per_node, topo.world_size)
         dtype = compute_dtype(config)
         reduce_dtype = communication_dtype(config) if config.communication_data_type else torch.float32
         mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce_dtype)
-        mesh = init_device_mesh(device.type, (topo.world_size,))
+        self.shards = topo.world_size // replicas   # the ranks one copy of the model is sharded over
+        mesh = (init_device_mesh(device.type, (replicas, self.shards), mesh_dim_names=("dp_replicate", "dp_shard"))
+                if replicas > 1 else init_device_mesh(device.type, (topo.world_size,)))
+        self.shard_group = mesh.get_group("dp_shard") if replicas > 1 else None   # None: the world
         for unit in [m for lst in module.modules() if isinstance(lst, nn.ModuleList) for m in lst]:
             fully_shard(unit, mesh=mesh, mp_policy=mp)
         fully_shard(module, mesh=mesh, mp_policy=mp)
-        _materialize(module, param_init, device, topo.rank, topo.world_size)
+        _materialize(module, param_init, device, topo.rank % self.shards, self.shards)
         super().__init__(module, config, comm, device, optim, gradient_accumulation_steps)
         self.world, self.rank, self._loading = topo.world_size, topo.rank, []   # _loading: see checkpoint_state
         self.zeropp = apply_zeropp(module, topo, communicator=comm, overlap=config.zero_optimization.overlap,
@@ -116,7 +136,8 @@ class FSDP2Engine(Engine):
         grads = self._local_grads()
         local = torch.stack([n.float() for n in torch._foreach_norm(grads, 2.0)]).pow(2).sum() if grads \
             else torch.zeros(())
-        self.comm.all_reduce(local, phase="optimizer")   # inf/nan reach every rank: one skip decision
+        # inf/nan reach every rank: one skip decision (HSDP: the replicas hold the same gradients)
+        self.comm.all_reduce(local, group=self.shard_group, phase="optimizer")
         return local.item()
 
     def _apply_update(self, coef: float):
@@ -146,7 +167,7 @@ class FSDP2Engine(Engine):
         out = {}
         if for_load:   # where FSDP2's rows are the flat chunk, its own storage is filled in place
             for key, t in tensors.items():
-                rows, flat = self._spans(t)
+                rows, flat = spans(t, self.world, self.shards)
                 local = t.to_local()
                 start, end = flat[self.rank]
                 in_place = rows == flat and local.dtype == torch.float32
@@ -157,7 +178,7 @@ class FSDP2Engine(Engine):
             self._loading = [(out[key], t) for key, t in tensors.items()]
         else:   # views where the rows are the chunk (no copy), the rest moved from the ranks holding it
             keys = list(tensors)
-            for i, mine in self._moved([(tensors[k].to_local().view(-1), *self._spans(tensors[k])) for k in keys]):
+            for i, mine in self._moved([sent_to_save(tensors[k], self.rank, self.world, self.shards) for k in keys]):
                 out[keys[i]] = FlatState(mine.float(), tensors[keys[i]].numel(), sharded=True)
         if optimizer:
             out["optim.step"] = self._step_entry(self.params)
@@ -170,7 +191,7 @@ class FSDP2Engine(Engine):
         present, items, targets = {id(entry) for entry in state.values()}, [], []
         loading, self._loading = self._loading, []
         for entry, t in loading:
-            (rows, flat), local = self._spans(t), t.to_local()
+            (rows, flat), local = spans(t, self.world, self.shards), t.to_local()
             if id(entry) in present and not (rows == flat and entry.local.data_ptr() == local.data_ptr()):
                 items.append((entry.local, flat, rows))   # loaded, not in place
                 targets.append(local)
@@ -178,17 +199,9 @@ class FSDP2Engine(Engine):
             targets[i].copy_(mine.view(targets[i].shape))
         self._set_optimizer_step(state, self.params)
 
-    def _spans(self, t) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """Every rank's [start, end) of flattened `t`: FSDP2's rows (torch.chunk along dim 0), and
-        the checkpoint's flat chunk (torch.chunk of the flattened tensor). The same on every rank."""
-        numel, rows = t.numel(), (t.shape[0] if t.ndim else 1)
-        per_row, by_rows, by_flat = numel // max(rows, 1), -(-rows // self.world), -(-numel // self.world)
-        return ([(min(r * by_rows, rows) * per_row, min((r + 1) * by_rows, rows) * per_row) for r in range(self.world)],
-                [(min(r * by_flat, numel), min((r + 1) * by_flat, numel)) for r in range(self.world)])
-
     def _moved(self, items: list[tuple[torch.Tensor, list, list]]):
         """(i, this rank's part of tensor i under the spans `dst`) for each (this rank's part under
-        `src`, src, dst) of `items` (spans of _spans, the same on every rank). Where src is dst
+        `src`, src, dst) of `items` (spans as `spans` gives them, the same on every rank). Where src is dst
         the part is the tensor given (a view); the rest goes in one uneven all_to_all per bucket
         of same-dtype tensors, each rank sending only what another keeps: at most MOVE_BUCKET
         elements of chunks per bucket, or one larger tensor."""
@@ -273,9 +286,35 @@ class FSDP2Engine(Engine):
         return {}
 
 
+def spans(t, world: int, shards: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """Every rank's [start, end) of flattened `t`: FSDP2's rows (torch.chunk along dim 0 over the
+    `shards` ranks of a copy; HSDP: each replica holds them again), and the checkpoint's flat chunk
+    (torch.chunk of the flattened tensor over the world). The same on every rank."""
+    numel, rows = t.numel(), (t.shape[0] if t.ndim else 1)
+    per_row, by_rows, by_flat = numel // max(rows, 1), -(-rows // shards), -(-numel // world)
+    return ([(min(r % shards * by_rows, rows) * per_row, min((r % shards + 1) * by_rows, rows) * per_row)
+             for r in range(world)],
+            [(min(r * by_flat, numel), min((r + 1) * by_flat, numel)) for r in range(world)])
+
+
+def sent_to_save(t, rank: int, world: int, shards: int):
+    """(what `rank` sends of `t` to a save, every rank's span of it, the flat chunks): its rows, or
+    on HSDP the part of them its replica sends (the replicas' parts end to end)."""
+    rows, flat = spans(t, world, shards)
+    local = t.to_local().view(-1)
+    if shards == world:
+        return local, rows, flat
+    replicas, sent = world // shards, []
+    for r, (lo, hi) in enumerate(rows):
+        part = -(-(hi - lo) // replicas)
+        sent.append((min(lo + r // shards * part, hi), min(lo + (r // shards + 1) * part, hi)))
+    (lo, _), (start, end) = rows[rank], sent[rank]
+    return local[start - lo:end - lo], sent, flat
+
+
 def _materialize(module, param_init, device, rank: int, world: int):
-    """A model built on "meta": each parameter's rows this rank keeps, from its full value (one
-    alive at a time), and the buffers whole."""
+    """A model built on "meta": each parameter's rows this rank keeps (`rank` of the `world` ranks
+    the model is sharded over), from its full value (one alive at a time), and the buffers whole."""
     if not any(t.is_meta for t in list(module.parameters()) + list(module.buffers())):
         module.to(device)
         return

@@ -16,6 +16,7 @@ from parallel.topology import Topology
 from zeropp import techniques
 from zeropp.collectives.exact import ShardGather
 from zeropp.collectives.partition import Partition, as_dcp
+from zeropp.collectives.two_hop import TwoHops
 from zeropp.config import ZeroConfig
 
 
@@ -41,6 +42,9 @@ class ZeroPP:
         self.carried = self.reduction.carried_parts() if self.reduction else {}
         self.committed = not self.carried   # whether something commits the carried state each step
         self.units: list = []           # the installed reductions, one per FSDP unit (comms.UnitReduce)
+        self.shards = topology.world_size   # ranks a unit's reduce-scatter spans (HSDP: the shard group's)
+        self.replicas = None            # HSDP: the reduction across replicas (zeropp/fsdp/replicate.py)
+        self.reducing = None            # (output, LoCo key) of the last reduce-scatter, for the all-reduce after it
         self.inflight: list = []        # (work, output, divisor)
         self._callback_queued = False
         self._inside: dict = {}
@@ -85,6 +89,16 @@ class ZeroPP:
         if not self._callback_queued and in_backward():
             queue_backward_callback(self.finish)   # complete the rest before backward returns
             self._callback_queued = True
+
+    def chain(self, output: torch.Tensor, start_next, divisor: float) -> bool:
+        """The reduction in flight into `output` goes on with `start_next()` once it is done (HSDP:
+        the all-reduce across replicas after the reduce-scatter inside the node), its result
+        divided by `divisor` besides; False if none is in flight."""
+        for i, (work, out, d) in enumerate(self.inflight):
+            if out is output:
+                self.inflight[i] = (TwoHops(work, start_next), out, d * divisor)
+                return True
+        return False
 
     def progress(self):
         """Let the reductions in flight go on (qgZ starts its second hop), in issue order and
@@ -134,8 +148,10 @@ class ZeroPP:
     def new_error(self, key: str, total: int, note: str):
         """A unit reduced a set of parameters it had not: LoCo starts an error of its own for it
         (said once), so one set's leftover error never lands on another's gradients."""
+        shapes = self.replicas.error_shapes(key, total) if self.replicas else {key: (self.topology.num_nodes, total)}
         for part in self.carried.values():
-            part.add(key, (self.topology.num_nodes, total))
+            for name, shape in shapes.items():
+                part.add(name, shape)
         warnings.warn(note, stacklevel=2)
 
     def state_dict(self) -> dict:

@@ -303,7 +303,7 @@ class CompensatedReduce(HierarchicalQuantizedReduce):
                 + 2 * wire_nbytes(padded, self.bits, self.block_size))
 
     def _reduce(self, by_node: torch.Tensor, out: torch.Tensor, phase: str, async_op: bool, pool: BufferPool,
-                key: int) -> Work:
+                key: int, across=None) -> Work:
         """qgZ with error feedback: inside the node the reordered rows (slot b*N + a <- row a*L + b)
         go exactly, in the communication dtype, by an all-to-all, and each rank sums the L rows
         it received in fp32: a reduce-scatter's bytes without its 16-bit sum (and gloo runs a
@@ -348,7 +348,7 @@ class CompensatedReduce(HierarchicalQuantizedReduce):
         def second() -> Work:
             if first is not None:
                 first.wait()
-            work = self._inter_hop(send_across, out, total, phase, async_op, pool)
+            work = self._inter_hop(send_across, out, total, phase, async_op, pool, across)
             if first is not None:
                 pool.give(node_sum)
             return work

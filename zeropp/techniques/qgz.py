@@ -139,9 +139,18 @@ class HierarchicalQuantizedReduce(ShardReduce):
         self.comm.charge_plain("reduce_scatter", None, total * rows.element_size())
         return self._reduce(rows.view(nodes, local, total), out, phase, async_op, pool, key)
 
+    def start_across(self, rows: torch.Tensor, out: torch.Tensor, group, phase: str, async_op: bool = True,
+                     pool: BufferPool | None = None, key=0) -> Work:
+        """Steps 4-5 alone, over `group` of R members: `rows` [R, total], each already a sum taken
+        inside the node (HSDP's reduce-scatter inside the node, zeropp/fsdp/replicate.py), row a to
+        member a, summed into `out`. The caller charges the plain collective it replaces."""
+        pool = pool or BufferPool(rows.device)
+        return self._reduce(rows.unsqueeze(1), out, phase, async_op, pool, key, across=(group, rows.shape[0]))
+
     def _reduce(self, by_node: torch.Tensor, out: torch.Tensor, phase: str, async_op: bool, pool: BufferPool,
-                key: int) -> Work:
-        """Steps 1-5 on the rows [N, L, total]."""
+                key: int, across=None) -> Work:
+        """Steps 1-5 on the rows [N, L, total]; `across`: (group, size) of the hop between nodes
+        (default: the inter-node group)."""
         nodes, local, total = by_node.shape
         bs = self.block_size
         padded = -(-total // bs) * bs
@@ -156,7 +165,7 @@ class HierarchicalQuantizedReduce(ShardReduce):
 
         if local == 1:   # 4-5 only: row a to node a
             return self._inter_hop(lambda dests: quantize_rows(zip(by_node[:, 0], dests)), out, total, phase,
-                                   async_op, pool)
+                                   async_op, pool, across)
         # 1. slot b*N + a <- row a*L + b, each padded to whole blocks (zeros), in INT4
         send, per_dest = take_wire(pool, local, nodes * padded, 4, bs)
         quantize_rows((by_node[a, b], per_dest[b].row(a, n)) for b in range(local) for a in range(nodes))
@@ -187,14 +196,15 @@ class HierarchicalQuantizedReduce(ShardReduce):
         return TwoHops(first, second)
 
     def _inter_hop(self, fill: Callable[[list[Quantized]], None], out: torch.Tensor, total: int, phase: str,
-                   async_op: bool, pool: BufferPool) -> Work:
+                   async_op: bool, pool: BufferPool, across=None) -> Work:
         """4-5: `fill(dests)` writes the row for node a in `self.bits` (`total` elements; rotated,
         `total` padded to whole blocks) into `dests[a]`, its slot of the wire buffer."""
-        nodes, bs = self.nodes, self.block_size
+        group, nodes = across or (self.inter_group, self.nodes)
+        bs = self.block_size
         send, per_node = take_wire(pool, nodes, self._row_numel(total), self.bits, bs)
         fill(per_node)
         recv = pool.take(send.numel(), torch.uint8).view_as(send)
-        work = self.comm.all_to_all(recv.view(-1), send.view(-1), group=self.inter_group, phase=phase,
+        work = self.comm.all_to_all(recv.view(-1), send.view(-1), group=group, phase=phase,
                                     async_op=async_op, plain=False)
 
         def finish():  # rows of `total` have the wire size of `padded`: the padding is whole blocks
