@@ -122,7 +122,8 @@ def test_one_group_is_refused(cli_corpus, capsys, monkeypatch):  # noqa: F811
     monkeypatch.setenv("WORLD_SIZE", "2")   # one node of 2 ranks: a group of the whole job
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     fails(good(cli_corpus, "--zero-stage", "3", "--outer-sync-interval", "4"), capsys,
-          "--group-size 1 makes one group of the job's 1 node(s): there is no other group to synchronize with")
+          "--outer-sync-interval 4 synchronizes groups of nodes, and this job is one node of 2 ranks",
+          "run 4+ ranks (2 groups of 2), or drop --outer-sync-interval 4")
 
 
 def test_clipping_per_group_is_said(short_run_done):
