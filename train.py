@@ -22,9 +22,9 @@ from data.gpt_dataset import build_train_valid_test_datasets
 from data.sampler import build_data_loader
 from model import GPT, flops_per_iteration
 from parallel.comm import Communicator
-from parallel.launch import (CHECK_ONLY, init_distributed, mark_worker, print_rank0, report_error_to_torchrun,
-                             report_user_error)
+from parallel.launch import CHECK_ONLY, mark_worker, report_error_to_torchrun, report_user_error
 from parallel.link_probe import LinkProbeError
+from parallel.startup import init_distributed, print_rank0
 from parallel.topology import topology_from_env
 from planner.auto import resolve as resolve_auto
 from training.args import parse_args

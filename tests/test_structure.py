@@ -147,6 +147,13 @@ def test_training_checkpoint_imports_nothing_else_of_training():
     assert upward == []
 
 
+def test_only_train_py_imports_the_launcher():
+    """parallel/launch.py is `python -m parallel.launch` and what train.py's workers report to it;
+    the product starts up through parallel/startup.py."""
+    edges, _, _ = graph()
+    assert sorted(m for m, targets in edges.items() if "parallel.launch" in targets) == ["train"]
+
+
 def test_no_private_name_crosses_a_package():
     _, _, private = graph()
     assert private == []

@@ -9,7 +9,7 @@ import os
 
 from common import ConfigError, note
 from parallel.comm import Communicator
-from parallel.launch import die_with_launcher, print_rank0
+from parallel.startup import die_with_launcher, print_rank0
 from parallel.topology import Topology
 from zeropp.collectives.partition import Partition
 from parallel.membership import TorchftGroups

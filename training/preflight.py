@@ -20,7 +20,7 @@ from common import ConfigError, check_writable_dir
 from data.gpt_dataset import parse_data_path, parse_split
 from data.indexed_dataset import DataError, IndexedDataset
 from data.tokenizer import build_tokenizer
-from parallel.launch import check_devices
+from parallel.startup import check_devices
 from parallel.topology import Topology, expected_topology
 from training.args import resolve_batch
 from training.model_args import model_config

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from common import ConfigError
-from parallel.launch import print_rank0, rank
+from parallel.startup import print_rank0, rank
 from training.checkpoint.files import CheckpointError, checkpoint_size, iteration_dir
 from training.checkpoint.load import load_checkpoint
 from training.checkpoint.rank0_files import TOKENIZER_COPIES, tokenizer_files

@@ -13,7 +13,7 @@ import zlib
 import torch.distributed as dist
 
 from common import note
-from parallel.launch import rank, world_size
+from parallel.startup import rank, world_size
 
 TRACKER = "latest_checkpointed_iteration.txt"
 META = "meta.json"

@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from common import ConfigError
-from parallel.launch import print_rank0, rank
+from parallel.startup import print_rank0, rank
 from training.checkpoint.files import CheckpointError, iteration_of, read_meta, resolve_checkpoint, verify_on_all_ranks
 from training.checkpoint.state import engine_device, set_rng_state, single_process_quiet
 from zeropp.collectives.partition import as_dcp

@@ -9,7 +9,7 @@ import shutil
 
 from common import ConfigError, check_writable_dir, note
 from model import num_parameters
-from parallel.launch import print_rank0
+from parallel.startup import print_rank0
 from training.checkpoint.checkpointer import gathers_16bit
 from training.checkpoint.files import (TRACKER, CheckpointError, complete_iterations, iteration_dir, latest_iteration,
                                        read_meta, resolve_checkpoint, run_of)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from common import note
-from parallel.launch import rank, world_size
+from parallel.startup import rank, world_size
 from training.checkpoint.files import (CHECKSUMS, FORMAT_VERSION, META, TRACKER, CheckpointError, checksums_json,
                                        file_crc32, fsync_dir, iteration_dir, latest_iteration, prune_checkpoints,
                                        run_of, write_text_atomic)
