@@ -89,7 +89,6 @@ def check_token_ids(dataset: IndexedDataset, tokenizer):
                         f"re-run data.preprocess")
 
 
-
 def check_quant_backend():
     """ZEROPP_QUANT_BACKEND names a backend this machine has (else the first gather would fail)."""
     try:

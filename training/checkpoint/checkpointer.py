@@ -90,7 +90,7 @@ def make_checkpointer(args, engine, cfg, model, argv, run: str | None) -> Checkp
 
 def resume(args, engine, cfg) -> Progress:
     """--load: where to continue from (the start where --load is --save and holds nothing yet:
-    training/preflight.py refused every other --load without a checkpoint)."""
+    preflight.py refused every other --load without a checkpoint)."""
     start = time.time()
     try:
         meta = load_checkpoint(args.load, engine, not args.no_load_optim, not args.no_load_rng,

@@ -261,4 +261,3 @@ def verify_on_all_ranks(path: str):
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise damaged(path, problems[0] + more)
-

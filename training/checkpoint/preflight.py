@@ -92,22 +92,12 @@ def _listed(iterations: list[int]) -> str:
 
 
 def preflight_save_dir(args, cfg):
-    """Fails if --save is not writable; warns if its disk cannot hold one checkpoint."""
+    """Fail now, not after hours of training, if checkpoints cannot be written to --save (a ConfigError
+    naming it); warn if its disk has less free space than one checkpoint."""
+    check_writable_dir(args.save, "--save")
     itemsize = (2 if args.ds_config.bf16.enabled or args.ds_config.fp16.enabled else 4) if gathers_16bit(args) else 0
     expected = checkpoint_bytes(num_parameters(cfg), optimizer_moments(args.optimizer_settings), itemsize)
-    warning = check_save_dir(args.save, expected)
-    if warning:
-        print_rank0(f"> warning: {warning}")
-
-
-def check_save_dir(save_dir: str, expected_bytes: int | None = None) -> str | None:
-    """Fail now, not after hours of training, if checkpoints cannot be written
-    to `save_dir` (a ConfigError naming it). Returns a warning if the disk has
-    less free space than `expected_bytes` (one checkpoint), else None."""
-    check_writable_dir(save_dir, "--save")
-    if expected_bytes:
-        free = shutil.disk_usage(save_dir).free
-        if free < expected_bytes:
-            return (f"--save {save_dir}: {free / 2**30:.1f} GiB free, a checkpoint needs about "
-                    f"{expected_bytes / 2**30:.1f} GiB")
-    return None
+    free = shutil.disk_usage(args.save).free
+    if free < expected:
+        print_rank0(f"> warning: --save {args.save}: {free / 2**30:.1f} GiB free, a checkpoint needs about "
+                    f"{expected / 2**30:.1f} GiB")

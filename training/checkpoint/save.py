@@ -76,7 +76,7 @@ def save_checkpoint(save_dir: str, iteration: int, engine, consumed_train_sample
     the run: --keep-last prunes only its checkpoints, and one of another run is
     replaced (or the tracker moved back) only with `overwrite`. Rank 0 writes
     `files` ({name: bytes}, the tokenizer's) into the checkpoint, and with
-    `consolidated_16bit` the whole model in the compute dtype (training/checkpoint_16bit.py).
+    `consolidated_16bit` the whole model in the compute dtype (rank0_files.py).
 
     With `async_group` (a gloo process group of all ranks, kept for checkpoints
     so the writer's collectives never interleave with training's), the state is
