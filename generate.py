@@ -15,7 +15,7 @@ from common import ConfigError, OneLineParser
 from model import GPT, GPTConfig
 from tools.export_checkpoint import (add_tokenizer_flags, checkpoint_tokenizer, model_tensors, open_checkpoint,
                                      tokenizer_overrides)
-from training.checkpoint_files import CheckpointError
+from training.checkpoint import CheckpointError
 from training.flags import ranged, real, whole
 
 

@@ -6,7 +6,7 @@
 Flags follow Megatron-LM (see training/args.py). This file wires the job
 together: arguments, inputs, process group, data, model, engine, schedule, an
 optional resume; training/trainer.py runs the loop (the engine owns precision,
-gradient communication and the optimizer step) and training/checkpoint.py saves.
+gradient communication and the optimizer step) and training/checkpoint/ saves.
 """
 from __future__ import annotations
 
@@ -22,19 +22,18 @@ from data.gpt_dataset import build_train_valid_test_datasets
 from data.sampler import build_data_loader
 from model import GPT, flops_per_iteration
 from parallel.comm import Communicator
-from parallel.launch import (CHECK_ONLY, init_distributed, mark_worker, print_rank0, report_error_to_torchrun,
-                             report_user_error)
+from parallel.launch import CHECK_ONLY, mark_worker, report_error_to_torchrun, report_user_error
 from parallel.link_probe import LinkProbeError
+from parallel.startup import init_distributed, print_rank0
 from parallel.topology import topology_from_env
 from planner.auto import resolve as resolve_auto
 from training.args import parse_args
-from training.checkpoint import Progress
-from training.checkpoint_files import CheckpointError
-from training.checkpointing import make_checkpointer, preflight_save_dir, resume
+from training.checkpoint import (CheckpointError, Progress, check_checkpoint_dirs, make_checkpointer, preflight_save_dir,
+                                 resume)
 from training.logger import TensorBoardOptions, TrainingLogger
 from training.lr_schedule import build_lr_schedule
 from training.outer import attach_outer, engine_comm, join_groups
-from training.preflight import check_checkpoint_dirs, check_inputs, check_job, job_shape
+from training.preflight import check_inputs, check_job, job_shape
 from training.report import print_job, print_summary
 from training.signals import StopRequest
 from training.trainer import Trainer, TrainingDiverged

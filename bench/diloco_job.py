@@ -35,7 +35,7 @@ def loadable(save: Path) -> tuple[int | None, str]:
     """The iteration the tracker names and "" when its checkpoint is complete (every file's
     checksum, no .tmp left) and exports finite weights; else what is wrong."""
     from tools.export_checkpoint import consolidated_state_dict
-    from training.checkpoint_files import iteration_dir, latest_iteration, resolve_checkpoint, verify_checksums
+    from training.checkpoint import iteration_dir, latest_iteration, resolve_checkpoint, verify_checksums
     it = latest_iteration(str(save))
     path = resolve_checkpoint(str(save))
     if it is None or path != iteration_dir(str(save), it):
@@ -107,7 +107,7 @@ def short_run(base: list[str]) -> tuple[list[str], str, int]:
 def short_export(out: str, rc: int, save: Path) -> str:
     """The checks of short-export on short_run's output and checkpoints."""
     from tools.export_checkpoint import consolidated_state_dict
-    from training.checkpoint_files import iteration_dir
+    from training.checkpoint import iteration_dir
     if rc != 0:
         return problem(out, f"exit status {rc}")
     start = consolidated_state_dict(iteration_dir(str(save), 3))[0]

@@ -7,7 +7,7 @@ long job meets, on a tiny GPT (one column each):
 - overflow: fp16 (static loss scale), an infinite loss on one rank at step K. Every rank skips
   the step and the run ends where a run without it ends, bit for bit.
 - nan: the same with a NaN loss in bf16.
-- resume: fp32, save at step K (training/checkpoint.py, real files), go on; a fresh engine loads
+- resume: fp32, save at step K (training/checkpoint/, real files), go on; a fresh engine loads
   it and goes on: the two end bit-identical.
 - reshard: that checkpoint loaded on another node count: the run continues (finite, applied
   steps), and every state that is reset is named in one line, no other.

@@ -70,7 +70,7 @@ def kills(base, tmp: Path, groups: int, victims: tuple[int, ...], iters: int) ->
             if rank1:
                 os.kill(rank1, signal.SIGSTOP)   # the others meet it in an exchange it cannot finish
             time.sleep(1.0)
-            procs[g].send_signal(signal.SIGKILL)   # the launcher: its ranks die with it (parallel/launch.py)
+            procs[g].send_signal(signal.SIGKILL)   # the launcher: its ranks die with it (parallel/startup.py)
             procs[g].wait()
             killed_at.append(time.time())
             if not wait_for(logs[0], rf"quorum of {groups - 1} group\(s\), was {groups}", 60, procs[0]):
@@ -357,7 +357,7 @@ def punisher(base, tmp: Path, minutes: float = 10.0, mtbf_s: float = 90.0, group
             g = draw.randrange(groups)
             if not wait_for(logs[g][-1], r"saved checkpoint", 120, procs[g]):
                 return problem(logs[g][-1], f"group {g} never saved a checkpoint to restart from")
-            procs[g].send_signal(signal.SIGKILL)   # the launcher: its ranks die with it (parallel/launch.py)
+            procs[g].send_signal(signal.SIGKILL)   # the launcher: its ranks die with it (parallel/startup.py)
             procs[g].wait()
             kills.append((round(time.time() - end + 60 * minutes), g))
             time.sleep(draw.uniform(3, 15))

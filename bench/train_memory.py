@@ -10,7 +10,7 @@ fp32 model (4 bytes a parameter): the model states and the engine's pools at the
 (train.py's own lines), the activations of one forward and backward (measured here,
 bench/memory_bound.py `activation_probe`), and what is left: what the engine does not hold.
 
-Variants: `train.py` as it runs (parallel/launch.py `unmap_freed_blocks`: every block of 64
+Variants: `train.py` as it runs (parallel/startup.py `unmap_freed_blocks`: every block of 64
 KiB or more is its own mapping, returned to the kernel when freed); `glibc-32m`
 (MALLOC_MMAP_THRESHOLD_=33554432, which train.py leaves as set: glibc's default threshold climbs
 to the largest block freed, up to this, and freed blocks below it stay in the heap, mallopt(3)).
@@ -82,7 +82,7 @@ def gloo_staging(rank, world, elements: int) -> float:
 
     from bench.memory_bound import PeakRSS, rss_mb
     from parallel.comm import all_gather_flat
-    from parallel.launch import unmap_freed_blocks
+    from parallel.startup import unmap_freed_blocks
     unmap_freed_blocks()   # as train.py
     per = elements // world
     full, part = torch.ones(per * world), torch.ones(per)

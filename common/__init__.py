@@ -5,6 +5,7 @@ line and exits 2."""
 from common.errors import ConfigError, Problems
 from common.notes import forget_notes, job_rank, note
 from common.parsing import OneLineParser, parse_int, parse_number, refuse_value
+from common.paths import check_writable_dir
 
-__all__ = ["ConfigError", "OneLineParser", "Problems", "forget_notes", "job_rank", "note", "parse_int", "parse_number",
-           "refuse_value"]
+__all__ = ["ConfigError", "OneLineParser", "Problems", "check_writable_dir", "forget_notes", "job_rank", "note",
+           "parse_int", "parse_number", "refuse_value"]

@@ -1,7 +1,25 @@
-"""Start-up under torchrun (or as a plain single process)."""
+"""`python -m parallel.launch`: torchrun with one line for a user error, exit 0 after a signal that
+every worker survived; and the worker's side of it (what a worker marks and reports for it).
+
+torchrun (torch.distributed.run) turns any worker's non-zero exit into ChildFailedError, which
+its main() re-raises: a traceback and a report repeating the error per rank, exit status 1,
+after a user error as after a crash. And its agent turns a SIGTERM (or SIGINT) into
+SignalException: it forwards the signal to the workers, waits up to --shutdown-timeout, then
+re-raises, so torchrun exits 1 with a traceback even when every worker saved and exited 0.
+`python -m parallel.launch` takes torchrun's arguments (scripts/lib/launch.sh runs it) and
+1. runs train.py's checks of its command line once, before any worker starts (CHECK_ONLY): a
+   user error is train.py's one line and exit status 2;
+2. runs torchrun; when the workers stopped on a user error found only once they ran (train.py's
+   exit status 2, its line in torchrun's error file), exits 2 without torchrun's report (rank 0
+   printed the line), and with the report, as torchrun, for anything else: a crash keeps it all;
+3. after a SIGTERM/SIGINT exits 0 when every worker of this node's last attempt exited 0: each
+   marks its start and a clean exit in a directory it is given (EXIT_MARKS).
+
+A worker's own start-up (the process group, its device, the C library's settings) is
+parallel/startup.py.
+"""
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
@@ -11,58 +29,28 @@ import sys
 import time
 from datetime import timedelta
 
-import torch
 import torch.distributed as dist
 
-from common import ConfigError, job_rank
+EXIT_MARKS = "ZEROPP_EXIT_MARKS"
+CHECK_ONLY = "ZEROPP_CHECK_ONLY"   # train.py checks its command line for this job's shape and exits
+TRAIN_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train.py")
+USER_ERROR_STATUS = 2
+USER_ERROR_KEY = "train/user_error_reported"   # in torchrun's store: rank 0 printed this line
 
 
-def default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
-
-
-def check_devices(backend: str | None = None) -> str:
-    """The backend, once this node can run it: NCCL needs a GPU for each of torchrun's ranks here."""
-    backend = backend or default_backend()
-    if backend == "nccl" and not torch.cuda.is_available():
-        raise ConfigError("--distributed-backend nccl needs CUDA GPUs; use gloo on CPU")
-    ranks, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", 1)), torch.cuda.device_count()
-    if backend == "nccl" and ranks > gpus:
-        raise ConfigError(f"torchrun starts {ranks} ranks on this node and it has {gpus} GPU(s): pass "
-                          f"--nproc-per-node {gpus} (GPUS_PER_NODE={gpus} for the launch scripts)")
-    return backend
-
-
-def init_distributed(backend: str | None = None, timeout_minutes: int = 30) -> torch.device:
-    """Join the process group torchrun describes in the environment and return
-    this rank's device. Without torchrun's variables, run as one process."""
-    backend = check_devices(backend)
-    if "WORLD_SIZE" in os.environ and not dist.is_initialized():
-        dist.init_process_group(backend=backend, timeout=timedelta(minutes=timeout_minutes))
-    if torch.cuda.is_available() and backend == "nccl":
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    unmap_freed_blocks()
-    return torch.device("cpu")
-
-
-MMAP_THRESHOLD = 64 * 1024   # bytes: glibc's M_MMAP_THRESHOLD on CPU
-
-
-def unmap_freed_blocks():
-    """Training on CPU under glibc: every block of 64 KiB or more gets a mapping of its own,
-    returned to the kernel when freed (mallopt(3) M_MMAP_THRESHOLD). Otherwise glibc's threshold
-    climbs to the largest block freed so far (up to 32 MiB), and the gathered weights and
-    gradient rows freed below it stay in the heap (bench/train_memory.py measures the
-    difference). A MALLOC_MMAP_THRESHOLD_ set by the user wins."""
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ or not sys.platform.startswith("linux"):
+# -- the worker's side: its start and exit status, its error line -----------------------------
+def mark_worker(status: int | None = None):
+    """A worker's start (status None) or its exit status, for `python -m parallel.launch`;
+    nothing under another launcher."""
+    folder = os.environ.get(EXIT_MARKS)
+    if not folder:
         return
+    name = f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}.{os.environ.get('LOCAL_RANK', '0')}"
     try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:   # another C library (musl): its own allocator
-        return
-    libc.mallopt(-3, MMAP_THRESHOLD)   # -3: M_MMAP_THRESHOLD (malloc.h)
+        with open(os.path.join(folder, name + (".started" if status is None else f".exit{status}")), "w") as f:
+            f.write(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    except OSError:
+        pass   # then the launcher reports torchrun's own status
 
 
 def report_error_to_torchrun(line: str):
@@ -78,9 +66,6 @@ def report_error_to_torchrun(line: str):
                                                                    "timestamp": str(int(time.time()))}}}, f)
     except OSError:
         pass   # the summary then shows torchrun's generic text: the line is on stderr anyway
-
-
-USER_ERROR_KEY = "train/user_error_reported"
 
 
 def report_user_error(line: str, rank: int, wait_s: float = 60.0):
@@ -118,54 +103,7 @@ def _agent_store(timeout_s: float):
         return None
 
 
-def rank() -> int:
-    """The process group's rank, or torchrun's (RANK) before the group exists."""
-    return job_rank()
-
-
-def world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def print_rank0(*args, **kwargs):
-    if rank() == 0:
-        print(*args, flush=True, **kwargs)
-
-
-# -- `python -m parallel.launch`: torchrun with one line for a user error, exit 0 after a signal ----
-# torchrun (torch.distributed.run) turns any worker's non-zero exit into ChildFailedError, which
-# its main() re-raises: a traceback and a report repeating the error per rank, exit status 1,
-# after a user error as after a crash. And its agent turns a SIGTERM (or SIGINT) into
-# SignalException: it forwards the signal to the workers, waits up to --shutdown-timeout, then
-# re-raises, so torchrun exits 1 with a traceback even when every worker saved and exited 0.
-# `python -m parallel.launch` takes torchrun's arguments (scripts/lib/launch.sh runs it) and
-# 1. runs train.py's checks of its command line once, before any worker starts (CHECK_ONLY): a
-#    user error is train.py's one line and exit status 2;
-# 2. runs torchrun; when the workers stopped on a user error found only once they ran (train.py's
-#    exit status 2, its line in torchrun's error file), exits 2 without torchrun's report (rank 0
-#    printed the line), and with the report, as torchrun, for anything else: a crash keeps it all;
-# 3. after a SIGTERM/SIGINT exits 0 when every worker of this node's last attempt exited 0: each
-#    marks its start and a clean exit in a directory it is given (EXIT_MARKS).
-EXIT_MARKS = "ZEROPP_EXIT_MARKS"
-CHECK_ONLY = "ZEROPP_CHECK_ONLY"   # train.py checks its command line for this job's shape and exits
-TRAIN_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train.py")
-USER_ERROR_STATUS = 2
-
-
-def mark_worker(status: int | None = None):
-    """A worker's start (status None) or its exit status, for `python -m parallel.launch`;
-    nothing under another launcher."""
-    folder = os.environ.get(EXIT_MARKS)
-    if not folder:
-        return
-    name = f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}.{os.environ.get('LOCAL_RANK', '0')}"
-    try:
-        with open(os.path.join(folder, name + (".started" if status is None else f".exit{status}")), "w") as f:
-            f.write(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    except OSError:
-        pass   # then the launcher reports torchrun's own status
-
-
+# -- the launcher ---------------------------------------------------------------------------------
 def workers_exited_cleanly(folder: str) -> tuple[int, int]:
     """(workers of the last attempt that exited 0, workers that attempt had on this node)."""
     marks = os.listdir(folder)
@@ -292,19 +230,6 @@ def torchrun_main(argv: list[str]) -> int:
         finally:
             logs.close(show=True)
     return 0
-
-
-def die_with_launcher():
-    """Let the kernel end this rank when the process that started it (torchrun's agent) dies:
-    a killed launcher must not leave ranks of its group running (Linux prctl PR_SET_PDEATHSIG;
-    elsewhere nothing)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() == 1:   # the launcher died before the call
-        os._exit(1)
 
 
 if __name__ == "__main__":

@@ -263,7 +263,7 @@ def format_plan(job: Job, cluster: Cluster, trace: ModelTrace, plans: list[Confi
     # qgZ's error feedback is saved too (zeropp/techniques/loco.py), sharded as it lives
     total = checkpoint_bytes(trace.num_parameters, moments) + max(p.memory["error_feedback"] for p in plans) // 2 * job.world
     error = " and qgZ's error feedback" if any(p.memory["error_feedback"] for p in plans) else ""
-    out(f"   checkpoint (--save; training/checkpoint.py): {total / 2**30:.1f} GiB per save, "
+    out(f"   checkpoint (--save; training/checkpoint/): {total / 2**30:.1f} GiB per save, "
         f"{total / job.world / 2**30:.2f} GiB written by each GPU (its fp32 masters, {moments} optimizer "
         f"moment(s){error}; no GPU gathers the model)")
 

@@ -15,8 +15,8 @@ from parallel.comm import Communicator
 from parallel.topology import topology_from_env
 from tests.distributed import run_distributed
 from tools.export_checkpoint import consolidated_state_dict, export_hf
-from training.checkpoint import load_checkpoint, save_checkpoint
-from training.checkpoint_files import TRACKER, CheckpointError, complete_iterations, latest_iteration
+from training.checkpoint import (TRACKER, CheckpointError, complete_iterations, latest_iteration, load_checkpoint,
+                                 save_checkpoint)
 
 CFG = dict(vocab_size=96, num_layers=2, hidden_size=32, num_attention_heads=4, max_position_embeddings=16,
            hidden_dropout=0.0, attention_dropout=0.0, make_vocab_size_divisible_by=8)

@@ -16,9 +16,8 @@ from model import GPT, GPTConfig
 from parallel.comm import Communicator
 from parallel.topology import Topology
 from tools.export_checkpoint import consolidated_state_dict
-from training.checkpoint import load_checkpoint, save_checkpoint
-from training.checkpoint_16bit import CONSOLIDATED_16BIT
-from training.checkpoint_files import CHECKSUMS, META, TOKENIZER_COPIES, TRACKER, CheckpointError, iteration_dir
+from training.checkpoint import (CHECKSUMS, CONSOLIDATED_16BIT, META, TOKENIZER_COPIES, TRACKER, CheckpointError,
+                                 iteration_dir, load_checkpoint, save_checkpoint)
 
 CFG = GPTConfig(vocab_size=96, num_layers=1, hidden_size=32, num_attention_heads=4, max_position_embeddings=16)
 

@@ -20,8 +20,8 @@ import train
 from tests.distributed import run_distributed, train_ranks
 from tests.test_train import corpus, flags  # noqa: F401  (corpus is a fixture)
 from tools import export_checkpoint
-from training.checkpoint import save_checkpoint
-from training.checkpoint_files import CheckpointError, checksums_json, complete_iterations, file_crc32, latest_iteration
+from training.checkpoint import (CheckpointError, checksums_json, complete_iterations, file_crc32, latest_iteration,
+                                 save_checkpoint)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -254,7 +254,7 @@ def test_a_failed_16bit_write_leaves_the_previous_checkpoint_latest(tmp_path, mo
     """The 16-bit file is written inside the checkpoint's .tmp directory: a full disk while torch.save
     writes it is one line, and the previous checkpoint stays the latest, whole."""
     from tests.test_checkpoint_damage import CFG, engine
-    from training import checkpoint_16bit
+    from training.checkpoint import rank0_files
     eng, save = engine(), str(tmp_path / "save")
     meta = {"model_config": dataclasses.asdict(CFG),
             "param_shapes": {n: list(p.shape) for n, p in eng.module.named_parameters()}}
@@ -266,7 +266,7 @@ def test_a_failed_16bit_write_leaves_the_previous_checkpoint_latest(tmp_path, mo
 
         def save(self, *args, **kwargs):
             raise RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 64 vs 598")
-    monkeypatch.setattr(checkpoint_16bit, "torch", FullDisk())
+    monkeypatch.setattr(rank0_files, "torch", FullDisk())
     with pytest.raises(CheckpointError) as error:
         save_checkpoint(save, 3, eng, 0, meta, consolidated_16bit=True)
     assert "\n" not in str(error.value) and "pytorch_model.bin" in str(error.value)

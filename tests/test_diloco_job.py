@@ -19,7 +19,7 @@ from tests.test_cli_errors import fails, good
 from tests.test_cli_errors import corpus as cli_corpus   # noqa: F401 (a fixture)
 from tests.test_train import corpus, flags   # noqa: F401 (corpus: the fixture)
 from tools.export_checkpoint import consolidated_state_dict
-from training.checkpoint_files import iteration_dir
+from training.checkpoint import iteration_dir
 
 
 def base(corpus, out):  # noqa: F811

@@ -16,7 +16,7 @@ import pytest
 from bench.jobs import free_port, job_env, wait_for
 from tests.test_train import corpus   # noqa: F401 (the tiny corpus: a fixture)
 from training.args import parse_args
-from training.checkpoint_files import TRACKER
+from training.checkpoint import TRACKER
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "launch_groups.sh"

@@ -1,4 +1,4 @@
-"""train.py on CPU returns freed blocks of 64 KiB or more to the kernel (parallel/launch.py
+"""train.py on CPU returns freed blocks of 64 KiB or more to the kernel (parallel/startup.py
 `unmap_freed_blocks`), unless the user set glibc's MALLOC_MMAP_THRESHOLD_. Each case in a fresh
 process (the setting is the process's): after a 16 MiB block is freed (as a step frees gathered
 weights), 200 tensors of 1 MiB, written, then all freed but the last, which in a heap pins
@@ -13,7 +13,7 @@ from bench import ROOT
 
 PROBE = """
 import torch
-from parallel.launch import init_distributed
+from parallel.startup import init_distributed
 
 
 def rss_mb():

@@ -177,7 +177,7 @@ def test_more_ranks_than_gpus_on_a_node_is_one_line(monkeypatch):
     import torch
 
     from common import ConfigError
-    from parallel.launch import check_devices
+    from parallel.startup import check_devices
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")

@@ -11,7 +11,7 @@ import pytest
 
 from parallel.launch import workers_exited_cleanly
 from tests.test_train import corpus, flags  # noqa: F401 - corpus is a fixture
-from training.checkpoint_files import latest_iteration
+from training.checkpoint import latest_iteration
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")

@@ -137,6 +137,23 @@ def test_zeropp_folders_import_only_downwards():
     assert upward == []
 
 
+def test_training_checkpoint_imports_nothing_else_of_training():
+    """training/checkpoint/ is the layer below the rest of training/ (args, the trainer, the
+    preflight and the outer loop import it)."""
+    edges, _, _ = graph()
+    inside = "training.checkpoint"
+    upward = [f"{m} imports {t}" for m, targets in edges.items() if m == inside or m.startswith(inside + ".")
+              for t in targets if t.startswith("training.") and not (t == inside or t.startswith(inside + "."))]
+    assert upward == []
+
+
+def test_only_train_py_imports_the_launcher():
+    """parallel/launch.py is `python -m parallel.launch` and what train.py's workers report to it;
+    the product starts up through parallel/startup.py."""
+    edges, _, _ = graph()
+    assert sorted(m for m, targets in edges.items() if "parallel.launch" in targets) == ["train"]
+
+
 def test_no_private_name_crosses_a_package():
     _, _, private = graph()
     assert private == []

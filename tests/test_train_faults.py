@@ -18,7 +18,7 @@ from bench.diloco_job import child_pids
 from tests.distributed import train_ranks
 from tests.test_train import corpus, flags  # noqa: F401  (corpus is a fixture)
 from tools.export_checkpoint import consolidated_state_dict
-from training.checkpoint_files import complete_iterations, latest_iteration
+from training.checkpoint import complete_iterations, latest_iteration
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]

@@ -21,11 +21,10 @@ import sys
 import torch
 import torch.distributed.checkpoint as dcp
 
-from common import ConfigError, OneLineParser, parse_number
+from common import ConfigError, OneLineParser, check_writable_dir, parse_number
 from data.tokenizer import build_tokenizer
-from training.checkpoint_files import CheckpointError, damaged, read_meta, resolve_checkpoint, verify_checksums
-from training.checkpoint_state import single_process_quiet
-from training.preflight import check_load_path, check_writable_dir
+from training.checkpoint import (CheckpointError, check_load_path, damaged, read_meta, resolve_checkpoint,
+                                 single_process_quiet, verify_checksums)
 from zeropp.outer.diloco import GLOBAL
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}

@@ -29,7 +29,7 @@ import sys
 import time
 
 from training.argv import explicit_dests, parse_flags, spellings, take_unset
-from training.checkpoint_files import CheckpointError, read_meta, resolve_checkpoint
+from training.checkpoint import CheckpointError, read_meta, resolve_checkpoint
 from training.deepspeed_args import merge_deepspeed_config
 from training.flags import build_parser
 from training.lr_schedule import build_lr_schedule

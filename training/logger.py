@@ -7,7 +7,7 @@ import sys
 import threading
 from datetime import datetime
 
-from parallel.launch import print_rank0, rank
+from parallel.startup import print_rank0, rank
 from training.tensorboard_tags import (Point, TensorBoardOptions, evaluation_points, peak_memory_mb,
                                        training_points, wall_clock_points)
 

@@ -9,11 +9,11 @@ import os
 
 from common import ConfigError, note
 from parallel.comm import Communicator
-from parallel.launch import die_with_launcher, print_rank0
+from parallel.startup import die_with_launcher, print_rank0
 from parallel.topology import Topology
 from zeropp.collectives.partition import Partition
 from parallel.membership import TorchftGroups
-from training.checkpoint_files import META, TRACKER, complete_iterations
+from training.checkpoint import META, TRACKER, complete_iterations
 from zeropp.kernels.sparse import DEFAULT_CHUNK
 from zeropp.outer.diloco import KEY, PHASE, WARMUP, OuterSettings, attach, saved_layout
 from zeropp.outer.edges import final_sync as synchronize_groups
@@ -161,7 +161,7 @@ def group_paths(args):
 
 
 def holds_checkpoint(path: str) -> bool:
-    """Whether --load `path` names a checkpoint (training/checkpoint_files.py resolve_checkpoint)."""
+    """Whether --load `path` names a checkpoint (training/checkpoint/files.py resolve_checkpoint)."""
     return any(os.path.exists(os.path.join(path, name)) for name in (TRACKER, META)) or bool(complete_iterations(path))
 
 

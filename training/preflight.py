@@ -1,6 +1,6 @@
-"""Checks of the input files before any expensive work (process group, index building, model).
+"""Checks of the input files before any expensive work (process group, index building, model);
+--load and --save are checked first, by training/checkpoint/preflight.py.
 
-    check_checkpoint_dirs(args)      # --load and --save (a ConfigError on a slip that would cost a checkpoint)
     tokenizer = check_inputs(args)   # raises a ConfigError subclass on a user error
     data_rank, data_world, model_cfg = job_shape(args, topology, tokenizer)   # the same, against the job's shape
 
@@ -12,20 +12,17 @@ headers and arrays (memory-mapped), the tokenizer file, and the .bin's token ids
 from __future__ import annotations
 
 import os
-import shutil
 
 import numpy as np
 import torch
 
-from common import ConfigError, note
+from common import ConfigError, check_writable_dir
 from data.gpt_dataset import parse_data_path, parse_split
 from data.indexed_dataset import DataError, IndexedDataset
 from data.tokenizer import build_tokenizer
-from parallel.launch import check_devices
+from parallel.startup import check_devices
 from parallel.topology import Topology, expected_topology
 from training.args import resolve_batch
-from training.checkpoint_files import (TRACKER, CheckpointError, complete_iterations, iteration_dir,
-                                       latest_iteration, read_meta, resolve_checkpoint, run_of)
 from training.model_args import model_config
 from training.outer import data_partition
 from zeropp.kernels import quant, cpu_quant
@@ -92,7 +89,6 @@ def check_token_ids(dataset: IndexedDataset, tokenizer):
                         f"re-run data.preprocess")
 
 
-
 def check_quant_backend():
     """ZEROPP_QUANT_BACKEND names a backend this machine has (else the first gather would fail)."""
     try:
@@ -105,33 +101,6 @@ def check_quant_backend():
     if backend == "cpu" and not cpu_quant.available():
         raise ConfigError(f"ZEROPP_QUANT_BACKEND=cpu: the CPU kernels cannot be built here "
                           f"({cpu_quant.why_not()}); unset it or set it to torch")
-
-
-def check_writable_dir(path: str, flag: str):
-    """`path` is (or can be made) a directory this job can write, or a ConfigError naming `flag`."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise ConfigError(f"{flag} {path} is a file, not a directory; pass a directory")
-    try:
-        os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, f".write_test.{os.getpid()}")
-        with open(probe, "wb") as f:
-            f.write(b"x")
-            f.flush()
-            os.fsync(f.fileno())
-        os.remove(probe)
-    except OSError as e:
-        raise ConfigError(f"{flag} {path} is not writable ({e.strerror or e}); "
-                          f"pass a directory this job can create and write") from None
-
-
-def check_load_path(load: str):
-    """--load names an existing directory."""
-    if os.path.exists(load) and not os.path.isdir(load):
-        raise ConfigError(f"--load {load} is a file; pass the --save directory of a run, or one of its "
-                          f"iter_* directories")
-    if not os.path.exists(load):
-        raise ConfigError(f"--load {load} does not exist; pass the --save directory of a run, or one of its "
-                          f"iter_* directories")
 
 
 def missing_inputs(args) -> list[str]:
@@ -153,81 +122,3 @@ def missing_inputs(args) -> list[str]:
             args.save and os.path.abspath(args.load) == os.path.abspath(args.save)):
         missing.append(f"--load {args.load} (no such directory)")
     return missing
-
-
-def check_checkpoint_dirs(args) -> tuple[str, dict] | None:
-    """What --load names and whether --save may take this run's checkpoints, before any work: a slip
-    of the hand (a mistyped --load, a --save of another run) must not start a run that replaces them.
-    Returns the checkpoint to load and its meta (None: start from scratch)."""
-    if args.ds_config.zero_optimization.stage3_gather_16bit_weights_on_model_save and not args.save:
-        note("stage3_gather_16bit_weights_on_model_save writes pytorch_model.bin beside each checkpoint: "
-             "nothing without --save")
-    try:
-        loading = resolve_load(args.load, args.save) if args.load else None
-        if args.save:   # --finetune: a new run from iteration 0, whatever it loads
-            check_save_holds_no_other_run(args.save, None if args.finetune else loading, args.overwrite_checkpoints)
-    except CheckpointError as e:   # damaged: the line names the intact checkpoint to --load instead
-        raise ConfigError(str(e)) from None
-    return loading
-
-
-def resolve_load(load: str, save: str | None) -> tuple[str, dict] | None:
-    """The checkpoint --load names and its meta.json, or None where there is none yet and --load is
-    --save (Megatron's auto-resume: one command starts a run and, restarted, resumes it). Anything
-    else without a checkpoint is a mistyped path, not a fresh start: a ConfigError."""
-    idiom = save is not None and os.path.realpath(load) == os.path.realpath(save)
-    if not (idiom and not os.path.exists(load)):
-        check_load_path(load)
-    path = resolve_checkpoint(load) if os.path.exists(load) else None
-    if path is None and idiom:
-        note(f"no checkpoint in --load {load} yet (it is --save): starting from scratch")
-        return None
-    if path is None:
-        raise ConfigError(f"--load {load} holds no checkpoint (no {TRACKER} and no iter_*/meta.json); pass "
-                          f"the --save directory of a run, or drop --load to start from scratch")
-    return path, read_meta(path)
-
-
-def check_save_holds_no_other_run(save: str, loading: tuple[str, dict] | None, overwrite: bool):
-    """--save must not hold checkpoints this run would replace or move the tracker back from: any,
-    starting from scratch; those newer than the one loaded (or of another run at its iteration)."""
-    start = loading[1]["iteration"] if loading else None
-    run = loading[1].get("run") if loading else None
-    tracker = latest_iteration(save) if os.path.isdir(save) else None
-    done = complete_iterations(save)
-    if start is None:   # from scratch: every checkpoint there is another run's
-        others = sorted(set(done) | ({tracker} if tracker is not None else set()))
-    elif tracker is not None and tracker > start:   # the tracker would move back
-        others = sorted({it for it in done if it > start} | {tracker})
-    else:   # another run's checkpoints this run would replace
-        others = [it for it in done if it >= start and run_of(iteration_dir(save, it)) != run]
-    if not others:
-        return
-    if overwrite:
-        note(f"--overwrite-checkpoints: --save {save} holds checkpoints of another run (iterations "
-             f"{_listed(others)}); this run's saves replace those of the same iterations and move "
-             f"{TRACKER} to its own")
-        return
-    what = "this run starts from scratch" if loading is None else f"this run resumes at iteration {start}"
-    latest = f", latest {tracker}" if tracker is not None else ""
-    raise ConfigError(f"--save {save} holds checkpoints of another run (iterations {_listed(others)}{latest}) and "
-                      f"{what}: its saves would replace them and move {TRACKER} back. "
-                      f"Pass --load {save} to resume that run, another --save, or --overwrite-checkpoints")
-
-
-def _listed(iterations: list[int]) -> str:
-    its = sorted(set(iterations))
-    return ", ".join(map(str, its)) if len(its) <= 6 else f"{its[0]}, {its[1]}, ..., {its[-1]} ({len(its)})"
-
-
-def check_save_dir(save_dir: str, expected_bytes: int | None = None) -> str | None:
-    """Fail now, not after hours of training, if checkpoints cannot be written
-    to `save_dir` (a ConfigError naming it). Returns a warning if the disk has
-    less free space than `expected_bytes` (one checkpoint), else None."""
-    check_writable_dir(save_dir, "--save")
-    if expected_bytes:
-        free = shutil.disk_usage(save_dir).free
-        if free < expected_bytes:
-            return (f"--save {save_dir}: {free / 2**30:.1f} GiB free, a checkpoint needs about "
-                    f"{expected_bytes / 2**30:.1f} GiB")
-    return None

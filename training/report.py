@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from data.stats import unigram_entropy
 from model import num_parameters
-from parallel.launch import print_rank0
+from parallel.startup import print_rank0
 from training.logger import peak_memory_mb
 from training.trainer import CrossNodeTraffic
 from zeropp import techniques

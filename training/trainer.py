@@ -23,7 +23,7 @@ import torch
 
 from data.sampler import build_data_loader
 from parallel.comm import Communicator
-from parallel.launch import print_rank0
+from parallel.startup import print_rank0
 from training.checkpoint import Progress, iteration_dir
 from training.outer import final_sync, global_weights, outer_fields, outer_iteration
 from training.signals import StopRequest

@@ -94,7 +94,7 @@ class ZeroConfig:
     round_robin_gradients: bool = False      # false only
     sub_group_size: int = 1_000_000_000      # the default only
     # true: every save also writes the whole model in the compute dtype, DeepSpeed's pytorch_model.bin
-    # (training/checkpoint_16bit.py); the second key is its old name, as DeepSpeed still reads it.
+    # (training/checkpoint/rank0_files.py); the second key is its old name, as DeepSpeed still reads it.
     stage3_gather_16bit_weights_on_model_save: bool = False
     stage3_gather_fp16_weights_on_model_save: bool = False
     # False: the engine raises when a parameter got no gradient in a step (DeepSpeed's check).

@@ -194,7 +194,7 @@ class Engine:
 
     # -- checkpoint state: what every engine shares --------------------------
     # checkpoint_state() lists what this rank saves or loads as flat tensors
-    # (training/checkpoint.py writes them with torch.distributed.checkpoint):
+    # (training/checkpoint/ writes them with torch.distributed.checkpoint):
     #   model.<name>            the fp32 weight (the master in 16-bit training)
     #   optim.<moment>.<name>   the optimizer's per-element state (Adam: exp_avg, exp_avg_sq)
     #   optim.step              the optimizer's step count

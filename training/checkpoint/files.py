@@ -1,6 +1,7 @@
-"""A checkpoint's files on disk: their names, atomic writes, checksums, and
-which iterations in a save directory are complete (see training/checkpoint.py
-for the layout and how a save stays atomic)."""
+"""A checkpoint's files on disk: their names, atomic writes, the tracker, which iterations in a
+save directory are complete (and pruning them), meta.json, checksums, and the one line that names
+a damaged checkpoint and the intact one to load instead (training/checkpoint/__init__.py has the
+layout and how a save stays atomic)."""
 from __future__ import annotations
 
 import glob
@@ -12,16 +13,12 @@ import zlib
 import torch.distributed as dist
 
 from common import note
-from parallel.launch import rank, world_size
+from parallel.startup import rank, world_size
 
 TRACKER = "latest_checkpointed_iteration.txt"
 META = "meta.json"
 CHECKSUMS = "checksums.json"
 FORMAT_VERSION = 2
-# The tokenizer's files, copied into every checkpoint under Megatron-LM's names (its
-# save_tokenizer_assets), so a checkpoint samples and exports wherever it is copied.
-TOKENIZER_COPIES = {"tokenizer_model": "tokenizer/tokenizer.model", "vocab_file": "tokenizer/vocab.json",
-                    "merge_file": "tokenizer/merges.txt"}
 
 
 class CheckpointError(RuntimeError):
@@ -264,44 +261,3 @@ def verify_on_all_ranks(path: str):
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise damaged(path, problems[0] + more)
-
-
-# -- a save that failed ----------------------------------------------------------------------
-# torch's own file writer reports a short write ("... vs 598") without the errno: a save that
-# failed on a file system with less than this left is reported as the full disk it is.
-_FULL_DISK_BYTES = 64 * 2**20
-
-
-def raise_save_error(save_dir: str, iteration: int, error):
-    """A failed save (an OSError, DCP's failure of any rank, or a refusal's text) as one CheckpointError
-    on every rank that names the directory, why, and the checkpoint still intact there."""
-    if error is None:
-        return
-    if isinstance(error, str):   # a refusal (_refusal)
-        raise CheckpointError(f"could not save iteration {iteration} to {save_dir}: {error}. Pass "
-                              f"--overwrite-checkpoints to let this run replace it, or another --save")
-    latest = latest_iteration(save_dir)
-    kept = (f"the previous checkpoint (iteration {latest}) is intact and still the latest"
-            if latest is not None else "no earlier checkpoint exists there")
-    reason = _reason(error)
-    try:
-        free = shutil.disk_usage(save_dir).free
-    except OSError:
-        free = None
-    if "No space left on device" not in reason and free is not None and free < _FULL_DISK_BYTES:
-        reason = f"No space left on device ({free} bytes free there): {reason}"
-    raise CheckpointError(f"could not save iteration {iteration} to {save_dir}: {reason}; {kept}. "
-                          f"Free space there or pass another --save") from error
-
-
-def _reason(error: BaseException) -> str:
-    """One line for an OSError, or for the first rank's failure inside DCP's CheckpointException."""
-    failures = getattr(error, "failures", None)
-    if failures:
-        failed_rank, exc = sorted(failures.items())[0]
-        exc = exc[0] if isinstance(exc, tuple) else getattr(exc, "exc", exc)  # DCP keeps (exception, frames)
-        return f"rank {failed_rank}: {_reason(exc)}"
-    if isinstance(error, OSError) and error.strerror:
-        return f"{error.strerror} ({error.filename})" if error.filename else error.strerror
-    lines = str(error).strip().splitlines()
-    return lines[-1] if lines else type(error).__name__

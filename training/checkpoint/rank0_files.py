@@ -8,7 +8,7 @@ with DeepSpeed's `stage3_gather_16bit_weights_on_model_save` the whole model in 
 
 Both are written inside the checkpoint's `.tmp` directory and listed in its checksums.json, so
 they appear with the checkpoint or not at all, and damage to them is found like damage to any
-other file (training/checkpoint.py).
+other file (training/checkpoint/files.py).
 """
 from __future__ import annotations
 
@@ -17,11 +17,14 @@ import os
 import torch
 import torch.distributed as dist
 
-from training.checkpoint_files import TOKENIZER_COPIES
 from zeropp.collectives.partition import FlatState
 from zeropp.outer.diloco import GLOBAL
 
 CONSOLIDATED_16BIT = "pytorch_model.bin"   # DeepSpeed's save_16bit_model default file name
+# The tokenizer's files, copied into every checkpoint under Megatron-LM's names (its
+# save_tokenizer_assets), so a checkpoint samples and exports wherever it is copied.
+TOKENIZER_COPIES = {"tokenizer_model": "tokenizer/tokenizer.model", "vocab_file": "tokenizer/vocab.json",
+                    "merge_file": "tokenizer/merges.txt"}
 
 
 def tokenizer_files(tokenizer_model: str | None, vocab_file: str | None, merge_file: str | None) -> dict[str, bytes]:

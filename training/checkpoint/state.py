@@ -1,6 +1,6 @@
 """What a checkpoint holds besides the files' layout: the engine's state as
 torch.distributed.checkpoint (DCP) sees it, and every RNG's state as JSON
-(see training/checkpoint.py)."""
+(see training/checkpoint/__init__.py)."""
 from __future__ import annotations
 
 import base64
