@@ -21,10 +21,10 @@ from zeropp.stages.engine import communication_dtype, compute_dtype, make_optimi
 from zeropp.stages.init import full_value, materialize_rest
 from zeropp.stages.masters import Masters
 from zeropp.stages.sharded import ShardedEngine, ShardedParts
-from zeropp.stages.stage3 import WeightGathers
-from zeropp.stages.stage3_hooks import Stage3Hooks
-from zeropp.stages.stage3_param import GatheredWeights, PrimaryWeights, Stage3Param
-from zeropp.stages.stage3_weights import PartitionedWeights, WeightSources, place_weights
+from zeropp.stages.stage3.gathers import WeightGathers
+from zeropp.stages.stage3.hooks import Stage3Hooks
+from zeropp.stages.stage3.param import GatheredWeights, PrimaryWeights, Stage3Param
+from zeropp.stages.stage3.weights import PartitionedWeights, WeightSources, place_weights
 from zeropp.stages.stage12 import AccumulatedGradients, FullWeights, ImmediateGradients
 
 

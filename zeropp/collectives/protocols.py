@@ -6,7 +6,7 @@ the memory report, the checkpoint code and the planner ask them, never attribute
 - `GradientReduction`: a reduce-scatter of gradient rows (exact `ShardReduce`; qgZ's INT4
   all-to-alls: techniques/qgz.py; with LoCo's error feedback: techniques/loco.py).
 - `WeightSource`: where stage 3 gathers a weight from (the primary partition:
-  stages/stage3_param.py `PrimaryWeights`; hpZ's secondary partition: techniques/hpz.py; the
+  stages/stage3/param.py `PrimaryWeights`; hpZ's secondary partition: techniques/hpz.py; the
   INT4 weight deltas: techniques/deltas.py).
 - `CarriedState`: state carried from step to step besides the optimizer's (LoCo's error, the
   deltas' reference weights), committed only when a step is applied (ARCHITECTURE.md).

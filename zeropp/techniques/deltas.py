@@ -79,7 +79,7 @@ MEMORY_KEY = "weight_deltas_bytes"
 
 
 class WeightDeltas:
-    """A weight source for `zeropp.stages.stage3_param.BucketGather` (the primary partition's
+    """A weight source for `zeropp.stages.stage3.param.BucketGather` (the primary partition's
     weights, sent as INT4 or INT2 deltas: `bits`), and the state it needs: `recon`, the deltas
     prepared after each step, and which weights may go as deltas."""
 

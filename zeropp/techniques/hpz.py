@@ -17,7 +17,7 @@ here; its later batches gather inside the node, and so does the next training
 forward, with the exact values (within any quantization bound). An evaluation
 of B batches then crosses nodes once per weight instead of B times.
 
-`SecondaryPartition` is a weight source for `zeropp.stages.stage3_param.BucketGather`,
+`SecondaryPartition` is a weight source for `zeropp.stages.stage3.param.BucketGather`,
 like the primary partition, and counts its own bytes: each gather charges the
 communicator with the world gather it replaces (the plain equivalent,
 parallel/comm.py), as qwZ's and qgZ's collectives do.
@@ -107,7 +107,7 @@ class SecondaryPartition:
             self._fresh.discard(s.index)
             self._exact.discard(s.index)
 
-    # -- a weight source (zeropp.stages.stage3_param.BucketGather) ------------------------------
+    # -- a weight source (zeropp.stages.stage3.param.BucketGather) ------------------------------
     def bytes_per_element(self, elem_bytes: int) -> float:
         return self.gather.bytes_per_element(elem_bytes, self.size)
 

@@ -22,7 +22,7 @@ from zeropp.collectives.exact import ShardGather, gather_bucketed
 from zeropp.collectives.partition import Partition
 from zeropp.kernels.quant import scratch_bound, scratch_bytes
 from zeropp.stages.stage12 import set_whole
-from zeropp.stages.stage3_param import GatheredWeights, PrimaryWeights, Stage3Param, WeightState
+from zeropp.stages.stage3.param import GatheredWeights, PrimaryWeights, Stage3Param, WeightState
 
 
 def place_weights(shards: list[Stage3Param], persist_threshold: int, secondary: Partition | None, dtype, device,
