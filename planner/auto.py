@@ -54,7 +54,8 @@ from planner.probe import Measurements, measure
 from planner.trace import trace_model
 from common import ConfigError
 from training.preflight import missing_inputs
-from zeropp.config import AUTO, DeepSpeedConfig, OptimizerSettings, ZeroConfig
+from zeropp import techniques
+from zeropp.config import DeepSpeedConfig, OptimizerSettings, ZeroConfig
 from zeropp.stages.engine import compute_dtype
 
 PREFER_FEWER = 0.02   # a candidate with fewer techniques within 2% of the fastest wins
@@ -144,7 +145,7 @@ def candidates(zero: ZeroConfig, ranks_per_node: int, world: int) -> list[ZeroCo
     if not out:
         raise ConfigError(f"--zeropp auto: no choice of {', '.join(_NAMES[k] for k in auto)} works with the "
                           f"other switches on {world} ranks ({ranks_per_node} per node): {refused[-1]}")
-    return sorted(out, key=techniques)
+    return sorted(out, key=technique_count)
 
 
 def _check(zero: ZeroConfig, ranks_per_node: int, world: int, context: str):
@@ -158,9 +159,8 @@ def _check(zero: ZeroConfig, ranks_per_node: int, world: int, context: str):
         raise ConfigError(f"{context} {e}") from None
 
 
-def techniques(zero: ZeroConfig) -> int:
-    return (int(zero.zero_quantized_weights is True) + int(zero.zero_quantized_gradients is True)
-            + int(zero.zero_hpz_partition_size not in (1, AUTO)))
+def technique_count(zero: ZeroConfig) -> int:
+    return len(techniques.enabled(zero))
 
 
 def choose(job: Job, cluster: Cluster) -> tuple[ZeroConfig, dict[str, float], list[str]]:
@@ -173,7 +173,7 @@ def choose(job: Job, cluster: Cluster) -> tuple[ZeroConfig, dict[str, float], li
              for c in candidates(zero, job.ranks_per_node, job.world)]
     fastest = min(t for _, t in timed)
     chosen, t_chosen = min(((c, t) for c, t in timed if t <= fastest * (1 + PREFER_FEWER)),
-                           key=lambda ct: (techniques(ct[0]), ct[1]))
+                           key=lambda ct: (technique_count(ct[0]), ct[1]))
     predicted = {label(c): t for c, t in timed}
     lines = [f"> ZeRO++ auto: predicted iteration time on {cluster.name} (planner/timing.py):"]
     lines += [f">   {label(c):<28}{t * 1e3:10.1f} ms" for c, t in timed]

@@ -54,7 +54,7 @@ import torch
 from parallel.comm import wire_bytes
 from parallel.topology import Topology
 from zeropp.config import ZeroConfig
-from zeropp.build import plan_parts
+from zeropp.build import PlannedParts, plan_parts
 from zeropp.collectives.protocols import PlannedCollective as Collective
 from zeropp.stages.stage0 import DDP_BUCKET_MB
 from zeropp.collectives.partition import bucketize, gradient_buckets
@@ -67,6 +67,7 @@ PHASES = ("forward_gather", "backward_gather", "grad_reduce", "optimizer")
 class Step:
     """Every collective of one iteration, in issue order per phase."""
     collectives: list[Collective] = field(default_factory=list)
+    parts: PlannedParts | None = None        # the engine's parts, which said what they send (and keep)
     held: set = field(default_factory=set)   # weights held from forward to backward
     forward_buckets: list = field(default_factory=list)
     backward_buckets: list = field(default_factory=list)
@@ -83,7 +84,9 @@ def iteration_collectives(shards, trace, zero: ZeroConfig, world: int, ranks_per
         return _ddp_collectives(step, [s.numel for s in shards], accumulation, weight_bytes, grad_bytes)
     # The engine's own parts for this job (zeropp/build.py), on "meta": each says what it sends.
     dtype = {2: torch.float16, 4: torch.float32}[weight_bytes]
-    sources, reduction, carried = plan_parts(zero, Topology(world, rank, ranks_per_node), shards, dtype)
+    topology = Topology(world, rank, ranks_per_node)
+    step.parts = plan_parts(zero, topology, shards, dtype)
+    sources, reduction, carried = step.parts.sources, step.parts.reduction, step.parts.carried
 
     def add(collectives, m=0):
         step.collectives.extend(dataclasses.replace(c, micro_step=m) for c in collectives)
@@ -112,6 +115,7 @@ def iteration_collectives(shards, trace, zero: ZeroConfig, world: int, ranks_per
     grad_buckets = [[shards[i] for i in b]
                     for b in gradient_buckets([s.chunk for s in shards], world, zero.reduce_bucket_size)]
     step.gradient_buckets = [[s.index for s in b] for b in grad_buckets]
+    reduction.expect({k: sum(s.chunk for s in b) for k, b in enumerate(grad_buckets)}, topology, "meta")
 
     for m in range(accumulation):
         if zero.stage == 3:

@@ -32,6 +32,7 @@ from zeropp.collectives.partition import Partition, ShardedParam
 from zeropp.stages.schedule import TraceRecorder
 from zeropp.stages.stage3.hooks import Stage3Hooks
 from zeropp.stages.stage3.param import Stage3Param
+from zeropp.techniques.hpz import group_size
 
 
 @dataclass
@@ -150,7 +151,8 @@ def shard_layout(trace: ModelTrace, world: int, rank: int, stage: int, persist_t
     """Rank `rank`'s shards, built by the engine's classes on a meta stand-in of
     each weight: chunk, valid slice, persistence, hpZ secondary chunk."""
     primary = Partition(group=None, size=world, rank=rank)
-    secondary = Partition(group=None, size=hpz, rank=rank % hpz) if stage == 3 and 1 < hpz < world else None
+    h = group_size(stage, hpz, world)   # hpZ's group, 0 when it keeps none
+    secondary = Partition(group=None, size=h, rank=rank % h) if h else None
     cls = Stage3Param if stage == 3 else ShardedParam
     shards = []
     for i, (name, numel) in enumerate(zip(trace.names, trace.numels)):

@@ -2,12 +2,15 @@
 
 - Per rank, per phase, the bytes the planner predicts equal what the
   Communicator counts on 4 gloo ranks as 2 emulated nodes x 2 (tiny GPT),
-  and its model-state bytes equal memory_report()'s measurement: ZeRO-3
+  and its model-state bytes equal memory_report()'s measurement (what the
+  techniques keep as their parts say it): ZeRO-3
   (weights held from forward to backward), ZeRO-3 with reuse 0, ZeRO++
   (qwZ, hpZ 2, qgZ) with activation checkpointing and gradient accumulation,
   the same with INT4 weight deltas and qgZ's error feedback, and stages 0 (torch DDP, fp32 and bf16), 1 and 2.
+- The plan's memory of what a technique keeps is what its part says (a changed MemoryLine moves it).
 - The 18B plan prints in seconds; cluster-file mistakes are one line, exit 2.
 """
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -19,11 +22,12 @@ import zeropp
 from model import GPT, GPTConfig
 from parallel.comm import Communicator
 from parallel.topology import topology_from_env
-from planner.memory import model_state_bytes
 from planner.plan import Job, plan_config
-from planner.trace import shard_layout, trace_model
+from planner.trace import trace_model
 from tests.distributed import run_distributed
 from zeropp.memory import memory_report
+from zeropp.techniques.deltas import WeightDeltas
+from zeropp.techniques.error_feedback import ErrorFeedback
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = dict(vocab_size=96, num_layers=2, hidden_size=32, num_attention_heads=4, max_position_embeddings=16,
@@ -80,11 +84,13 @@ def measured_run(rank, world_size):
                 engine.backward(engine(x[:, :-1], x[:, 1:]))
             memory = memory_report(engine)["measured_bytes"]
             engine.step()
-        out[name] = {"bytes": {p: list(v) for p, v in comm.stats.by_phase.items()}, "memory": memory}
+        stats = comm.stats
+        out[name] = {"bytes": {p: list(v) for p, v in stats.by_phase.items()}, "memory": memory}
     return out
 
 
-def planned(name):
+def case_job(name):
+    """The planner's Job for a case, its ZeRO configuration and the model's trace."""
     zero, dtype, ckpt, accum = CASES[name]
     ds = ds_config(zero, dtype)
     cfg = GPTConfig(**MODEL, checkpoint_activations=ckpt)
@@ -93,15 +99,20 @@ def planned(name):
     z = ds.zero_optimization
     trace = trace_model(cfg, {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype], MICRO, SEQ,
                         z.stage3_param_persistence_threshold)
+    return job, z, trace
+
+
+def planned(name):
+    job, z, trace = case_job(name)
     plan = plan_config(job, z, trace, None, ranks=list(range(WORLD)))
-    w = 4 if dtype == "fp32" else 2
     memory = []
-    for r in range(WORLD):
-        m = model_state_bytes(shard_layout(trace, WORLD, r, z.stage, z.stage3_param_persistence_threshold,
-                                           z.zero_hpz_partition_size), z.stage, w, "adamw", 0.0,
-                              z.zero_hpz_partition_size > 1)
-        memory.append({"parameters": m["weights"] + m["hpz_secondary"] + plan.memory["weight_deltas"],
-                       "gradients": m["gradients"] + plan.memory["error_feedback"], "optimizer": m["optimizer"]})
+    for r in range(WORLD):   # rank r's layout: its model states and what its techniques' parts keep
+        mine = plan_config(job, z, trace, None, ranks=[r])
+        kinds = {"parameters": mine.memory["weights"], "gradients": mine.memory["gradients"],
+                 "optimizer": mine.memory["optimizer"]}
+        for line in mine.kept + mine.carried:
+            kinds[line.kind] += line.planned_bytes()
+        memory.append(kinds)
     return plan, memory
 
 
@@ -120,6 +131,26 @@ def test_planner_bytes_equal_a_real_run():
             assert all(b["backward_gather"][1] == 0 for b in plan.bytes_per_rank)
         if name == "zero3":    # every weight held from forward to backward: no backward gather
             assert all(b["backward_gather"] == [0, 0] for b in plan.bytes_per_rank)
+
+
+def test_the_plan_asks_the_techniques_for_their_memory(monkeypatch):
+    """LoCo's errors and the weight deltas' references in the plan are what their parts say they
+    keep (MemoryLine): change a part's line and the plan moves by as much, bytes and formula."""
+    job, zero, trace = case_job("zeropp-deltas")
+    before = plan_config(job, zero, trace, None)
+    for part in (ErrorFeedback, WeightDeltas):
+        def more(self, memory=part.memory):
+            line = memory(self)
+            return dataclasses.replace(line, nbytes=line.planned_bytes() + 1000,
+                                       bytes_per_param=line.bytes_per_param + 0.5)
+        monkeypatch.setattr(part, "memory", more)
+    after = plan_config(job, zero, trace, None)
+    for key in ("error_feedback_bytes", "weight_deltas_bytes"):
+        assert before.memory[key] > 0
+        assert after.memory[key] == before.memory[key] + 1000, key
+        assert after.formula[key] == before.formula[key] + 0.5 * trace.num_parameters, key
+    for key in ("weights", "gradients", "optimizer", "gradient_buckets"):
+        assert after.memory[key] == before.memory[key], key
 
 
 def dry_run(*extra, cluster="configs/clusters/v100_4x16_100gbps.yaml"):

@@ -10,7 +10,7 @@ the memory report, the checkpoint code and the planner ask them, never attribute
   INT4 weight deltas: techniques/deltas.py).
 - `CarriedState`: state carried from step to step besides the optimizer's (LoCo's error, the
   deltas' reference weights), committed only when a step is applied (ARCHITECTURE.md).
-- `MemoryLine`: what a part keeps, for the memory report (zeropp/memory.py).
+- `MemoryLine`: what a part keeps, for the memory report (zeropp/memory.py) and the planner.
 """
 from __future__ import annotations
 
@@ -43,7 +43,14 @@ class MemoryLine:
     name: str                  # its key in memory_report()
     kind: str                  # the model-state category it counts under: parameters, gradients
     tensors: list[torch.Tensor]
-    bytes_per_param: float     # predicted, per parameter of the model
+    bytes_per_param: float     # predicted, per parameter of the model (ZeRO's formula beside it)
+    # what it keeps once every buffer it will make is made, from its layout (the planner's figure,
+    # which the tensors measure; None: the tensors' bytes as they are)
+    nbytes: int | None = None
+    label: str = ""            # its row in train.py --dry-run's plan (default: its name)
+
+    def planned_bytes(self) -> int:
+        return self.nbytes if self.nbytes is not None else sum(t.numel() * t.element_size() for t in self.tensors)
 
 
 class WeightGather(Protocol):

@@ -55,6 +55,11 @@ class WeightSources:
     deltas: object | None = None
     quantizer_block: int = 0
 
+    def memory_lines(self) -> list:
+        """What they keep between steps besides the shards (hpZ's copy; the deltas' references are
+        carried state): zeropp/collectives/protocols.py MemoryLine."""
+        return [self.secondary.memory()] if self.secondary is not None else []
+
 
 class PartitionedWeights:
     """The partitioned weights of stage 3, their sources and the pool their gathers take from."""
@@ -123,7 +128,7 @@ class PartitionedWeights:
         return [self.flat] + kept + live
 
     def memory_lines(self) -> list:
-        return [self.sources.secondary.memory()] if self.sources.secondary is not None else []
+        return self.sources.memory_lines()
 
     def gather_bound(self, module_weights) -> int:
         """Gathers in flight at once: the bucket requested, those prefetched (at most the prefetch
