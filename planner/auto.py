@@ -194,8 +194,7 @@ def measured_cluster(m: Measurements, nodes: int, ranks_per_node: int, overlap: 
                    inter_node_latency_us=m.links.inter_node_latency_s * 1e6, link_efficiency=1.0,
                    memory_gbps=m.optimizer_bytes_per_s * gbps, int8_quantize_gelems=m.int8_elements_per_s / 1e9,
                    int4_quantize_gelems=m.int4_elements_per_s / 1e9, overlap=overlap,
-                   # gloo runs a reduce-scatter as an all-reduce: twice the ring's bytes
-                   reduce_scatter_factor=2.0 if gloo else 1.0, name="the measured links")
+                   backend="gloo" if gloo else "nccl", name="the measured links")
 
 
 def print_dry_run(args) -> None:

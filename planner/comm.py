@@ -8,8 +8,11 @@ each answers `plan()` with its collectives (zeropp/collectives/protocols.py
 (zeropp/stages/schedule.py: `live_budget`, `gather_buckets`, `backward_order`, `reuse_set`;
 zeropp/collectives/partition.py: `gradient_buckets`). Each rank's bytes, intra- and
 inter-node, come from `parallel.comm.wire_bytes`, the Communicator's own charge model (NCCL
-rings; all-to-all direct). What this module keeps is the steady state: which source a
-gather reads from in a step after the first.
+rings; all-to-all direct). Where one collective stands in for another (on gloo the plain
+reduce-scatter goes as the all-to-all of its rows, collectives/exact.py) the bytes counted are
+the one charged, as the Communicator counts them, and `issued_bytes` those sent, which the time
+model follows. What this module keeps is the steady state: which source a gather reads from in
+a step after the first.
 
 Per iteration (A = gradient accumulation steps, micro-step m = 0..A-1):
 - forward_gather, per micro-step, one all-gather per schedule bucket of T
@@ -28,7 +31,8 @@ Per iteration (A = gradient accumulation steps, micro-step m = 0..A-1):
   partition, inside the node);
 - grad_reduce, per micro-step (stage 1: the last only), one collective per
   gradient bucket of T elements: reduce-scatter, S = T c bytes (c = bytes of
-  the communication dtype); qgZ: all-to-all of L x wire_nbytes(N P, 4, block)
+  the communication dtype; on gloo sent as an all-to-all of W S, charged as the
+  ring); qgZ: all-to-all of L x wire_nbytes(N P, 4, block)
   inside the node, then of N x wire_nbytes(P, 4, block) between nodes, P = T
   padded to whole blocks; (2W + N) P elements through the INT4 kernels;
 - optimizer: an all-reduce of the 8-byte squared gradient norm (weight deltas:
@@ -75,9 +79,10 @@ class Step:
 
 
 def iteration_collectives(shards, trace, zero: ZeroConfig, world: int, ranks_per_node: int,
-                          accumulation: int, weight_bytes: int, grad_bytes: int, rank: int = 0) -> Step:
+                          accumulation: int, weight_bytes: int, grad_bytes: int, rank: int = 0,
+                          backend: str = "nccl") -> Step:
     """The collectives of one steady-state iteration (after the first, whose
-    schedules are still being recorded). `shards`: rank `rank`'s layout
+    schedules are still being recorded), on `backend`. `shards`: rank `rank`'s layout
     (planner.trace.shard_layout); sizes are the same on every rank."""
     step = Step()
     if zero.stage == 0:
@@ -85,7 +90,7 @@ def iteration_collectives(shards, trace, zero: ZeroConfig, world: int, ranks_per
     # The engine's own parts for this job (zeropp/build.py), on "meta": each says what it sends.
     dtype = {2: torch.float16, 4: torch.float32}[weight_bytes]
     topology = Topology(world, rank, ranks_per_node)
-    step.parts = plan_parts(zero, topology, shards, dtype)
+    step.parts = plan_parts(zero, topology, shards, dtype, backend)
     sources, reduction, carried = step.parts.sources, step.parts.reduction, step.parts.carried
 
     def add(collectives, m=0):
@@ -182,7 +187,18 @@ def rank_bytes(c_op: str, group: tuple[int, ...], rank: int, nbytes: int, ranks_
 
 
 def collective_bytes(c: Collective, world: int, ranks_per_node: int, hpz: int, rank: int) -> tuple[int, int]:
+    """(intra, inter) bytes `rank` is charged for `c` (what CommStats.by_phase counts)."""
     return rank_bytes(c.op, _group(c.group, world, ranks_per_node, hpz, rank), rank, c.nbytes, ranks_per_node)
+
+
+def issued_bytes(c: Collective, world: int, ranks_per_node: int, hpz: int, rank: int) -> tuple[int, int]:
+    """(intra, inter) bytes `rank` puts on the wire for `c`: those of the collective sent in its
+    place, if any (the all-to-all of a reduce-scatter's rows: `nbytes` to each member), else its
+    own (CommStats.issued_inter_node_bytes counts the inter-node ones)."""
+    if not c.sent_as:
+        return collective_bytes(c, world, ranks_per_node, hpz, rank)
+    group = _group(c.group, world, ranks_per_node, hpz, rank)
+    return rank_bytes(c.sent_as, group, rank, c.nbytes * len(group), ranks_per_node)
 
 
 def bytes_by_phase(step: Step, world: int, ranks_per_node: int, hpz: int, rank: int) -> dict[str, list[int]]:

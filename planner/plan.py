@@ -94,7 +94,8 @@ def plan_config(job: Job, zero: ZeroConfig, trace: ModelTrace, cluster: Cluster 
     layouts = {r: shard_layout(trace, world, r, zero.stage, zero.stage3_param_persistence_threshold, hpz)
                for r in (ranks if ranks is not None else ranks_to_plan(world, rpn))}
     shards = layouts[min(layouts)]
-    step = iteration_collectives(shards, trace, zero, world, rpn, job.accumulation, w, g, rank=min(layouts))
+    step = iteration_collectives(shards, trace, zero, world, rpn, job.accumulation, w, g, rank=min(layouts),
+                                 backend=cluster.backend if cluster is not None else "nccl")
     opt = job.optimizer
     memory = model_state_bytes(shards, zero.stage, w, opt.type, opt.momentum)
     k = (8 if opt.type != "sgd" else (4 if opt.momentum else 0)) + (4 if w != 4 else 0)

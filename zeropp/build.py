@@ -119,10 +119,11 @@ class PlannedParts:
     carried: dict                     # the carried parts, by scalar-state key
 
 
-def plan_parts(zero, topology, shards: list, dtype) -> PlannedParts:
+def plan_parts(zero, topology, shards: list, dtype, backend: str = "nccl") -> PlannedParts:
     """The weight sources (stage 3), gradient reduction and carried parts `build_sharded_engine`
     builds for this rank's `shards` (laid out by planner/trace.py's shard_layout), on the meta
-    device and with no process group: the planner asks them for their collectives and memory."""
+    device and with no process group, for a job on `backend` (gloo: the plain reduce-scatter goes
+    by an all-to-all, collectives/exact.py): the planner asks them for their collectives and memory."""
     comm = Communicator(topology)
     groups = ProcessGroups(topology, zero, create=False)
     ctx = techniques.BuildContext(zero, comm, groups, dtype, torch.device("meta"), weights=[], flat=None)
@@ -131,7 +132,7 @@ def plan_parts(zero, topology, shards: list, dtype) -> PlannedParts:
                                  GatheredWeights())
         ctx.weights = [s for s in shards if not s.persistent]
     techniques.fill_slots(ctx)
-    reduction = ctx.gradient_reduction or ShardReduce(comm)
+    reduction = ctx.gradient_reduction or ShardReduce(comm, by_all_to_all=backend == "gloo")
     sources = _sources(ctx, ShardGather(comm), groups.world) if zero.stage == 3 else None
     return PlannedParts(sources, reduction, _carried(ctx, reduction))
 

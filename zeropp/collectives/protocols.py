@@ -36,6 +36,10 @@ class PlannedCollective:
     quant_elements: int = 0   # elements through (de)quantization kernels around this collective
     quant_bits: int = 0       # 8 (qwZ) or 4 (qgZ)
     micro_step: int = 0
+    # the collective issued when another stands in for `op`, charged as `op` (parallel/comm.py
+    # `all_to_all(charge_as=...)`): gloo's reduce-scatter goes as the all-to-all of its rows, of
+    # `nbytes` to each member. The bytes counted follow `op`, the time on the wire this one.
+    sent_as: str = ""
 
 
 @dataclass
