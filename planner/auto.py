@@ -108,7 +108,9 @@ def trivial_reason(zero: ZeroConfig, world: int, nodes: int) -> str | None:
     return None
 
 
-_NAMES = {"zero_quantized_weights": "qwZ", "zero_hpz_partition_size": "hpZ", "zero_quantized_gradients": "qgZ"}
+def _name(key: str) -> str:
+    """The technique an "auto" key switches (its name in run labels)."""
+    return next(t.name for t in techniques.registry() if t.switch == key)
 
 
 def switch_off(zero: ZeroConfig, reason: str, ranks_per_node: int, world: int) -> str:
@@ -117,7 +119,7 @@ def switch_off(zero: ZeroConfig, reason: str, ranks_per_node: int, world: int) -
     auto = zero.auto_switches()
     for key in auto:
         setattr(zero, key, 1 if key == "zero_hpz_partition_size" else False)
-    names = ", ".join(_NAMES[k] for k in auto)
+    names = ", ".join(_name(k) for k in auto)
     if zero.zero_quantized_weight_deltas and "zero_hpz_partition_size" in auto:
         raise ConfigError(f"zero_quantized_weight_deltas (--zero-quantized-weight-deltas) needs hpZ across nodes, "
                           f"and --zeropp auto turns hpZ off here ({reason}); drop the deltas")
@@ -143,7 +145,7 @@ def candidates(zero: ZeroConfig, ranks_per_node: int, world: int) -> list[ZeroCo
         except ConfigError as e:
             refused.append(str(e))
     if not out:
-        raise ConfigError(f"--zeropp auto: no choice of {', '.join(_NAMES[k] for k in auto)} works with the "
+        raise ConfigError(f"--zeropp auto: no choice of {', '.join(_name(k) for k in auto)} works with the "
                           f"other switches on {world} ranks ({ranks_per_node} per node): {refused[-1]}")
     return sorted(out, key=technique_count)
 
