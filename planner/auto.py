@@ -151,7 +151,8 @@ def candidates(zero: ZeroConfig, ranks_per_node: int, world: int) -> list[ZeroCo
 
 
 def _check(zero: ZeroConfig, ranks_per_node: int, world: int, context: str):
-    """The checks every explicit configuration passes (zeropp/config/__init__.py), for a resolved one."""
+    """The checks every explicit configuration passes (ZeroConfig's: ZeRO's own and each technique's),
+    for a resolved one."""
     try:
         zero.validate("zero_optimization")
         zero.validate_topology(ranks_per_node, world)
