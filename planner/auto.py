@@ -54,7 +54,8 @@ from planner.probe import Measurements, measure
 from planner.trace import trace_model
 from common import ConfigError
 from training.preflight import missing_inputs
-from zeropp.config import AUTO, DeepSpeedConfig, OptimizerSettings, ZeroConfig
+from zeropp import techniques
+from zeropp.config import DeepSpeedConfig, OptimizerSettings, ZeroConfig
 from zeropp.stages.engine import compute_dtype
 
 PREFER_FEWER = 0.02   # a candidate with fewer techniques within 2% of the fastest wins
@@ -107,7 +108,9 @@ def trivial_reason(zero: ZeroConfig, world: int, nodes: int) -> str | None:
     return None
 
 
-_NAMES = {"zero_quantized_weights": "qwZ", "zero_hpz_partition_size": "hpZ", "zero_quantized_gradients": "qgZ"}
+def _name(key: str) -> str:
+    """The technique an "auto" key switches (its name in run labels)."""
+    return next(t.name for t in techniques.registry() if t.switch == key)
 
 
 def switch_off(zero: ZeroConfig, reason: str, ranks_per_node: int, world: int) -> str:
@@ -116,7 +119,7 @@ def switch_off(zero: ZeroConfig, reason: str, ranks_per_node: int, world: int) -
     auto = zero.auto_switches()
     for key in auto:
         setattr(zero, key, 1 if key == "zero_hpz_partition_size" else False)
-    names = ", ".join(_NAMES[k] for k in auto)
+    names = ", ".join(_name(k) for k in auto)
     if zero.zero_quantized_weight_deltas and "zero_hpz_partition_size" in auto:
         raise ConfigError(f"zero_quantized_weight_deltas (--zero-quantized-weight-deltas) needs hpZ across nodes, "
                           f"and --zeropp auto turns hpZ off here ({reason}); drop the deltas")
@@ -142,13 +145,14 @@ def candidates(zero: ZeroConfig, ranks_per_node: int, world: int) -> list[ZeroCo
         except ConfigError as e:
             refused.append(str(e))
     if not out:
-        raise ConfigError(f"--zeropp auto: no choice of {', '.join(_NAMES[k] for k in auto)} works with the "
+        raise ConfigError(f"--zeropp auto: no choice of {', '.join(_name(k) for k in auto)} works with the "
                           f"other switches on {world} ranks ({ranks_per_node} per node): {refused[-1]}")
-    return sorted(out, key=techniques)
+    return sorted(out, key=technique_count)
 
 
 def _check(zero: ZeroConfig, ranks_per_node: int, world: int, context: str):
-    """The checks every explicit configuration passes (zeropp/config/__init__.py), for a resolved one."""
+    """The checks every explicit configuration passes (ZeroConfig's: ZeRO's own and each technique's),
+    for a resolved one."""
     try:
         zero.validate("zero_optimization")
         zero.validate_topology(ranks_per_node, world)
@@ -158,9 +162,8 @@ def _check(zero: ZeroConfig, ranks_per_node: int, world: int, context: str):
         raise ConfigError(f"{context} {e}") from None
 
 
-def techniques(zero: ZeroConfig) -> int:
-    return (int(zero.zero_quantized_weights is True) + int(zero.zero_quantized_gradients is True)
-            + int(zero.zero_hpz_partition_size not in (1, AUTO)))
+def technique_count(zero: ZeroConfig) -> int:
+    return len(techniques.enabled(zero))
 
 
 def choose(job: Job, cluster: Cluster) -> tuple[ZeroConfig, dict[str, float], list[str]]:
@@ -173,7 +176,7 @@ def choose(job: Job, cluster: Cluster) -> tuple[ZeroConfig, dict[str, float], li
              for c in candidates(zero, job.ranks_per_node, job.world)]
     fastest = min(t for _, t in timed)
     chosen, t_chosen = min(((c, t) for c, t in timed if t <= fastest * (1 + PREFER_FEWER)),
-                           key=lambda ct: (techniques(ct[0]), ct[1]))
+                           key=lambda ct: (technique_count(ct[0]), ct[1]))
     predicted = {label(c): t for c, t in timed}
     lines = [f"> ZeRO++ auto: predicted iteration time on {cluster.name} (planner/timing.py):"]
     lines += [f">   {label(c):<28}{t * 1e3:10.1f} ms" for c, t in timed]
@@ -194,8 +197,7 @@ def measured_cluster(m: Measurements, nodes: int, ranks_per_node: int, overlap: 
                    inter_node_latency_us=m.links.inter_node_latency_s * 1e6, link_efficiency=1.0,
                    memory_gbps=m.optimizer_bytes_per_s * gbps, int8_quantize_gelems=m.int8_elements_per_s / 1e9,
                    int4_quantize_gelems=m.int4_elements_per_s / 1e9, overlap=overlap,
-                   # gloo runs a reduce-scatter as an all-reduce: twice the ring's bytes
-                   reduce_scatter_factor=2.0 if gloo else 1.0, name="the measured links")
+                   backend="gloo" if gloo else "nccl", name="the measured links")
 
 
 def print_dry_run(args) -> None:

@@ -15,8 +15,8 @@ Optional keys (defaults in `Cluster`): peak_flops_fp32 (for fp32 runs),
 memory_gbps (GPU memory bandwidth in Gbit/s; the optimizer step is bound by it),
 int8_quantize_gelems / int4_quantize_gelems (billions of elements per second
 through one (de)quantization kernel), overlap (whether communication runs under compute, as NCCL streams do),
-reduce_scatter_factor (wire bytes of a reduce-scatter over the ring's: 1 for
-NCCL; 2 for gloo, which runs it as an all-reduce), step_overhead_ms (host work per
+backend (nccl, or gloo: the engine then sends the plain reduce-scatter as an all-to-all of its
+rows, zeropp/collectives/exact.py, and the plan follows), step_overhead_ms (host work per
 iteration the time model does not itemize: Python hooks, bucket copies; hidden
 under GPU kernels, measurable on CPU ranks), inter_node_burst_kib (KiB a node's link
 passes at once after idling: an emulated link's tc tbf bucket; 0 on a real link;
@@ -39,6 +39,9 @@ import yaml
 from common import ConfigError, parse_int, parse_number
 
 
+BACKENDS = ("nccl", "gloo")
+
+
 @dataclass
 class Cluster:
     nodes: int
@@ -56,7 +59,7 @@ class Cluster:
     int8_quantize_gelems: float = 200.0  # billions of elements/s through one INT8 (de)quantize kernel
     int4_quantize_gelems: float = 200.0  # the same for INT4
     overlap: bool = True
-    reduce_scatter_factor: float = 1.0
+    backend: str = "nccl"                # the process groups' (gloo: CPU ranks)
     step_overhead_ms: float = 0.0        # host time per iteration the model does not itemize
     inter_node_burst_kib: float = 0.0    # a token bucket's burst (tc tbf); 0: a real link has none
     reserved_gb: float = 1.0
@@ -112,6 +115,9 @@ def load_cluster(spec: str | None) -> Cluster:
             raise ConfigError(f"--cluster {spec}: '{change}' is not key=value; pass FILE,key=value,...")
         raw[key.strip()] = yaml.safe_load(value)
     fields = {f.name: f for f in dataclasses.fields(Cluster)}
+    if "reduce_scatter_factor" in raw:   # the planner's gloo model before it followed what the engine sends
+        raise ConfigError(f"--cluster {spec}: reduce_scatter_factor is gone: the plan follows what the engine sends "
+                          f"on each backend; replace it with backend: gloo (its 2.0) or remove it (1.0: nccl)")
     for key in raw:
         if key not in fields or key == "name":
             close = difflib.get_close_matches(str(key), list(fields), n=1)
@@ -125,6 +131,8 @@ def load_cluster(spec: str | None) -> Cluster:
                           f"(see planner/cluster.py)")
     values = {key: _value(spec, key, str(fields[key].type), value) for key, value in raw.items()}
     cluster = Cluster(**values, name=spec)
+    if cluster.backend not in BACKENDS:
+        raise ConfigError(f"--cluster {spec}: backend must be one of {', '.join(BACKENDS)}, got {cluster.backend!r}")
     if not 0 < cluster.compute_efficiency <= 1 or not 0 < cluster.link_efficiency <= 1:
         raise ConfigError(f"--cluster {spec}: compute_efficiency and link_efficiency are fractions in (0, 1]")
     return cluster

@@ -8,8 +8,11 @@ each answers `plan()` with its collectives (zeropp/collectives/protocols.py
 (zeropp/stages/schedule.py: `live_budget`, `gather_buckets`, `backward_order`, `reuse_set`;
 zeropp/collectives/partition.py: `gradient_buckets`). Each rank's bytes, intra- and
 inter-node, come from `parallel.comm.wire_bytes`, the Communicator's own charge model (NCCL
-rings; all-to-all direct). What this module keeps is the steady state: which source a
-gather reads from in a step after the first.
+rings; all-to-all direct). Where one collective stands in for another (on gloo the plain
+reduce-scatter goes as the all-to-all of its rows, collectives/exact.py) the bytes counted are
+the one charged, as the Communicator counts them, and `issued_bytes` those sent, which the time
+model follows. What this module keeps is the steady state: which source a gather reads from in
+a step after the first.
 
 Per iteration (A = gradient accumulation steps, micro-step m = 0..A-1):
 - forward_gather, per micro-step, one all-gather per schedule bucket of T
@@ -28,7 +31,8 @@ Per iteration (A = gradient accumulation steps, micro-step m = 0..A-1):
   partition, inside the node);
 - grad_reduce, per micro-step (stage 1: the last only), one collective per
   gradient bucket of T elements: reduce-scatter, S = T c bytes (c = bytes of
-  the communication dtype); qgZ: all-to-all of L x wire_nbytes(N P, 4, block)
+  the communication dtype; on gloo sent as an all-to-all of W S, charged as the
+  ring); qgZ: all-to-all of L x wire_nbytes(N P, 4, block)
   inside the node, then of N x wire_nbytes(P, 4, block) between nodes, P = T
   padded to whole blocks; (2W + N) P elements through the INT4 kernels;
 - optimizer: an all-reduce of the 8-byte squared gradient norm (weight deltas:
@@ -54,7 +58,7 @@ import torch
 from parallel.comm import wire_bytes
 from parallel.topology import Topology
 from zeropp.config import ZeroConfig
-from zeropp.build import plan_parts
+from zeropp.build import PlannedParts, plan_parts
 from zeropp.collectives.protocols import PlannedCollective as Collective
 from zeropp.stages.stage0 import DDP_BUCKET_MB
 from zeropp.collectives.partition import bucketize, gradient_buckets
@@ -67,6 +71,7 @@ PHASES = ("forward_gather", "backward_gather", "grad_reduce", "optimizer")
 class Step:
     """Every collective of one iteration, in issue order per phase."""
     collectives: list[Collective] = field(default_factory=list)
+    parts: PlannedParts | None = None        # the engine's parts, which said what they send (and keep)
     held: set = field(default_factory=set)   # weights held from forward to backward
     forward_buckets: list = field(default_factory=list)
     backward_buckets: list = field(default_factory=list)
@@ -74,16 +79,19 @@ class Step:
 
 
 def iteration_collectives(shards, trace, zero: ZeroConfig, world: int, ranks_per_node: int,
-                          accumulation: int, weight_bytes: int, grad_bytes: int, rank: int = 0) -> Step:
+                          accumulation: int, weight_bytes: int, grad_bytes: int, rank: int = 0,
+                          backend: str = "nccl") -> Step:
     """The collectives of one steady-state iteration (after the first, whose
-    schedules are still being recorded). `shards`: rank `rank`'s layout
+    schedules are still being recorded), on `backend`. `shards`: rank `rank`'s layout
     (planner.trace.shard_layout); sizes are the same on every rank."""
     step = Step()
     if zero.stage == 0:
         return _ddp_collectives(step, [s.numel for s in shards], accumulation, weight_bytes, grad_bytes)
     # The engine's own parts for this job (zeropp/build.py), on "meta": each says what it sends.
     dtype = {2: torch.float16, 4: torch.float32}[weight_bytes]
-    sources, reduction, carried = plan_parts(zero, Topology(world, rank, ranks_per_node), shards, dtype)
+    topology = Topology(world, rank, ranks_per_node)
+    step.parts = plan_parts(zero, topology, shards, dtype, backend)
+    sources, reduction, carried = step.parts.sources, step.parts.reduction, step.parts.carried
 
     def add(collectives, m=0):
         step.collectives.extend(dataclasses.replace(c, micro_step=m) for c in collectives)
@@ -112,6 +120,7 @@ def iteration_collectives(shards, trace, zero: ZeroConfig, world: int, ranks_per
     grad_buckets = [[shards[i] for i in b]
                     for b in gradient_buckets([s.chunk for s in shards], world, zero.reduce_bucket_size)]
     step.gradient_buckets = [[s.index for s in b] for b in grad_buckets]
+    reduction.expect({k: sum(s.chunk for s in b) for k, b in enumerate(grad_buckets)}, topology, "meta")
 
     for m in range(accumulation):
         if zero.stage == 3:
@@ -178,7 +187,18 @@ def rank_bytes(c_op: str, group: tuple[int, ...], rank: int, nbytes: int, ranks_
 
 
 def collective_bytes(c: Collective, world: int, ranks_per_node: int, hpz: int, rank: int) -> tuple[int, int]:
+    """(intra, inter) bytes `rank` is charged for `c` (what CommStats.by_phase counts)."""
     return rank_bytes(c.op, _group(c.group, world, ranks_per_node, hpz, rank), rank, c.nbytes, ranks_per_node)
+
+
+def issued_bytes(c: Collective, world: int, ranks_per_node: int, hpz: int, rank: int) -> tuple[int, int]:
+    """(intra, inter) bytes `rank` puts on the wire for `c`: those of the collective sent in its
+    place, if any (the all-to-all of a reduce-scatter's rows: `nbytes` to each member), else its
+    own (CommStats.issued_inter_node_bytes counts the inter-node ones)."""
+    if not c.sent_as:
+        return collective_bytes(c, world, ranks_per_node, hpz, rank)
+    group = _group(c.group, world, ranks_per_node, hpz, rank)
+    return rank_bytes(c.sent_as, group, rank, c.nbytes * len(group), ranks_per_node)
 
 
 def bytes_by_phase(step: Step, world: int, ranks_per_node: int, hpz: int, rank: int) -> dict[str, list[int]]:

@@ -6,14 +6,14 @@ from the engine's layout, planner.trace.shard_layout):
 - weights (memory_report's "parameters"): stage 3: sum of chunks x w of the
   partitioned weights (the flat shard buffer, padding included) + numel x w of
   each persistent one; stages 1-2: every weight whole;
-- hpZ secondary partition (counted under "parameters" by memory_report):
-  sum of secondary chunks x w;
 - gradients: the fp32 gradient partition, sum(valid) x 4;
 - optimizer: Adam's two fp32 moments (valid x 8 per owned shard) and its
   4-byte step counter per owned shard, plus the fp32 masters (sum(valid) x 4)
   in 16-bit training (in fp32 the master is the weight itself).
 The ZeRO formula (zeropp.memory.predicted_bytes_per_param: (2 + 4 + 12)/N per
-parameter for 16-bit stage 3, + w/h for hpZ) is shown next to it.
+parameter for 16-bit stage 3) is shown next to it. What the techniques keep (hpZ's copy,
+LoCo's errors, the deltas' references) their parts say themselves, each in its MemoryLine
+(planner/plan.py asks them).
 
 Stage 0 (torch DDP): weights, fp32 gradients and optimizer states whole.
 
@@ -37,17 +37,14 @@ from zeropp.collectives.exact import reducer_buffers_bound
 from zeropp.memory import predicted_bytes_per_param
 
 
-def model_state_bytes(shards, stage: int, weight_bytes: int, optimizer_type: str, momentum: float,
-                      hpz_on: bool) -> dict[str, int]:
-    """memory_report()'s measured_bytes of one rank, from its layout."""
+def model_state_bytes(shards, stage: int, weight_bytes: int, optimizer_type: str, momentum: float) -> dict[str, int]:
+    """memory_report()'s measured_bytes of one rank, from its layout, without what the techniques keep."""
     if stage == 0:
         return _replicated_state_bytes([s.numel for s in shards], weight_bytes, optimizer_type, momentum)
     if stage == 3:
         weights = sum(s.chunk if not s.persistent else s.numel for s in shards) * weight_bytes
-        secondary = sum(s.secondary_slice.chunk for s in shards if not s.persistent) * weight_bytes if hpz_on else 0
     else:
         weights = sum(s.numel for s in shards) * weight_bytes
-        secondary = 0
     valid = sum(s.valid for s in shards)
     owned = sum(1 for s in shards if s.valid)
     if optimizer_type in ("adam", "adamw"):
@@ -56,7 +53,7 @@ def model_state_bytes(shards, stage: int, weight_bytes: int, optimizer_type: str
         optimizer = 4 * valid if momentum else 0
     if weight_bytes != 4 and valid:
         optimizer += 4 * valid   # fp32 masters, one flat buffer
-    return {"weights": weights, "hpz_secondary": secondary, "gradients": 4 * valid, "optimizer": optimizer}
+    return {"weights": weights, "gradients": 4 * valid, "optimizer": optimizer}
 
 
 def _replicated_state_bytes(numels: list[int], weight_bytes: int, optimizer_type: str,
@@ -70,16 +67,14 @@ def _replicated_state_bytes(numels: list[int], weight_bytes: int, optimizer_type
         optimizer = 4 * n if momentum else 0
     if weight_bytes != 4:
         optimizer += 4 * n   # fp32 masters
-    return {"weights": n * weight_bytes, "hpz_secondary": 0, "gradients": 4 * n, "optimizer": optimizer}
+    return {"weights": n * weight_bytes, "gradients": 4 * n, "optimizer": optimizer}
 
 
-def formula_bytes(num_params: int, stage: int, world: int, dtype, hpz: int, optimizer_bytes: float) -> dict:
+def formula_bytes(num_params: int, stage: int, world: int, dtype, optimizer_bytes: float) -> dict:
     """ZeRO's closed form (zeropp/memory.py) for the same categories."""
     per = predicted_bytes_per_param(stage, world, dtype, optimizer_bytes)
-    w = dtype.itemsize
-    return {"weights": per["parameters"] * num_params,
-            "hpz_secondary": (w / hpz * num_params) if stage == 3 and 1 < hpz < world else 0,
-            "gradients": per["gradients"] * num_params, "optimizer": per["optimizer"] * num_params}
+    return {"weights": per["parameters"] * num_params, "gradients": per["gradients"] * num_params,
+            "optimizer": per["optimizer"] * num_params}
 
 
 def buffer_bytes(step, shards, zero, world: int, weight_bytes: int, grad_bytes: int) -> dict[str, int]:

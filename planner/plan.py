@@ -27,9 +27,6 @@ from zeropp import techniques
 from zeropp.bucket_sizing import bucket_sizes
 from zeropp.config import DeepSpeedConfig, OptimizerSettings, ZeroConfig
 from zeropp.stages.engine import communication_dtype, compute_dtype
-from zeropp.kernels.format import wire_nbytes
-from zeropp.techniques.deltas import BLOCK_SIZE as DELTA_BLOCK
-from zeropp.techniques.loco import ERROR_BYTES_PER_ELEMENT, error_nbytes
 
 GPT2_VOCAB = 50257   # GPT-2's BPE vocabulary, when the tokenizer files are not at hand
 
@@ -54,10 +51,13 @@ class ConfigPlan:
     label: str
     zero: ZeroConfig
     step: Step
-    memory: dict          # category -> bytes (rank 0)
+    memory: dict          # category -> bytes (rank 0); a technique's under its MemoryLine's name
     formula: dict         # ZeRO's closed form, same categories
     bytes_per_rank: list  # rank -> {phase: [intra, inter]}
     timing: Timing | None
+    kept: list = dataclasses.field(default_factory=list)     # MemoryLines of the weight sources (hpZ's copy)
+    carried: list = dataclasses.field(default_factory=list)  # ... of the carried parts (LoCo's errors, the deltas')
+    saved: dict = dataclasses.field(default_factory=dict)    # carried-state key -> bytes a checkpoint holds
 
     def mean_bytes(self, phase: str) -> tuple[float, float]:
         n = len(self.bytes_per_rank)
@@ -91,32 +91,24 @@ def plan_config(job: Job, zero: ZeroConfig, trace: ModelTrace, cluster: Cluster 
     w, g = dtype.itemsize, communication_dtype(ds).itemsize
     world, rpn = job.world, job.ranks_per_node
     hpz = zero.zero_hpz_partition_size
-    hpz_on = zero.stage == 3 and 1 < hpz < world
     layouts = {r: shard_layout(trace, world, r, zero.stage, zero.stage3_param_persistence_threshold, hpz)
                for r in (ranks if ranks is not None else ranks_to_plan(world, rpn))}
     shards = layouts[min(layouts)]
-    step = iteration_collectives(shards, trace, zero, world, rpn, job.accumulation, w, g, rank=min(layouts))
+    step = iteration_collectives(shards, trace, zero, world, rpn, job.accumulation, w, g, rank=min(layouts),
+                                 backend=cluster.backend if cluster is not None else "nccl")
     opt = job.optimizer
-    memory = model_state_bytes(shards, zero.stage, w, opt.type, opt.momentum, hpz_on)
+    memory = model_state_bytes(shards, zero.stage, w, opt.type, opt.momentum)
     k = (8 if opt.type != "sgd" else (4 if opt.momentum else 0)) + (4 if w != 4 else 0)
-    formula = formula_bytes(trace.num_parameters, zero.stage, world, dtype, hpz, k)
-    loco = zero.stage == 3 and zero.zero_quantized_gradients and zero.zeropp_loco_param is not None and world > rpn
-    # qgZ's error feedback: INT8 blocks of [N, bucket's chunks] per gradient bucket, committed
-    # and pending (zeropp/techniques/loco.py)
-    memory["error_feedback"] = 0
-    if loco:
-        chunk = {s.index: s.chunk for s in shards}
-        # rotated rows (Hadamard): each bucket's padded to whole blocks
-        bs = zero.zero_quantized_gradients_block_size if zero.zero_hadamard_gradients else 1
-        memory["error_feedback"] = 2 * sum(error_nbytes((world // rpn) * (-(-sum(chunk[i] for i in b) // bs) * bs))
-                                           for b in step.gradient_buckets)
-    formula["error_feedback"] = 2 * ERROR_BYTES_PER_ELEMENT / rpn * trace.num_parameters if loco else 0
-    deltas = hpz_on and zero.zero_quantized_weight_deltas   # zeropp/techniques/deltas.py: recon and the deltas
-    bits = zero.zero_quantized_weight_deltas_bits
-    memory["weight_deltas"] = sum(s.chunk * w + wire_nbytes(s.chunk, bits, DELTA_BLOCK)
-                                  for s in shards if not s.persistent) if deltas else 0
-    formula["weight_deltas"] = (w + wire_nbytes(1 << 20, bits, DELTA_BLOCK) / (1 << 20)) / world \
-        * trace.num_parameters if deltas else 0
+    formula = formula_bytes(trace.num_parameters, zero.stage, world, dtype, k)
+    # What the techniques' parts keep and carry, as each says (its MemoryLine, its checkpoint state)
+    parts = step.parts
+    kept = parts.sources.memory_lines() if parts is not None and parts.sources is not None else []
+    carried = [part.memory() for part in parts.carried.values()] if parts is not None else []
+    for line in kept + carried:
+        memory[line.name] = line.planned_bytes()
+        formula[line.name] = line.bytes_per_param * trace.num_parameters
+    saved = {key: sum(s.numel * s.local.element_size() for s in part.checkpoint_state(world).values())
+             for key, part in (parts.carried.items() if parts is not None else ())}
     memory.update(buffer_bytes(step, shards, zero, world, w, g))
     memory["activations"] = trace.activation_bytes(job.cfg.checkpoint_activations)
     memory["activations_other"] = trace.activation_bytes(not job.cfg.checkpoint_activations)
@@ -129,24 +121,17 @@ def plan_config(job: Job, zero: ZeroConfig, trace: ModelTrace, cluster: Cluster 
         owned = sum(s.valid for s in shards)
         timing = iteration_time(step, cluster, flops, job.cfg.checkpoint_activations, job.accumulation, owned,
                                 world, rpn, hpz, overlap=cluster.overlap and zero.overlap)
-    return ConfigPlan(label(zero), zero, step, memory, formula, per_rank, timing)
+    return ConfigPlan(label(zero), zero, step, memory, formula, per_rank, timing, kept, carried, saved)
 
 
 def companion(zero: ZeroConfig, ranks_per_node: int) -> ZeroConfig | None:
     """The configuration to compare with: ZeRO-3 for ZeRO++, ZeRO++ for ZeRO-3."""
     if zero.stage != 3:
         return None
-    other = copy.deepcopy(zero)
     if label(zero) != "ZeRO-3":
-        other.zero_quantized_weights = other.zero_quantized_gradients = False
-        other.zero_hpz_partition_size = 1
-        other.zeropp_loco_param = None
-        other.zero_hadamard_gradients = False
-        other.zero_quantized_weight_deltas = False
-    else:
-        other.zero_quantized_weights = other.zero_quantized_gradients = True
-        other.zero_hpz_partition_size = ranks_per_node
-    return other
+        return zero.techniques_off()
+    return dataclasses.replace(zero, zero_quantized_weights=True, zero_quantized_gradients=True,
+                               zero_hpz_partition_size=ranks_per_node)
 
 
 def vocab_size(args) -> tuple[int, str]:
@@ -193,6 +178,15 @@ def build_plan(args) -> tuple[Job, Cluster, ModelTrace, list[ConfigPlan]]:
 
 
 # -- printing ----------------------------------------------------------------------------
+def _technique_rows(plans: list[ConfigPlan], which: str) -> list[tuple[str, str]]:
+    """(label, memory key) of the techniques' lines (`kept` or `carried`) that hold bytes in a plan."""
+    rows = {}
+    for p in plans:
+        for line in getattr(p, which):
+            rows.setdefault(line.name, line.label or line.name)
+    return [(label, name) for name, label in rows.items() if any(p.memory.get(name) for p in plans)]
+
+
 def _gib(x: float) -> str:
     return f"{x / 2**30:8.2f}"
 
@@ -230,15 +224,14 @@ def format_plan(job: Job, cluster: Cluster, trace: ModelTrace, plans: list[Confi
     out("")
     out(f"-- Memory per GPU (GiB, rank 0){'':11}{head}")
     rows = [("weights (16-bit shard + persistent)" if plans[0].zero.stage == 3 else "weights (whole, 16-bit)",
-             "weights"), ("hpZ secondary partition", "hpz_secondary"), ("gradients (fp32, whole)" if plans[0].zero.stage == 0 else "gradients (fp32 partition)", "gradients"),
-            ("optimizer (fp32 master + Adam)", "optimizer"), ("qgZ error feedback (INT8, 2 x 1/L)", "error_feedback"),
-            ("weight deltas (recon + INT4 or INT2, 1/N)", "weight_deltas"),
+             "weights"), *_technique_rows(plans, "kept"),
+            ("gradients (fp32, whole)" if plans[0].zero.stage == 0 else "gradients (fp32 partition)", "gradients"),
+            ("optimizer (fp32 master + Adam)", "optimizer"), *_technique_rows(plans, "carried"),
             ("gradient bucket buffers", "gradient_buckets"),
             ("gathered-weight buffers", "gathered_weights")]
-    rows = [r for r in rows if r[1] not in ("error_feedback", "weight_deltas") or any(p.memory[r[1]] for p in plans)]
     ckpt = "on" if cfg.checkpoint_activations else "off"
     for name, key in rows:
-        out(f"   {name:<41}" + "".join(f"{_gib(p.memory[key]):>{width}}" for p in plans))
+        out(f"   {name:<41}" + "".join(f"{_gib(p.memory.get(key, 0)):>{width}}" for p in plans))
     out(f"   {'activations (checkpointing ' + ckpt + ')':<41}"
         + "".join(f"{_gib(p.memory['activations']):>{width}}" for p in plans))
     other = "off" if cfg.checkpoint_activations else "on"
@@ -248,7 +241,7 @@ def format_plan(job: Job, cluster: Cluster, trace: ModelTrace, plans: list[Confi
     totals = []
     for p in plans:
         keys = [k for _, k in rows] + ["activations"]
-        totals.append(sum(p.memory[k] for k in keys) + cluster.reserved_bytes)
+        totals.append(sum(p.memory.get(k, 0) for k in keys) + cluster.reserved_bytes)
     out(f"   {'total':<41}" + "".join(f"{_gib(t):>{width}}" for t in totals))
     verdicts = []
     for t in totals:
@@ -260,12 +253,14 @@ def format_plan(job: Job, cluster: Cluster, trace: ModelTrace, plans: list[Confi
         + "".join(f"{_gib(sum(p.formula.values())):>{width}}" for p in plans))
     opt = job.optimizer
     moments = optimizer_moments(opt)
-    # qgZ's error feedback is saved too (zeropp/techniques/loco.py), sharded as it lives
-    total = checkpoint_bytes(trace.num_parameters, moments) + max(p.memory["error_feedback"] for p in plans) // 2 * job.world
-    error = " and qgZ's error feedback" if any(p.memory["error_feedback"] for p in plans) else ""
+    # the techniques' carried state is saved too (LoCo's errors, the deltas' references), sharded as it lives
+    total = checkpoint_bytes(trace.num_parameters, moments) + max(sum(p.saved.values()) for p in plans)
+    names = techniques.carried_names()
+    carried = [names[k] for k in names if any(p.saved.get(k) for p in plans)]
+    what = f"its fp32 masters, {moments} optimizer moment(s)" + "".join(f", {c}" for c in carried[:-1]) \
+        + (f" and {carried[-1]}" if carried else "")
     out(f"   checkpoint (--save; training/checkpoint/): {total / 2**30:.1f} GiB per save, "
-        f"{total / job.world / 2**30:.2f} GiB written by each GPU (its fp32 masters, {moments} optimizer "
-        f"moment(s){error}; no GPU gathers the model)")
+        f"{total / job.world / 2**30:.2f} GiB written by each GPU ({what}; no GPU gathers the model)")
 
     out("")
     out("-- Communication per iteration per GPU (MB sent, mean over ranks; NCCL ring charging)")

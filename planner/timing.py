@@ -9,13 +9,14 @@ recomputation: forward, recompute, backward = 1 + 1 + 2).
 A collective (planner.comm.Collective) over a group of n ranks takes
 
     t = (n - 1) x latency + max( max over ranks of intra-node bytes / intra_bw,
-                                 max over nodes of the node's inter-node bytes x f / inter_bw )
+                                 max over nodes of the node's inter-node bytes / inter_bw )
 
 latency being the inter-node one when the group spans nodes; a ring streams
 its intra- and inter-node hops at once, so the slower side bounds it. Inter-node
 bandwidth is per node (all the node's NICs) times link_efficiency (headers),
-and every rank of a node that sends across shares it. f = reduce_scatter_factor
-for reduce-scatters (gloo sends an all-reduce's bytes), else 1.
+and every rank of a node that sends across shares it. The bytes are those the
+collective puts on the wire (planner.comm.issued_bytes: on gloo a reduce-scatter goes
+as the all-to-all of its rows, which sends more across nodes than a ring).
 (De)quantization costs Collective.quant_elements / the cluster's rate for its bit
 width (int8_quantize_gelems, int4_quantize_gelems: elements per second through one
 quantize or dequantize kernel; per element, since the CPU's torch path is compute
@@ -41,7 +42,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.comm import _group, collective_bytes
+from planner.comm import _group, issued_bytes
 
 OPTIMIZER_BYTES_PER_ELEMENT = 16
 
@@ -63,7 +64,7 @@ class Timing:
 def collective_time(c, cluster, world: int, ranks_per_node: int, hpz: int) -> float:
     intra_max, node_inter = 0, {}
     for r in range(world):
-        intra, inter = collective_bytes(c, world, ranks_per_node, hpz, r)
+        intra, inter = issued_bytes(c, world, ranks_per_node, hpz, r)
         intra_max = max(intra_max, intra)
         node_inter[r // ranks_per_node] = node_inter.get(r // ranks_per_node, 0) + inter
     group = _group(c.group, world, ranks_per_node, hpz, 0)
@@ -72,9 +73,8 @@ def collective_time(c, cluster, world: int, ranks_per_node: int, hpz: int) -> fl
     if n == 1:
         return 0.0
     latency = (cluster.inter_node_latency_us if spans else cluster.intra_node_latency_us) * 1e-6
-    factor = cluster.reduce_scatter_factor if c.op == "reduce_scatter" else 1.0
-    inter = max(node_inter.values(), default=0) * factor / cluster.inter_bw
-    return (n - 1) * latency + max(intra_max * factor / cluster.intra_bw, inter)
+    inter = max(node_inter.values(), default=0) / cluster.inter_bw
+    return (n - 1) * latency + max(intra_max / cluster.intra_bw, inter)
 
 
 def iteration_time(step, cluster, flops_per_micro: float, recompute: bool, accumulation: int,

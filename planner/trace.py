@@ -2,7 +2,7 @@
 
 `trace_model` builds `model.GPT(GPTConfig)` on "meta" (no memory), runs one
 training forward pass there under the stage 3 engine's own hooks
-(zeropp/stages/stage3_hooks.py) over a recorder that gathers nothing, and records with the engine's own `TraceRecorder`
+(zeropp/stages/stage3/hooks.py) over a recorder that gathers nothing, and records with the engine's own `TraceRecorder`
 (zeropp/stages/schedule.py) what the engine records in a step:
 - `events`: the first use of each partitioned weight, one list per module
   request, in forward order (the engine's trace, from which its forward
@@ -16,7 +16,7 @@ training forward pass there under the stage 3 engine's own hooks
   in the compute dtype, inside each block and outside.
 
 `shard_layout` asks the engine's own classes how the weights split:
-zeropp.collectives.partition.ShardedParam / zeropp.stages.stage3_param.Stage3Param built on a
+zeropp.collectives.partition.ShardedParam / zeropp.stages.stage3.param.Stage3Param built on a
 `Partition(group=None, size=N, rank=r)` (no process group), then
 `Stage3Param.place()` for persistence and hpZ's secondary slice.
 """
@@ -30,8 +30,9 @@ import torch
 from model import GPT, GPTConfig
 from zeropp.collectives.partition import Partition, ShardedParam
 from zeropp.stages.schedule import TraceRecorder
-from zeropp.stages.stage3_hooks import Stage3Hooks
-from zeropp.stages.stage3_param import Stage3Param
+from zeropp.stages.stage3.hooks import Stage3Hooks
+from zeropp.stages.stage3.param import Stage3Param
+from zeropp.techniques.hpz import group_size
 
 
 @dataclass
@@ -67,7 +68,7 @@ def build_meta_model(cfg: GPTConfig, dtype: torch.dtype) -> GPT:
 
 class _Recording:
     """Stands in for the engine's `WeightGathers` under the engine's own stage-3 hooks
-    (zeropp/stages/stage3_hooks.py): it records what the engine records in a training forward
+    (zeropp/stages/stage3/hooks.py): it records what the engine records in a training forward
     and gathers nothing. A weight counts as live while a module that owns it runs; every saved
     tensor passes `owner()`, where the ones that are not weights add to the activation bytes."""
     phase: str | None = None
@@ -150,7 +151,8 @@ def shard_layout(trace: ModelTrace, world: int, rank: int, stage: int, persist_t
     """Rank `rank`'s shards, built by the engine's classes on a meta stand-in of
     each weight: chunk, valid slice, persistence, hpZ secondary chunk."""
     primary = Partition(group=None, size=world, rank=rank)
-    secondary = Partition(group=None, size=hpz, rank=rank % hpz) if stage == 3 and 1 < hpz < world else None
+    h = group_size(stage, hpz, world)   # hpZ's group, 0 when it keeps none
+    secondary = Partition(group=None, size=h, rank=rank % h) if h else None
     cls = Stage3Param if stage == 3 else ShardedParam
     shards = []
     for i, (name, numel) in enumerate(zip(trace.names, trace.numels)):

@@ -14,7 +14,7 @@ from tests.distributed import run_distributed, snapshot, train_ranks
 from tests.test_train import corpus, flags  # noqa: F401,F811  (corpus is a fixture)
 from tests.test_zeropp import ALL3, gpt, make_engine, tokens
 from zeropp.kernels.quant import quantize
-from zeropp.techniques.deltas import BLOCK_SIZE
+from zeropp.techniques.delta_codec import BLOCK_SIZE
 
 LOCO = {**ALL3, "zeropp_loco_param": {"err_beta": 0.8, "reset_T": 1024}}
 
@@ -86,7 +86,7 @@ def test_a_skipped_step_leaves_carried_state_alone(precision, bad):
 def test_a_delta_with_an_infinite_scale_is_not_small():
     """The refresh rule: a delta goes only while every block's INT4 step is finite and at most the
     INT8 step of the new values. An infinite new value made inf <= inf pass (symptom 5)."""
-    from zeropp.techniques.deltas import small_delta
+    from zeropp.techniques.delta_codec import small_delta
     new = torch.ones(2 * BLOCK_SIZE)
     recon = new - 1e-3   # a small delta: its INT4 step is far below the INT8 step of the weights
     new[3] = float("inf")

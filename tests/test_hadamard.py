@@ -27,7 +27,8 @@ from tests.distributed import run_distributed  # noqa: E402
 from tests.test_zeropp import ARGS, QGZ, int4_bound  # noqa: E402
 from tests.test_zeropp_loco import LOCO, ZERO3_TRAINING_TOLERANCE, train  # noqa: E402
 from zeropp.kernels import hadamard as hd  # noqa: E402
-from zeropp.techniques.loco import CompensatedReduce, ErrorFeedback  # noqa: E402
+from zeropp.techniques.error_feedback import ErrorFeedback  # noqa: E402
+from zeropp.techniques.loco import CompensatedReduce  # noqa: E402
 from zeropp.collectives.partition import Partition  # noqa: E402
 from zeropp.techniques.qgz import HierarchicalQuantizedReduce  # noqa: E402
 

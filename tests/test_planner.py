@@ -1,13 +1,17 @@
 """The planner (train.py --dry-run) against real runs and its user errors.
 
-- Per rank, per phase, the bytes the planner predicts equal what the
-  Communicator counts on 4 gloo ranks as 2 emulated nodes x 2 (tiny GPT),
-  and its model-state bytes equal memory_report()'s measurement: ZeRO-3
+- Per rank, per phase and per collective, the bytes the planner predicts for a gloo
+  cluster equal what the Communicator counts on 4 gloo ranks as 2 emulated nodes x 2
+  (tiny GPT), the bytes put on the wire across nodes too (gloo sends the plain
+  reduce-scatter as an all-to-all), and its model-state bytes equal memory_report()'s
+  measurement (what the techniques keep as their parts say it): ZeRO-3
   (weights held from forward to backward), ZeRO-3 with reuse 0, ZeRO++
   (qwZ, hpZ 2, qgZ) with activation checkpointing and gradient accumulation,
   the same with INT4 weight deltas and qgZ's error feedback, and stages 0 (torch DDP, fp32 and bf16), 1 and 2.
+- The plan's memory of what a technique keeps is what its part says (a changed MemoryLine moves it).
 - The 18B plan prints in seconds; cluster-file mistakes are one line, exit 2.
 """
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -19,11 +23,15 @@ import zeropp
 from model import GPT, GPTConfig
 from parallel.comm import Communicator
 from parallel.topology import topology_from_env
-from planner.memory import model_state_bytes
+from common import ConfigError
+from planner.cluster import Cluster, load_cluster
+from planner.comm import collective_bytes, issued_bytes
 from planner.plan import Job, plan_config
-from planner.trace import shard_layout, trace_model
+from planner.trace import trace_model
 from tests.distributed import run_distributed
 from zeropp.memory import memory_report
+from zeropp.techniques.deltas import WeightDeltas
+from zeropp.techniques.error_feedback import ErrorFeedback
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = dict(vocab_size=96, num_layers=2, hidden_size=32, num_attention_heads=4, max_position_embeddings=16,
@@ -55,6 +63,9 @@ CASES = {
     "zero2": ({"stage": 2, "reduce_bucket_size": 2000, "allgather_bucket_size": 3000}, "fp32", False, 1),
 }
 MICRO, SEQ, WORLD, RPN = 2, 16, 4, 2
+# the test's ranks as a cluster: 2 nodes x 2 gloo ranks (the rates only time the plan)
+GLOO = Cluster(nodes=2, gpus_per_node=2, gpu_memory_gb=4, peak_flops=1e10, intra_node_gbps=5,
+               intra_node_latency_us=300, inter_node_gbps=0.2, inter_node_latency_us=300, backend="gloo")
 
 
 def ds_config(zero: dict, dtype: str) -> zeropp.DeepSpeedConfig:
@@ -80,11 +91,14 @@ def measured_run(rank, world_size):
                 engine.backward(engine(x[:, :-1], x[:, 1:]))
             memory = memory_report(engine)["measured_bytes"]
             engine.step()
-        out[name] = {"bytes": {p: list(v) for p, v in comm.stats.by_phase.items()}, "memory": memory}
+        stats = comm.stats
+        out[name] = {"bytes": {p: list(v) for p, v in stats.by_phase.items()}, "memory": memory,
+                     "by_op": {op: list(v) for op, v in stats.by_op.items()}, "issued": stats.issued_inter_node_bytes}
     return out
 
 
-def planned(name):
+def case_job(name):
+    """The planner's Job for a case, its ZeRO configuration and the model's trace."""
     zero, dtype, ckpt, accum = CASES[name]
     ds = ds_config(zero, dtype)
     cfg = GPTConfig(**MODEL, checkpoint_activations=ckpt)
@@ -93,16 +107,34 @@ def planned(name):
     z = ds.zero_optimization
     trace = trace_model(cfg, {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype], MICRO, SEQ,
                         z.stage3_param_persistence_threshold)
-    plan = plan_config(job, z, trace, None, ranks=list(range(WORLD)))
-    w = 4 if dtype == "fp32" else 2
+    return job, z, trace
+
+
+def planned(name):
+    job, z, trace = case_job(name)
+    plan = plan_config(job, z, trace, GLOO, ranks=list(range(WORLD)))
     memory = []
-    for r in range(WORLD):
-        m = model_state_bytes(shard_layout(trace, WORLD, r, z.stage, z.stage3_param_persistence_threshold,
-                                           z.zero_hpz_partition_size), z.stage, w, "adamw", 0.0,
-                              z.zero_hpz_partition_size > 1)
-        memory.append({"parameters": m["weights"] + m["hpz_secondary"] + plan.memory["weight_deltas"],
-                       "gradients": m["gradients"] + plan.memory["error_feedback"], "optimizer": m["optimizer"]})
+    for r in range(WORLD):   # rank r's layout: its model states and what its techniques' parts keep
+        mine = plan_config(job, z, trace, None, ranks=[r])
+        kinds = {"parameters": mine.memory["weights"], "gradients": mine.memory["gradients"],
+                 "optimizer": mine.memory["optimizer"]}
+        for line in mine.kept + mine.carried:
+            kinds[line.kind] += line.planned_bytes()
+        memory.append(kinds)
     return plan, memory
+
+
+def planned_by_op(plan, rank) -> tuple[dict, int]:
+    """{collective: [intra, inter]} bytes `rank` is charged in the plan's iteration, and the
+    inter-node bytes it puts on the wire."""
+    by_op, issued = {}, 0
+    for c in plan.step.collectives:
+        intra, inter = collective_bytes(c, WORLD, RPN, plan.zero.zero_hpz_partition_size, rank)
+        if intra or inter:
+            acc = by_op.setdefault(c.op, [0, 0])
+            acc[0], acc[1] = acc[0] + intra, acc[1] + inter
+        issued += issued_bytes(c, WORLD, RPN, plan.zero.zero_hpz_partition_size, rank)[1]
+    return by_op, issued
 
 
 @pytest.mark.slow
@@ -116,10 +148,34 @@ def test_planner_bytes_equal_a_real_run():
                 assert plan.bytes_per_rank[rank][phase] == got["bytes"].get(phase, [0, 0]), (name, rank, phase)
             for kind in ("parameters", "gradients", "optimizer"):
                 assert memory[rank][kind] == got["memory"][kind], (name, rank, kind)
+            assert "other" not in got["bytes"], (name, rank)   # so the collectives below are the step's
+            by_op, issued = planned_by_op(plan, rank)
+            assert by_op == got["by_op"], (name, rank)
+            assert issued == got["issued"], (name, rank)
         if name == "zeropp":   # hpZ: nothing crosses nodes in backward; qgZ and qwZ cut the rest
             assert all(b["backward_gather"][1] == 0 for b in plan.bytes_per_rank)
         if name == "zero3":    # every weight held from forward to backward: no backward gather
             assert all(b["backward_gather"] == [0, 0] for b in plan.bytes_per_rank)
+
+
+def test_the_plan_asks_the_techniques_for_their_memory(monkeypatch):
+    """LoCo's errors and the weight deltas' references in the plan are what their parts say they
+    keep (MemoryLine): change a part's line and the plan moves by as much, bytes and formula."""
+    job, zero, trace = case_job("zeropp-deltas")
+    before = plan_config(job, zero, trace, GLOO)
+    for part in (ErrorFeedback, WeightDeltas):
+        def more(self, memory=part.memory):
+            line = memory(self)
+            return dataclasses.replace(line, nbytes=line.planned_bytes() + 1000,
+                                       bytes_per_param=line.bytes_per_param + 0.5)
+        monkeypatch.setattr(part, "memory", more)
+    after = plan_config(job, zero, trace, GLOO)
+    for key in ("error_feedback_bytes", "weight_deltas_bytes"):
+        assert before.memory[key] > 0
+        assert after.memory[key] == before.memory[key] + 1000, key
+        assert after.formula[key] == before.formula[key] + 0.5 * trace.num_parameters, key
+    for key in ("weights", "gradients", "optimizer", "gradient_buckets"):
+        assert after.memory[key] == before.memory[key], key
 
 
 def dry_run(*extra, cluster="configs/clusters/v100_4x16_100gbps.yaml"):
@@ -155,6 +211,20 @@ def test_cluster_file_errors_are_one_line_exit_2(tmp_path, content, message):
     r = dry_run(cluster=str(path))
     assert r.returncode == 2, r.stderr
     assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+@pytest.mark.parametrize("change, message", [
+    ("backend=mpi", "backend must be one of nccl, gloo, got 'mpi'"),
+    ("reduce_scatter_factor=2.0", "reduce_scatter_factor is gone: .* replace it with backend: gloo"),
+])
+def test_the_cluster_files_backend(change, message):
+    """The backend says what the engine sends (gloo: the reduce-scatter as an all-to-all); the
+    factor that stood for it before is refused with its replacement."""
+    emulated = str(ROOT / "configs" / "clusters" / "emulated_slow_link.yaml")
+    assert load_cluster(emulated).backend == "gloo"
+    assert load_cluster(str(ROOT / "configs" / "clusters" / "v100_4x16_100gbps.yaml")).backend == "nccl"
+    with pytest.raises(ConfigError, match=message):
+        load_cluster(f"{emulated},{change}")
 
 
 def plan_lines(capsys, monkeypatch, *argv) -> tuple[int, str, str]:

@@ -28,8 +28,8 @@ ALLOWED = {
 MAX_LINES = 400
 # Inside zeropp/, a folder imports only the folders before it here ("" is zeropp/'s own modules:
 # initialize, the build of the parts, the memory report; fsdp/ the FSDP2 plug-in, outer/ streaming
-# DiLoCo across groups).
-ZEROPP_LAYERS = ("config", "kernels", "collectives", "techniques", "stages", "fsdp", "outer", "")
+# DiLoCo across groups). config/ composes the techniques' keys, so it comes after techniques/.
+ZEROPP_LAYERS = ("kernels", "collectives", "techniques", "config", "stages", "fsdp", "outer", "")
 
 
 def source_files() -> dict[str, Path]:

@@ -13,9 +13,10 @@ from tests.distributed import run_distributed
 from tests.test_zeropp import ARGS, HPZ, QGZ, QWZ, gpt, make_engine, mean_over_ranks, tokens
 from zeropp.memory import memory_report
 from zeropp.kernels.format import wire_nbytes
-from zeropp.techniques import deltas as weight_deltas
+from zeropp.techniques import delta_codec
 from zeropp.kernels.format import QMAX
-from zeropp.techniques.deltas import BLOCK_SIZE, BOUND_BITS, WeightDeltas
+from zeropp.techniques.delta_codec import BLOCK_SIZE, BOUND_BITS
+from zeropp.techniques.deltas import WeightDeltas
 
 DELTAS = {**HPZ, "zero_quantized_weight_deltas": True}
 INT2 = {"zero_quantized_weight_deltas_bits": 2}
@@ -161,7 +162,7 @@ def gathered_errors(rank, world_size, interval, steps, dequant_elements=None, bi
     max|w|/254 over its block (INT2 deltas: max|w|/14; member j's chunk of the weight, in blocks
     of 128 from its start) plus half a bf16 ulp of the value and an fp32 rounding of the sum."""
     if dequant_elements is not None:   # receivers dequantize a weight's members a few at a time
-        weight_deltas.DEQUANT_ELEMENTS = dequant_elements   # this rank's process only
+        delta_codec.DEQUANT_ELEMENTS = dequant_elements   # this rank's process only
     engine = make_engine(gpt(), world_size, {**DELTAS, "zero_quantized_weight_deltas_refresh_interval": interval,
                                              "zero_quantized_weight_deltas_bits": bits}, lr=1e-3, **BF16)
     deltas = engine.weights.sources.deltas

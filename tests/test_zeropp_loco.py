@@ -11,7 +11,8 @@ from tests.distributed import run_distributed
 from tests.test_zeropp import ARGS, QGZ, gpt, make_engine, mean_over_ranks, tokens
 from zeropp.memory import memory_report
 from zeropp.collectives.partition import Partition
-from zeropp.techniques.loco import ERROR_BLOCK, ERROR_BYTES_PER_ELEMENT, CompensatedReduce, ErrorFeedback
+from zeropp.techniques.error_feedback import ERROR_BLOCK, ERROR_BYTES_PER_ELEMENT, ErrorFeedback
+from zeropp.techniques.loco import CompensatedReduce
 from zeropp.techniques.qgz import HierarchicalQuantizedReduce
 
 LOCO = {**QGZ, "zeropp_loco_param": {"err_beta": 0.8, "reset_T": 1024}}

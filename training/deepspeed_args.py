@@ -10,11 +10,12 @@ file joins the command line's problems (common.Problems).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
 from common import ConfigError, Problems
-from zeropp.config import AUTO, DeepSpeedConfig, LocoConfig, OptimizerSettings, load_json
+from zeropp.config import AUTO, DeepSpeedConfig, OptimizerSettings, load_json
 
 
 _GIVEN = object()  # merge(): "take the flag's value if it was given"
@@ -54,11 +55,7 @@ def merge_deepspeed_config(args, explicit: set[str], problems: Problems) -> Deep
         setattr(obj, attr, value)
 
     merge("zero_stage", "zero_optimization.stage", zero, "stage")
-    for dest, key in _ZEROPP_FLAGS.items():
-        if _auto_wins(args, dest, explicit):
-            merge("zeropp", f"zero_optimization.{key}", zero, key, value=AUTO)
-        else:
-            merge(dest, f"zero_optimization.{key}", zero, key)
+    _merge_technique_flags(args, zero, explicit, merge)
     merge("zero_reduce_bucket_size", "zero_optimization.reduce_bucket_size", zero, "reduce_bucket_size")
     merge("zero_allgather_bucket_size", "zero_optimization.allgather_bucket_size", zero, "allgather_bucket_size")
     merge("zero_contigious_gradients", "zero_optimization.contiguous_gradients", zero, "contiguous_gradients")
@@ -67,13 +64,6 @@ def merge_deepspeed_config(args, explicit: set[str], problems: Problems) -> Deep
     if args.accumulate_allreduce_grads_in_fp32:
         merge("accumulate_allreduce_grads_in_fp32", "communication_data_type", ds, "communication_data_type",
               value="fp32", shown="(fp32)")
-    merge("zero_quantized_weight_deltas", "zero_optimization.zero_quantized_weight_deltas", zero,
-          "zero_quantized_weight_deltas")
-    merge("zero_hadamard_gradients", "zero_optimization.zero_hadamard_gradients", zero, "zero_hadamard_gradients")
-    for key in ("zero_quantized_gradients_bits", "zero_quantized_weight_deltas_bits"):
-        merge(key, f"zero_optimization.{key}", zero, key)
-    if args.zero_loco and zero.zeropp_loco_param is None:   # the JSON's own parameters, if any, stay
-        zero.zeropp_loco_param = LocoConfig()
     merge("fp16", "fp16.enabled", ds.fp16, "enabled")
     merge("bf16", "bf16.enabled", ds.bf16, "enabled")
     merge("loss_scale", "fp16.loss_scale", ds.fp16, "loss_scale")
@@ -121,9 +111,22 @@ def _tensorboard(args, ds: DeepSpeedConfig, explicit: set[str], path: str):
         _conflict(args, "tensorboard_dir", args.tensorboard_dir, "tensorboard.output_path/job_name", json_dir, path)
 
 
-# The per-technique flags and their JSON keys, which --zeropp auto sets to "auto".
-_ZEROPP_FLAGS = {"zero_quantized_weights": "zero_quantized_weights", "zero_hpz_size": "zero_hpz_partition_size",
-                 "zero_quantized_gradients": "zero_quantized_gradients"}
+def _merge_technique_flags(args, zero, explicit: set[str], merge):
+    """Each technique's keys with a flag (their module names it: zeropp/techniques/technique.py
+    `key`): an explicit flag wins over the JSON; --zeropp auto sets the keys that may be "auto"
+    (unless their own flag pins them); a section's flag (--zero-loco) brings its defaults where
+    the JSON has none (the JSON's own parameters, if any, stay)."""
+    for f in dataclasses.fields(zero):
+        dest, section = f.metadata.get("flag"), f.metadata.get("section")
+        if dest is None:
+            continue
+        if section is not None:
+            if getattr(args, dest, None) and getattr(zero, f.name) is None:
+                setattr(zero, f.name, section())
+        elif f.metadata.get("auto") and _auto_wins(args, dest, explicit):
+            merge("zeropp", f"zero_optimization.{f.name}", zero, f.name, value=AUTO)
+        else:
+            merge(dest, f"zero_optimization.{f.name}", zero, f.name)
 
 
 def _auto_wins(args, dest: str, explicit: set[str]) -> bool:

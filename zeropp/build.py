@@ -11,20 +11,23 @@ what this rank keeps and dropped before the next one (zeropp/stages/init.py).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from parallel.comm import Communicator
 from zeropp import techniques
+from zeropp.techniques import hpz
 from zeropp.collectives.exact import GradientReducer, ShardGather, ShardReduce
 from zeropp.collectives.partition import Partition, ShardedParam
 from zeropp.stages.engine import communication_dtype, compute_dtype, make_optimizer
 from zeropp.stages.init import full_value, materialize_rest
 from zeropp.stages.masters import Masters
 from zeropp.stages.sharded import ShardedEngine, ShardedParts
-from zeropp.stages.stage3 import WeightGathers
-from zeropp.stages.stage3_hooks import Stage3Hooks
-from zeropp.stages.stage3_param import GatheredWeights, PrimaryWeights, Stage3Param
-from zeropp.stages.stage3_weights import PartitionedWeights, WeightSources, place_weights
+from zeropp.stages.stage3.gathers import WeightGathers
+from zeropp.stages.stage3.hooks import Stage3Hooks
+from zeropp.stages.stage3.param import GatheredWeights, PrimaryWeights, Stage3Param
+from zeropp.stages.stage3.weights import PartitionedWeights, WeightSources, place_weights
 from zeropp.stages.stage12 import AccumulatedGradients, FullWeights, ImmediateGradients
 
 
@@ -38,12 +41,11 @@ class ProcessGroups:
         """`create=False`: the layouts only, no process group (the planner's parts)."""
         self.world = Partition(group=None, size=topo.world_size, rank=topo.rank)
         self.gradient = Partition(group=topo.gradient_group, size=topo.world_size, rank=topo.rank)
-        h = zero.zero_hpz_partition_size
-        on = zero.stage == 3 and 1 < h < topo.world_size   # as large as the world: the primary itself
+        h = hpz.group_size(zero.stage, zero.zero_hpz_partition_size, topo.world_size)   # 0: none
         subgroup = topo.build_subgroup if create else (lambda size: None)
-        self.hpz = Partition(group=subgroup(h), size=h, rank=topo.rank % h) if on else None
+        self.hpz = Partition(group=subgroup(h), size=h, rank=topo.rank % h) if h else None
         self.deltas_across = self.deltas_within = None
-        if on and zero.zero_quantized_weight_deltas:
+        if h and zero.zero_quantized_weight_deltas:
             strided = topo.build_strided_group(h) if create else None
             self.deltas_across = Partition(group=strided, size=topo.world_size // h, rank=topo.rank // h)
             self.deltas_within = Partition(group=subgroup(h), size=h, rank=topo.rank % h)
@@ -108,10 +110,20 @@ def build_sharded_engine(module, config, comm, device, optim, gradient_accumulat
     return ShardedEngine(module, config, comm, device, optim, gradient_accumulation_steps, parts)
 
 
-def plan_parts(zero, topology, shards: list, dtype) -> tuple[WeightSources | None, object, dict]:
+@dataclass
+class PlannedParts:
+    """The parts `plan_parts` builds: each says what it sends (`plan`), keeps (`memory_lines`,
+    `memory`; LoCo's errors once the reduction `expect`s the gradient buckets) and saves."""
+    sources: WeightSources | None     # stage 3's weight sources
+    reduction: object                 # the gradient reduction
+    carried: dict                     # the carried parts, by scalar-state key
+
+
+def plan_parts(zero, topology, shards: list, dtype, backend: str = "nccl") -> PlannedParts:
     """The weight sources (stage 3), gradient reduction and carried parts `build_sharded_engine`
     builds for this rank's `shards` (laid out by planner/trace.py's shard_layout), on the meta
-    device and with no process group: the planner asks them for their collectives."""
+    device and with no process group, for a job on `backend` (gloo: the plain reduce-scatter goes
+    by an all-to-all, collectives/exact.py): the planner asks them for their collectives and memory."""
     comm = Communicator(topology)
     groups = ProcessGroups(topology, zero, create=False)
     ctx = techniques.BuildContext(zero, comm, groups, dtype, torch.device("meta"), weights=[], flat=None)
@@ -120,9 +132,9 @@ def plan_parts(zero, topology, shards: list, dtype) -> tuple[WeightSources | Non
                                  GatheredWeights())
         ctx.weights = [s for s in shards if not s.persistent]
     techniques.fill_slots(ctx)
-    reduction = ctx.gradient_reduction or ShardReduce(comm)
+    reduction = ctx.gradient_reduction or ShardReduce(comm, by_all_to_all=backend == "gloo")
     sources = _sources(ctx, ShardGather(comm), groups.world) if zero.stage == 3 else None
-    return sources, reduction, _carried(ctx, reduction)
+    return PlannedParts(sources, reduction, _carried(ctx, reduction))
 
 
 def _carried(ctx, reduction) -> dict:

@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import torch
 
-from zeropp.techniques import MEMORY_KEYS
+from zeropp import techniques
 
 
 def predicted_bytes_per_param(stage: int, world: int, dtype: torch.dtype,
@@ -137,7 +137,7 @@ def memory_report(engine) -> dict:
         "peaks": peaks,
         "buffers": buffers,
         "buffer_bounds_bytes": sum(b["bound"] or 0 for b in buffers.values()),
-        **{key: 0 for key in MEMORY_KEYS},
+        **{key: 0 for key in techniques.memory_keys()},
         **{line.name: sum(t.untyped_storage().nbytes() for t in line.tensors) for line in lines},
     }
 

@@ -81,9 +81,12 @@ class ShardReduce:
 
     phase = "other"
 
-    def __init__(self, comm):
+    def __init__(self, comm, by_all_to_all: bool | None = None):
+        """`by_all_to_all`: None, as the process group's backend says (gloo: True); the planner
+        says which backend it plans for."""
         self.comm = comm
-        self.by_all_to_all = dist.is_initialized() and dist.get_backend() == "gloo"
+        self.by_all_to_all = (dist.is_initialized() and dist.get_backend() == "gloo") if by_all_to_all is None \
+            else by_all_to_all
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(size, dtype=dtype, device=device)
@@ -113,7 +116,9 @@ class ShardReduce:
         per bucket lays it out here."""
 
     def plan(self, total: int, elem_bytes: int) -> list[PlannedCollective]:
-        return [PlannedCollective("grad_reduce", "reduce_scatter", "world", total * elem_bytes)]
+        """A reduce-scatter (on gloo sent as the all-to-all of its rows, charged as the ring's bytes)."""
+        return [PlannedCollective("grad_reduce", "reduce_scatter", "world", total * elem_bytes,
+                                  sent_as="all_to_all" if self.by_all_to_all else "")]
 
     def carried_parts(self) -> dict:
         """The state this reduction carries from step to step, by scalar-state key (none here)."""

@@ -6,11 +6,11 @@ the memory report, the checkpoint code and the planner ask them, never attribute
 - `GradientReduction`: a reduce-scatter of gradient rows (exact `ShardReduce`; qgZ's INT4
   all-to-alls: techniques/qgz.py; with LoCo's error feedback: techniques/loco.py).
 - `WeightSource`: where stage 3 gathers a weight from (the primary partition:
-  stages/stage3_param.py `PrimaryWeights`; hpZ's secondary partition: techniques/hpz.py; the
+  stages/stage3/param.py `PrimaryWeights`; hpZ's secondary partition: techniques/hpz.py; the
   INT4 weight deltas: techniques/deltas.py).
 - `CarriedState`: state carried from step to step besides the optimizer's (LoCo's error, the
   deltas' reference weights), committed only when a step is applied (ARCHITECTURE.md).
-- `MemoryLine`: what a part keeps, for the memory report (zeropp/memory.py).
+- `MemoryLine`: what a part keeps, for the memory report (zeropp/memory.py) and the planner.
 """
 from __future__ import annotations
 
@@ -36,6 +36,10 @@ class PlannedCollective:
     quant_elements: int = 0   # elements through (de)quantization kernels around this collective
     quant_bits: int = 0       # 8 (qwZ) or 4 (qgZ)
     micro_step: int = 0
+    # the collective issued when another stands in for `op`, charged as `op` (parallel/comm.py
+    # `all_to_all(charge_as=...)`): gloo's reduce-scatter goes as the all-to-all of its rows, of
+    # `nbytes` to each member. The bytes counted follow `op`, the time on the wire this one.
+    sent_as: str = ""
 
 
 @dataclass
@@ -43,7 +47,14 @@ class MemoryLine:
     name: str                  # its key in memory_report()
     kind: str                  # the model-state category it counts under: parameters, gradients
     tensors: list[torch.Tensor]
-    bytes_per_param: float     # predicted, per parameter of the model
+    bytes_per_param: float     # predicted, per parameter of the model (ZeRO's formula beside it)
+    # what it keeps once every buffer it will make is made, from its layout (the planner's figure,
+    # which the tensors measure; None: the tensors' bytes as they are)
+    nbytes: int | None = None
+    label: str = ""            # its row in train.py --dry-run's plan (default: its name)
+
+    def planned_bytes(self) -> int:
+        return self.nbytes if self.nbytes is not None else sum(t.numel() * t.element_size() for t in self.tensors)
 
 
 class WeightGather(Protocol):

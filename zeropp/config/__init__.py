@@ -12,7 +12,8 @@ a ConfigError that names it and says what to do instead.
   reduce_scatter, ...) accept only the value that describes this engine.
 - Unknown keys (typos) are errors with a "did you mean" hint.
 Sizes may be written `5e8`. Optimizer and scheduler sections are checked here;
-the schedule formulas live in training/lr_schedule.py.
+the schedule formulas live in training/lr_schedule.py. `zero_optimization` is ZeRO's
+keys and each technique's, composed (zeropp/config/zero.py).
 """
 from __future__ import annotations
 
@@ -23,187 +24,15 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from common import ConfigError, Problems, parse_int, parse_number, refuse_value
-from zeropp.config.bits import validate_bits
 from zeropp.config.keys import BUCKET_DEFAULTS, UNSUPPORTED
 from zeropp.config.monitor import ActivationCheckpointingConfig, TensorBoardConfig
 from zeropp.config.optim import OptimizerConfig, OptimizerSettings, SchedulerConfig
 from zeropp.config.precision import BF16Config, DataTypesConfig, FP16Config, normalize_dtype
+from zeropp.config.zero import AUTO_KEYS, ZeroConfig, zero_config_type
+from zeropp.techniques.technique import AUTO
 
-__all__ = ["AUTO", "AUTO_KEYS", "ConfigError", "DeepSpeedConfig", "LocoConfig", "ZeroConfig", "OptimizerSettings", "load_json"]
-
-# Smallest block sizes: a block's data bytes must be a multiple of 4 (INT8: 4 elements, INT4: 8), or
-# the fp32 scales of the next row of a wire buffer start unaligned (zeropp/kernels/format.py, to_bytes).
-_MIN_BLOCK = {"zero_quantized_weights_block_size": 4, "zero_quantized_gradients_block_size": 8}
-_DEFAULT_REFRESH = 100   # ZeroConfig.zero_quantized_weight_deltas_refresh_interval
-LOCO_ERR_BETA = {4: 0.8, 2: 0.95}   # unset err_beta by the bits across nodes (docs/results.md, convergence)
-
-
-@dataclass
-class LocoConfig:
-    """`zeropp_loco_param` (DeepSpeed's spelling): error feedback for qgZ's INT4 hop
-    (zeropp/techniques/qgz.py). The error carried to the next reduction is
-    err_beta x the old one + (1 - err_beta) x this quantization's; every reset_T
-    reductions of a bucket it starts again from zero (unset err_beta: LOCO_ERR_BETA)."""
-    err_beta: float | None = None
-    reset_T: int = 1024
-
-    def validate(self, where: str):
-        if not 0 <= self.err_beta < 1:
-            raise ConfigError(f"{where}.err_beta must be in [0, 1) (0: carry the whole last error), "
-                              f"got {self.err_beta}")
-        if self.reset_T < 1:
-            raise ConfigError(f"{where}.reset_T must be >= 1 (reductions between resets), got {self.reset_T}")
-
-
-@dataclass
-class ZeroConfig:
-    stage: int = 0
-    contiguous_gradients: bool = True        # true only (see _ZERO_FIXED)
-    reduce_scatter: bool = True              # true only
-    reduce_bucket_size: int | None = None   # None (unset, "auto"): from the model (zeropp/bucket_sizing.py)
-    allgather_bucket_size: int | None = None
-    # DeepSpeed turns overlap_comm on by default for stage 3 only; None = that default.
-    overlap_comm: bool | None = None
-    stage3_prefetch_bucket_size: int | None = None
-    stage3_param_persistence_threshold: int = 100_000
-    stage3_max_live_parameters: int = 1_000_000_000
-    stage3_max_reuse_distance: int = 1_000_000_000
-    # Each ZeRO++ switch may also be "auto": planner.auto.resolve (called by train.py) measures
-    # the links and picks; zeropp.initialize refuses an unresolved "auto".
-    zero_hpz_partition_size: int | str = 1
-    zero_quantized_weights: bool | str = False
-    zero_quantized_gradients: bool | str = False
-    # qgZ with error feedback (--zero-loco); None = off.
-    zeropp_loco_param: LocoConfig | None = None
-    # INT4 weight deltas across nodes (--zero-quantized-weight-deltas, zeropp/techniques/deltas.py;
-    # needs hpZ), with a full gather of every weight each refresh_interval optimizer steps; their
-    # bits (--zero-quantized-weight-deltas-bits): 4, or 2 (zeropp/config/bits.py).
-    zero_quantized_weight_deltas: bool = False
-    zero_quantized_weight_deltas_refresh_interval: int = _DEFAULT_REFRESH
-    zero_quantized_weight_deltas_bits: int = 4
-    # qgZ rotates each gradient block by a Walsh-Hadamard transform before INT4 quantization
-    # (--zero-hadamard-gradients, zeropp/techniques/hadamard.py; block = zero_quantized_gradients_block_size).
-    zero_hadamard_gradients: bool = False
-    # This product's keys (DeepSpeed fixes these): elements per fp32 scale (zeropp/kernels/quant.py).
-    zero_quantized_weights_block_size: int = 256      # qwZ, INT8
-    zero_quantized_gradients_block_size: int = 128    # qgZ, INT4
-    # Bits of qgZ's hop between nodes (--zero-quantized-gradients-bits): 4, or 2 (INT2 blocks,
-    # zeropp/techniques/qgz.py); the hop inside a node stays INT4.
-    zero_quantized_gradients_bits: int = 4
-    allgather_partitions: bool = True        # true only
-    round_robin_gradients: bool = False      # false only
-    sub_group_size: int = 1_000_000_000      # the default only
-    # true: every save also writes the whole model in the compute dtype, DeepSpeed's pytorch_model.bin
-    # (training/checkpoint/rank0_files.py); the second key is its old name, as DeepSpeed still reads it.
-    stage3_gather_16bit_weights_on_model_save: bool = False
-    stage3_gather_fp16_weights_on_model_save: bool = False
-    # False: the engine raises when a parameter got no gradient in a step (DeepSpeed's check).
-    ignore_unused_parameters: bool = True
-
-    @property
-    def overlap(self) -> bool:
-        return self.stage == 3 if self.overlap_comm is None else self.overlap_comm
-
-    def auto_switches(self) -> list[str]:
-        """The ZeRO++ keys set to "auto" (still to be resolved)."""
-        return [k for k in AUTO_KEYS if getattr(self, k) == AUTO]
-
-    def validate(self, where: str = "zero_optimization"):
-        if self.stage3_gather_fp16_weights_on_model_save:   # the old name
-            self.stage3_gather_16bit_weights_on_model_save = True
-        if self.stage not in (0, 1, 2, 3):
-            raise ConfigError(f"{where}.stage is {self.stage}; ZeRO stages are 0, 1, 2 and 3")
-        fixed = Problems()   # every such key of the file in one error
-        for name, (ok, why) in _ZERO_FIXED.items():
-            if getattr(self, name) != ok:
-                with fixed.collect():
-                    refuse_value(f"{where}.{name}", getattr(self, name), ok, why)
-        fixed.raise_if_any()
-        for name in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
-                     "stage3_max_live_parameters"):
-            if getattr(self, name) is not None and getattr(self, name) <= 0:
-                raise ConfigError(f"{where}.{name} must be a positive number of elements "
-                                  f"(e.g. 5e8), got {getattr(self, name)}")
-        for name in ("stage3_param_persistence_threshold", "stage3_max_reuse_distance"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{where}.{name} must be >= 0, got {getattr(self, name)}")
-        if self.zero_hpz_partition_size != AUTO and self.zero_hpz_partition_size < 1:
-            raise ConfigError(f"{where}.zero_hpz_partition_size must be >= 1 "
-                              f"(1 turns hpZ off), got {self.zero_hpz_partition_size}")
-        for name, least in _MIN_BLOCK.items():
-            b = getattr(self, name)
-            if b < least or b & (b - 1):
-                raise ConfigError(f"{where}.{name} must be a power of two >= {least} (elements per fp32 scale; "
-                                  f"smaller blocks misalign the scales on the wire), got {b}; the default is "
-                                  f"{getattr(ZeroConfig, name)}")
-        # "auto" is resolved later (below stage 3: off), so only explicit switches are checked here.
-        zpp = [k for k in ("zero_quantized_weights", "zero_quantized_gradients") if getattr(self, k) is True]
-        if self.zero_hpz_partition_size != AUTO and self.zero_hpz_partition_size > 1:
-            zpp.append("zero_hpz_partition_size")
-        if self.zeropp_loco_param is not None:
-            if self.zeropp_loco_param.err_beta is None:
-                self.zeropp_loco_param.err_beta = LOCO_ERR_BETA.get(self.zero_quantized_gradients_bits, 0.8)
-            self.zeropp_loco_param.validate(f"{where}.zeropp_loco_param")
-        if self.zero_hadamard_gradients is True:
-            zpp.append("zero_hadamard_gradients")
-        for key, flag, what, on in (  # qgZ's options need qgZ itself
-                ("zeropp_loco_param", "--zero-loco", "is error feedback for qgZ's quantized gradients",
-                 self.zeropp_loco_param is not None),
-                ("zero_hadamard_gradients", "--zero-hadamard-gradients", "smooths qgZ's INT4 gradient blocks",
-                 self.zero_hadamard_gradients is True)):
-            if on and self.zero_quantized_gradients is not True:
-                raise ConfigError(f"{where}.{key} ({flag}) {what}: set zero_quantized_gradients true "
-                                  f"(--zero-quantized-gradients), got {self.zero_quantized_gradients!r}")
-        validate_bits(self, where)
-        if self.zero_quantized_weight_deltas is True:
-            zpp.append("zero_quantized_weight_deltas")
-            if self.zero_hpz_partition_size != AUTO and self.zero_hpz_partition_size <= 1:
-                raise ConfigError(f"{where}.zero_quantized_weight_deltas (--zero-quantized-weight-deltas) sends "
-                                  f"weights as differences from the copy hpZ keeps in each node: set "
-                                  f"zero_hpz_partition_size (--zero-hpz-size) to the ranks per node")
-        elif self.zero_quantized_weight_deltas_refresh_interval != _DEFAULT_REFRESH:
-            raise ConfigError(f"{where}.zero_quantized_weight_deltas_refresh_interval has no effect without "
-                              f"zero_quantized_weight_deltas (--zero-quantized-weight-deltas); remove it or turn "
-                              f"the deltas on")
-        if self.zero_quantized_weight_deltas_refresh_interval < 1:
-            raise ConfigError(f"{where}.zero_quantized_weight_deltas_refresh_interval must be >= 1 (optimizer "
-                              f"steps between full gathers), got {self.zero_quantized_weight_deltas_refresh_interval}")
-        if zpp and self.stage != 3:
-            raise ConfigError(f"{where}: {', '.join(zpp)} (ZeRO++) need stage 3, "
-                              f"but stage is {self.stage}")
-
-    def validate_topology(self, ranks_per_node: int, world_size: int):
-        """Checks that need the job's shape (called when the engine starts)."""
-        h = self.zero_hpz_partition_size
-        if self.zero_quantized_weight_deltas and h != AUTO and h <= 1:   # auto picked no hpZ
-            raise ConfigError("zero_quantized_weight_deltas (--zero-quantized-weight-deltas) needs hpZ, but "
-                              "zero_hpz_partition_size is 1: set it (--zero-hpz-size) to the ranks per node")
-        if h != AUTO and h > 1 and (ranks_per_node % h or h > world_size):
-            raise ConfigError(
-                f"zero_hpz_partition_size (--zero-hpz-size) {h} must divide the ranks per node "
-                f"({ranks_per_node}): the secondary partition lives inside one node. "
-                f"Use a divisor of {ranks_per_node}, ideally {ranks_per_node} itself")
-        # Deltas replace the gather from the primary partition; an hpZ group of the whole world
-        # (auto's only hpZ on one node) gathers everything from its secondary copy: nothing is sent.
-        group = ranks_per_node if h == AUTO else h
-        if self.zero_quantized_weight_deltas and self.stage == 3 and group >= world_size:
-            raise ConfigError(f"zero_quantized_weight_deltas (--zero-quantized-weight-deltas) does nothing here: "
-                              f"hpZ's group ({group} ranks{', auto' if h == AUTO else ''}) is the whole world "
-                              f"of {world_size}, so no weight crosses a node; drop it, or run on more than one node")
-
-
-AUTO = "auto"
-AUTO_KEYS = ("zero_quantized_weights", "zero_hpz_partition_size", "zero_quantized_gradients")
-
-
-# zero_optimization keys whose other values ask for a DeepSpeed implementation detail we lack.
-_ZERO_FIXED = {
-    "contiguous_gradients": (True, "gradients are always copied into contiguous buckets"),
-    "reduce_scatter": (True, "ZeRO stages 1-3 always reduce-scatter gradient buckets"),
-    "allgather_partitions": (True, "updated shards are always all-gathered"),
-    "round_robin_gradients": (False, "gradients are partitioned in order, not round-robin"),
-    "sub_group_size": (1_000_000_000, "the optimizer steps each rank's whole shard at once"),
-}
+__all__ = ["AUTO", "AUTO_KEYS", "ConfigError", "DeepSpeedConfig", "ZeroConfig", "OptimizerSettings", "load_json",
+           "zero_config_type"]
 
 
 @dataclass
@@ -224,7 +53,7 @@ class DeepSpeedConfig:
     data_types: DataTypesConfig = field(default_factory=DataTypesConfig)
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
-    zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
+    zero_optimization: ZeroConfig = field(default_factory=lambda: zero_config_type()())
     # DeepSpeed refuses a client optimizer it has not tested with ZeRO unless this is
     # true. Here the optimizer is always one the engine builds and tests (Adam, AdamW,
     # SGD), so the check never applies and either value is honest.
@@ -332,7 +161,7 @@ def load_json(path: str) -> dict:
 
 def _section_of(key: str) -> str | None:
     """Where a key that is misplaced belongs (e.g. a top-level key inside zero_optimization)."""
-    for section, cls in (("at the top level", DeepSpeedConfig), ("in zero_optimization", ZeroConfig),
+    for section, cls in (("at the top level", DeepSpeedConfig), ("in zero_optimization", zero_config_type()),
                          ("in fp16", FP16Config)):
         if key in {f.name for f in dataclasses.fields(cls)} or key in UNSUPPORTED.get(cls.__name__, {}):
             return section
@@ -364,7 +193,7 @@ def _build(cls, raw: Any, where: str, problems: Problems):
     return cls(**kwargs)
 
 
-_SECTIONS = (ZeroConfig, LocoConfig, FP16Config, BF16Config, DataTypesConfig, OptimizerConfig, SchedulerConfig,
+_SECTIONS = (FP16Config, BF16Config, DataTypesConfig, OptimizerConfig, SchedulerConfig,
              ActivationCheckpointingConfig, TensorBoardConfig)
 
 
@@ -372,12 +201,16 @@ def _coerce(f: dataclasses.Field, value: Any, where: str, problems: Problems):
     typ = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
     if (value is None and "None" in typ) or (f.name in BUCKET_DEFAULTS and value == AUTO):   # "auto": HF's
         return None
-    if f.name in AUTO_KEYS and isinstance(value, str):
+    if f.metadata.get("auto") and isinstance(value, str):
         if value != AUTO:
             kind = "a whole number of ranks (1 = off)" if typ.startswith("int") else "true or false"
             raise ConfigError(f'{where} must be {kind} or "auto" (measure the links and let the '
                               f'planner choose), got {value!r}')
         return value
+    if typ.startswith("ZeroConfig"):   # with the keys of every technique registered now
+        return _build(zero_config_type(), value, where, problems)
+    if f.metadata.get("section") is not None:   # a technique's nested object (LoCo's parameters)
+        return _build(f.metadata["section"], value, where, problems)
     for nested in _SECTIONS:
         if typ.startswith(nested.__name__):
             return _build(nested, value, where, problems)

@@ -50,7 +50,9 @@ from common.torch_private import (fsdp_internals_problem, group_params, has_forw
                                   post_forward_ranks, set_post_forward_ranks, set_unshard_async, sharded_param)
 from parallel.comm import Communicator
 from parallel.topology import Topology, TopologyError
-from zeropp.config import LocoConfig, ZeroConfig
+from zeropp.config import ZeroConfig
+from zeropp.techniques import hpz as hpz_technique
+from zeropp.techniques.loco import LocoConfig
 from zeropp.fsdp import replicate
 from zeropp.fsdp.arrival import all_ranks_arrive
 from zeropp.fsdp.comms import NodeAwareGather, UnitReduce, shard_dim
@@ -106,7 +108,8 @@ def apply_zeropp(model: torch.nn.Module, topology: Topology | int | None = None,
     units = _units(model)
     if replicas > 1:
         replicate.check_internals(units)
-    ranks = topology.ranks_per_node if hpz and 1 < topology.ranks_per_node < topology.world_size else None
+    # hpZ over the node's ranks, none where the node is the whole world (the primary partition itself)
+    ranks = hpz_technique.group_size(3, topology.ranks_per_node if hpz else 1, topology.world_size) or None
     hpz_meshes = _check_reshard(model, units, ranks, topology.world_size)
     device = next(model.parameters()).device
     plugin = ZeroPP(topology, zero, device, overlap, max_inflight_reductions, communicator)

@@ -26,14 +26,10 @@ import torch.nn as nn
 
 from parallel.comm import Communicator
 from zeropp.collectives.partition import FlatState
+from zeropp import techniques
 from zeropp.config import DeepSpeedConfig, OptimizerSettings
 from zeropp.stages.loss_scaler import LossScaler
 from zeropp.stages.wall_clock import WallClock
-
-
-# State a checkpoint may carry besides the optimizer's (scalar-state key -> its name in a line)
-CARRIED = {"error_feedback": "qgZ's error feedback (zeropp_loco_param)",
-           "weight_deltas": "INT4 weight deltas' reference weights (zero_quantized_weight_deltas)"}
 
 
 @dataclass
@@ -229,7 +225,8 @@ class Engine:
                     st["step"] = torch.tensor(sd["optimizer_step"], dtype=torch.float32)
         mine = self.scalar_state()
         return [f"{what} in the checkpoint is dropped: this job runs without it"
-                for key, what in CARRIED.items() if key in sd and key not in mine and sd[key].get("holds", True)]
+                for key, what in techniques.carried_names().items()   # the techniques' carried state
+                if key in sd and key not in mine and sd[key].get("holds", True)]
 
     def uncarried_state(self, saved_scalar_state: dict) -> list[str]:
         """Keys of checkpoint_state(for_load=True) that a checkpoint saved with `saved_scalar_state`

@@ -1,6 +1,6 @@
 """Stage 3's schedules as plain functions over weight indices and sizes.
 
-The engine (zeropp/stages/stage3.py) and the planner (planner/comm.py, planner/trace.py)
+The engine (zeropp/stages/stage3/gathers.py) and the planner (planner/comm.py, planner/trace.py)
 both use these, so the planner's collectives are the engine's by construction.
 
 - `TraceRecorder`: what one forward records: the first use of each weight, one

@@ -41,7 +41,7 @@ Refresh: a full gather (qwZ's INT8, or exact) instead of the delta, for a weight
   - without a base: its first gather, and every gather after a load (`forget`);
   - every `refresh_interval` optimizer steps (all weights);
   - whose delta is not small: in some block its step exceeds the step allowed
-    above (BOUND_BITS), or is not finite. Each owner checks its chunk and one
+    above (BOUND_BITS, delta_codec.py), or is not finite. Each owner checks its chunk and one
     all-reduce (MAX) of a flag per weight after the step makes it agreed.
 Evaluation gathers the exact weights; they arrive here like any full gather (`keep`), so they
 are the next base, and the next training forward reads them from hpZ's copy (zeropp/techniques/hpz.py).
@@ -57,29 +57,81 @@ every weight's first gather after the load is a full one, and the load says so.
 from __future__ import annotations
 
 import collections
+from dataclasses import dataclass
 
 import torch
 
+from common import ConfigError
 from parallel.comm import Work
 from zeropp.collectives.buffer_pool import BufferPool
 from zeropp.collectives.exact import ShardGather, gather_bucketed
 from zeropp.collectives.protocols import MemoryLine, PlannedCollective
 from zeropp.collectives.two_hop import TwoHops
 from zeropp.collectives.partition import FlatState
+from zeropp.techniques import hpz
 from zeropp.techniques.hpz import SecondaryPartition
+from zeropp.techniques.technique import AUTO, Technique, check_bits, key
 from zeropp.collectives.partition import Partition
-from zeropp.kernels.format import ERROR_STEPS
-from zeropp.kernels.quant import DEFAULT_BLOCK_SIZE, QMAX, Quantized, dequantize_add, quantize, wire_nbytes
+from zeropp.kernels.quant import wire_nbytes
+from zeropp.techniques import delta_codec
+from zeropp.techniques.delta_codec import (BLOCK_SIZE, add_deltas, copy_previous, dequant_elements,
+                                           small_delta)
 
-BLOCK_SIZE = DEFAULT_BLOCK_SIZE[4]   # INT2's is the same
-BOUND_BITS = {4: 8, 2: 4}   # a delta's error is held to half the step of these bits over the new values
-DEQUANT_ELEMENTS = 1 << 22   # fp32 elements dequantized at once (16 MB): a weight's members in groups
 KEY = "weight_deltas.recon."   # checkpoint keys: KEY + weight name
 MEMORY_KEY = "weight_deltas_bytes"
+LABEL = "weight deltas (recon + INT{}, 1/N)"   # its memory line in the plan
+REFRESH_INTERVAL = 100   # optimizer steps between full gathers, by default
+
+
+@dataclass
+class Keys:
+    """The weight deltas' keys in zero_optimization (they need hpZ)."""
+    zero_quantized_weight_deltas: bool = key(False, flag="zero_quantized_weight_deltas")
+    zero_quantized_weight_deltas_refresh_interval: int = REFRESH_INTERVAL
+    zero_quantized_weight_deltas_bits: int = key(4, flag="zero_quantized_weight_deltas_bits")   # 4, or 2
+
+
+def validate(zero, where: str):
+    bits, key_, flag = (zero.zero_quantized_weight_deltas_bits, f"{where}.zero_quantized_weight_deltas_bits",
+                        "--zero-quantized-weight-deltas-bits")
+    check_bits(bits, key_, flag, "INT2 weight deltas across nodes")
+    if bits == 2 and zero.zero_quantized_weight_deltas is not True:
+        raise ConfigError(f"{key_} ({flag}) 2 sets the bits of the weight deltas: set zero_quantized_weight_deltas "
+                          f"true (--zero-quantized-weight-deltas), got {zero.zero_quantized_weight_deltas!r}")
+    refresh = zero.zero_quantized_weight_deltas_refresh_interval
+    if zero.zero_quantized_weight_deltas is True:
+        h = zero.zero_hpz_partition_size
+        if h != AUTO and h <= 1:
+            raise ConfigError(f"{where}.zero_quantized_weight_deltas (--zero-quantized-weight-deltas) sends "
+                              f"weights as differences from the copy hpZ keeps in each node: set "
+                              f"zero_hpz_partition_size (--zero-hpz-size) to the ranks per node")
+    elif refresh != REFRESH_INTERVAL:
+        raise ConfigError(f"{where}.zero_quantized_weight_deltas_refresh_interval has no effect without "
+                          f"zero_quantized_weight_deltas (--zero-quantized-weight-deltas); remove it or turn "
+                          f"the deltas on")
+    if refresh < 1:
+        raise ConfigError(f"{where}.zero_quantized_weight_deltas_refresh_interval must be >= 1 (optimizer "
+                          f"steps between full gathers), got {refresh}")
+
+
+def validate_topology(zero, ranks_per_node: int, world_size: int):
+    """Deltas replace the gather from the primary partition; an hpZ group of the whole world
+    (auto's only hpZ on one node) gathers everything from its secondary copy: nothing is sent."""
+    h = zero.zero_hpz_partition_size
+    if not zero.zero_quantized_weight_deltas:
+        return
+    if h != AUTO and h <= 1:   # auto picked no hpZ
+        raise ConfigError("zero_quantized_weight_deltas (--zero-quantized-weight-deltas) needs hpZ, but "
+                          "zero_hpz_partition_size is 1: set it (--zero-hpz-size) to the ranks per node")
+    group = ranks_per_node if h == AUTO else h
+    if zero.stage == 3 and not hpz.group_size(zero.stage, group, world_size):
+        raise ConfigError(f"zero_quantized_weight_deltas (--zero-quantized-weight-deltas) does nothing here: "
+                          f"hpZ's group ({group} ranks{', auto' if h == AUTO else ''}) is the whole world "
+                          f"of {world_size}, so no weight crosses a node; drop it, or run on more than one node")
 
 
 class WeightDeltas:
-    """A weight source for `zeropp.stages.stage3_param.BucketGather` (the primary partition's
+    """A weight source for `zeropp.stages.stage3.param.BucketGather` (the primary partition's
     weights, sent as INT4 or INT2 deltas: `bits`), and the state it needs: `recon`, the deltas
     prepared after each step, and which weights may go as deltas."""
 
@@ -178,7 +230,7 @@ class WeightDeltas:
         based = [s for s in self.weights if s.name in names]
         gather_bucketed(ShardGather(self.comm), based, lambda s: self._recon[s.index][:s.valid],
                         self.secondary.keep, self.partition, self.recon.dtype, self.recon.device,
-                        DEQUANT_ELEMENTS, "other")
+                        delta_codec.DEQUANT_ELEMENTS, "other")
         self.secondary.invalidate()   # as after a step: the copies are the base, not the weights
         self._based = {s.index for s in based}
         self.prepare(advance=False)
@@ -267,7 +319,7 @@ class WeightDeltas:
     def memory(self) -> MemoryLine:
         """`recon` (w/N bytes a parameter) and the deltas (about 0.53/N in INT4, 0.28/N in INT2)."""
         per = (self.recon.element_size() + wire_nbytes(1 << 20, self.bits, BLOCK_SIZE) / (1 << 20)) / self.partition.size
-        return MemoryLine(MEMORY_KEY, "parameters", [self.recon, self.flat], per)
+        return MemoryLine(MEMORY_KEY, "parameters", [self.recon, self.flat], per, label=LABEL.format(self.bits))
 
     def bytes_per_element(self, elem_bytes: int) -> float:
         """Gather-pool bytes per gathered element: the previous weights sent (b/h) and received
@@ -280,60 +332,6 @@ class WeightDeltas:
         return elem_bytes * (1 + 1 / h) + wire * (2 + 1 / h + 1 / w)
 
 
-def small_delta(shard: torch.Tensor, recon: torch.Tensor, wire: torch.Tensor, bits: int = 4) -> torch.Tensor:
-    """Quantize my chunk's delta (`shard` - `recon`) into `wire` in `bits`; whether it is small (a
-    bool on the device): in every block its largest error at most half the BOUND_BITS step of the new values."""
-    new = shard.float()
-    q = quantize(new - recon.float(), bits, BLOCK_SIZE,
-                 out=Quantized.from_bytes(wire, new.numel(), bits, BLOCK_SIZE))
-    nb = q.scales.numel()
-    amax = torch.nn.functional.pad(new, (0, nb * BLOCK_SIZE - new.numel())).view(nb, -1).abs().amax(1)
-    # NaN compares False; an infinite scale would pass as inf <= inf: not small either way
-    error = q.scales * ERROR_STEPS[bits]
-    return torch.isfinite(q.scales).all() & (error <= amax / (2 * QMAX[BOUND_BITS[bits]])).all()
-
-
-def copy_previous(weights, chunks: list[int], previous: torch.Tensor):
-    """Into each weight, the previous weights' slices of the h members of my group, row by row
-    (`previous`: [h, the weights' slices end to end], `chunks`: each weight's slice)."""
-    off = 0
-    for s, c in zip(weights, chunks):
-        flat = s.full.view(-1)
-        for i in range(previous.shape[0]):
-            lo, hi = i * c, min((i + 1) * c, s.numel)
-            if hi > lo:
-                flat[lo:hi].copy_(previous[i, off:off + hi - lo])
-        off += c
-
-
-def members_at_once(s, world: int) -> int:
-    """Members of weight `s` dequantized at once (DEQUANT_ELEMENTS fp32 elements at most)."""
-    return max(1, min(world, DEQUANT_ELEMENTS // s.chunk))
-
-
-def dequant_elements(weights, world: int) -> int:
-    """The fp32 elements a gather of `weights` dequantizes into at once."""
-    return max(members_at_once(s, world) * s.chunk for s in weights)
-
-
-def add_deltas(s, wires: torch.Tensor, scratch: torch.Tensor, h: int, world: int, bits: int = 4):
-    """Add every member's dequantized delta to `s.full` (which holds the previous weights).
-    `wires`: [h, W/h, bytes], member g h + i's deltas (in `bits`) at [i, g]; for each index i, members
-    0 .. R h - 1 (R whole rounds of h chunks) are strided rows of both, a group at a time."""
-    c, flat = s.chunk, s.full.view(-1)
-    rounds = s.numel // c // h
-    by_index = flat[:rounds * h * c].view(rounds, h, c)
-    group = members_at_once(s, world)
-    for i in range(h):
-        for g in range(0, rounds, group):
-            q = Quantized.from_bytes(wires[i, g:g + group], c, bits, BLOCK_SIZE)
-            dequantize_add(q, by_index[g:g + group, i], scratch=scratch)
-    for m in range(rounds * h, -(-s.numel // c)):   # the rest, one member at a time (the last may be short)
-        piece = flat[m * c:min((m + 1) * c, s.numel)]
-        dequantize_add(Quantized.from_bytes(wires[m % h, m // h], c, bits, BLOCK_SIZE).row(0, piece.numel()),
-                       piece, scratch=scratch)
-
-
 def build(ctx) -> WeightDeltas | None:
     """The deltas keep what arrives in hpZ's partition: nothing to build without it."""
     if ctx.secondary is None:
@@ -341,3 +339,9 @@ def build(ctx) -> WeightDeltas | None:
     return WeightDeltas(ctx.groups.world, ctx.comm, ctx.weights, ctx.flat, ctx.secondary,
                         ctx.zero.zero_quantized_weight_deltas_refresh_interval, ctx.groups.deltas_across,
                         ctx.groups.deltas_within, ctx.zero.zero_quantized_weight_deltas_bits)
+
+
+TECHNIQUE = Technique("weight deltas", "weight_deltas", Keys, "zero_quantized_weight_deltas", build, validate,
+                      validate_topology, carries={"weight_deltas": "INT4 weight deltas' reference weights "
+                                                                   "(zero_quantized_weight_deltas)"},
+                      memory_key=MEMORY_KEY, bits=lambda z: z.zero_quantized_weight_deltas_bits)

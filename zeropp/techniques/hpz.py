@@ -17,7 +17,7 @@ here; its later batches gather inside the node, and so does the next training
 forward, with the exact values (within any quantization bound). An evaluation
 of B batches then crosses nodes once per weight instead of B times.
 
-`SecondaryPartition` is a weight source for `zeropp.stages.stage3_param.BucketGather`,
+`SecondaryPartition` is a weight source for `zeropp.stages.stage3.param.BucketGather`,
 like the primary partition, and counts its own bytes: each gather charges the
 communicator with the world gather it replaces (the plain equivalent,
 parallel/comm.py), as qwZ's and qgZ's collectives do.
@@ -28,13 +28,45 @@ from dataclasses import dataclass
 
 import torch
 
+from common import ConfigError
 from parallel.comm import Work
 from zeropp.collectives.exact import ShardGather
 from zeropp.collectives.protocols import MemoryLine, PlannedCollective
 from zeropp.collectives.partition import Partition
+from zeropp.techniques.technique import AUTO, Technique, key
 
 
 MEMORY_KEY = "hpz_secondary_bytes"
+
+
+@dataclass
+class Keys:
+    """hpZ's key in zero_optimization: the ranks of a group inside the node sharing a copy of the
+    weights (1: off; "auto": planner.auto chooses 1 or the ranks per node)."""
+    zero_hpz_partition_size: int | str = key(1, flag="zero_hpz_size", auto=True)
+
+
+def group_size(stage: int, h, world_size: int) -> int:
+    """The ranks of hpZ's secondary partition on a world of `world_size`, or 0 when it keeps none:
+    off (h 1, or "auto" not yet resolved), below stage 3, or a group of the whole world (the
+    primary partition itself). The one place that says whether hpZ is active: the engine's
+    process groups, the planner's layout and the FSDP2 plug-in ask it."""
+    return h if stage == 3 and type(h) is int and 1 < h < world_size else 0
+
+
+def validate(zero, where: str):
+    h = zero.zero_hpz_partition_size
+    if h != AUTO and h < 1:
+        raise ConfigError(f"{where}.zero_hpz_partition_size must be >= 1 (1 turns hpZ off), got {h}")
+
+
+def validate_topology(zero, ranks_per_node: int, world_size: int):
+    h = zero.zero_hpz_partition_size
+    if h != AUTO and h > 1 and (ranks_per_node % h or h > world_size):
+        raise ConfigError(
+            f"zero_hpz_partition_size (--zero-hpz-size) {h} must divide the ranks per node "
+            f"({ranks_per_node}): the secondary partition lives inside one node. "
+            f"Use a divisor of {ranks_per_node}, ideally {ranks_per_node} itself")
 
 
 @dataclass(frozen=True)
@@ -107,7 +139,7 @@ class SecondaryPartition:
             self._fresh.discard(s.index)
             self._exact.discard(s.index)
 
-    # -- a weight source (zeropp.stages.stage3_param.BucketGather) ------------------------------
+    # -- a weight source (zeropp.stages.stage3.param.BucketGather) ------------------------------
     def bytes_per_element(self, elem_bytes: int) -> float:
         return self.gather.bytes_per_element(elem_bytes, self.size)
 
@@ -124,7 +156,8 @@ class SecondaryPartition:
 
     def memory(self) -> MemoryLine:
         """The 16-bit weights again, over the h ranks of the group: w/h bytes a parameter."""
-        return MemoryLine(MEMORY_KEY, "parameters", [self.flat], self.flat.element_size() / self.size)
+        return MemoryLine(MEMORY_KEY, "parameters", [self.flat], self.flat.element_size() / self.size,
+                          label="hpZ secondary partition")
 
     def chunk(self, s) -> int:
         return s.secondary_slice.chunk
@@ -146,3 +179,7 @@ def build(ctx) -> SecondaryPartition | None:
     if ctx.groups.hpz is None:
         return None
     return SecondaryPartition(ctx.groups.hpz, ctx.comm, ctx.weights, ctx.dtype, ctx.device)
+
+
+TECHNIQUE = Technique("hpZ", "secondary", Keys, "zero_hpz_partition_size", build, validate, validate_topology,
+                      detail=lambda z: f"hpZ {z.zero_hpz_partition_size}", memory_key=MEMORY_KEY)

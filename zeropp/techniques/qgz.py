@@ -23,9 +23,12 @@ dequantization writes straight into the result.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+from common import ConfigError
 
 from parallel.comm import Work
 from zeropp.collectives.buffer_pool import BufferPool, take_wire
@@ -37,6 +40,36 @@ from zeropp.kernels.format import num_blocks
 from zeropp.kernels.quant import (DEFAULT_BLOCK_SIZE, Quantized, dequantize_reduce, dequantize_reduce_requantize,
                                   quantize, wire_nbytes)
 from zeropp.kernels.hadamard import check_hadamard_block, hadamard
+from zeropp.techniques.technique import Technique, check_bits, check_block_size, key
+
+
+@dataclass
+class Keys:
+    """qgZ's keys in zero_optimization."""
+    zero_quantized_gradients: bool | str = key(False, flag="zero_quantized_gradients", auto=True)
+    # elements per fp32 scale (this product's key: DeepSpeed fixes it)
+    zero_quantized_gradients_block_size: int = DEFAULT_BLOCK_SIZE[4]
+    # bits of the hop between nodes: 4, or 2 (INT2 blocks); the hop inside a node stays INT4
+    zero_quantized_gradients_bits: int = key(4, flag="zero_quantized_gradients_bits")
+
+
+def validate(zero, where: str):
+    check_block_size(zero, where, "zero_quantized_gradients_block_size", 8)   # INT4: 8 elements a word
+    bits, key_, flag = (zero.zero_quantized_gradients_bits, f"{where}.zero_quantized_gradients_bits",
+                        "--zero-quantized-gradients-bits")
+    check_bits(bits, key_, flag, "INT2 across nodes")
+    if bits == 4:
+        return
+    if zero.zero_quantized_gradients is not True:
+        raise ConfigError(f"{key_} ({flag}) {bits} sets the bits of qgZ's gradients across nodes: set "
+                          f"zero_quantized_gradients true (--zero-quantized-gradients), "
+                          f"got {zero.zero_quantized_gradients!r}")
+    if zero.zeropp_loco_param is None:   # measured: bench/results/convergence_int2_without_loco_1234.json
+        raise ConfigError(f"{key_} ({flag}) 2 without error feedback does not train as ZeRO-3 does (ternary "
+                          f"gradients lose what they do not send): add zeropp_loco_param (--zero-loco)")
+    if zero.zero_quantized_gradients_block_size < 16:   # a block's INT2 data: whole 4-byte words
+        raise ConfigError(f"{key_} ({flag}) 2 needs zero_quantized_gradients_block_size >= 16 (the scales stay "
+                          f"4-byte aligned on the wire), got {zero.zero_quantized_gradients_block_size}")
 
 
 class HierarchicalQuantizedReduce(ShardReduce):
@@ -218,3 +251,6 @@ class HierarchicalQuantizedReduce(ShardReduce):
 def build(ctx) -> HierarchicalQuantizedReduce:
     return HierarchicalQuantizedReduce(ctx.comm, ctx.zero.zero_quantized_gradients_block_size, bool(ctx.rotation),
                                        ctx.zero.zero_quantized_gradients_bits)
+
+
+TECHNIQUE = Technique("qgZ", "gradient_reduction", Keys, "zero_quantized_gradients", build, validate)

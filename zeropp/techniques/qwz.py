@@ -8,6 +8,8 @@ with the gather it replaces (parallel/comm.py). Wire buffers come from the calle
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from parallel.comm import Work
@@ -16,6 +18,19 @@ from zeropp.collectives.exact import ShardGather
 from zeropp.collectives.partition import Partition
 from zeropp.collectives.protocols import PlannedCollective
 from zeropp.kernels.quant import DEFAULT_BLOCK_SIZE, Quantized, dequantize, quantize, wire_nbytes
+from zeropp.techniques.technique import Technique, check_block_size, key
+
+
+@dataclass
+class Keys:
+    """qwZ's keys in zero_optimization."""
+    zero_quantized_weights: bool | str = key(False, flag="zero_quantized_weights", auto=True)
+    # elements per fp32 scale (this product's key: DeepSpeed fixes it)
+    zero_quantized_weights_block_size: int = DEFAULT_BLOCK_SIZE[8]
+
+
+def validate(zero, where: str):
+    check_block_size(zero, where, "zero_quantized_weights_block_size", 4)   # INT8: 4 elements a word
 
 
 class QuantizedShardGather(ShardGather):
@@ -80,3 +95,6 @@ class QuantizedShardGather(ShardGather):
 
 def build(ctx) -> QuantizedShardGather:
     return QuantizedShardGather(ctx.comm, ctx.zero.zero_quantized_weights_block_size)
+
+
+TECHNIQUE = Technique("qwZ", "weight_gather", Keys, "zero_quantized_weights", build, validate)

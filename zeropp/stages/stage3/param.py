@@ -20,7 +20,7 @@ primary partition (`PrimaryWeights`: over all ranks, exact or qwZ) or hpZ's
 secondary one (zeropp/techniques/hpz.py). Parameters of at most
 `stage3_param_persistence_threshold` elements are persistent: whole on every
 rank, none of this applies to them. `SavedWeightView` is how the
-hooks (zeropp/stages/stage3_hooks.py) see a weight saved for backward.
+hooks (hooks.py, beside it) see a weight saved for backward.
 """
 from __future__ import annotations
 

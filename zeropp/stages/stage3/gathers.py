@@ -1,8 +1,8 @@
 """ZeRO stage 3's gathers: the order in which weights are requested, gathered and released.
 
-`WeightGathers` is asked by the hooks (zeropp/stages/stage3_hooks.py) for weights and decides
-what to gather when; a weight's states and a bucket's gather are in stage3_param.py, where a
-gather reads from in stage3_weights.py, the schedules in schedule.py.
+`WeightGathers` is asked by the hooks (hooks.py, beside it) for weights and decides what to
+gather when; a weight's states and a bucket's gather are in param.py, where a gather reads from
+in weights.py, the schedules in zeropp/stages/schedule.py.
 
 - forward: a module's pre-hook requests its weights, its post-hook releases them. A weight read
   outside its module (GPT's tied `wte.weight` in the output layer) is requested on access and
@@ -34,8 +34,8 @@ import torch
 from zeropp.config import ZeroConfig
 from zeropp.stages.schedule import (GatherSchedule, LiveBudget, TraceRecorder, backward_order,
                                     live_budget, restore_orders, reuse_set, saved_orders, without)
-from zeropp.stages.stage3_param import BucketGather, GatheredWeights, Stage3Param, WeightState
-from zeropp.stages.stage3_weights import PartitionedWeights
+from zeropp.stages.stage3.param import BucketGather, GatheredWeights, Stage3Param, WeightState
+from zeropp.stages.stage3.weights import PartitionedWeights
 
 
 class WeightGathers:

@@ -22,7 +22,7 @@ from zeropp.collectives.exact import ShardGather, gather_bucketed
 from zeropp.collectives.partition import Partition
 from zeropp.kernels.quant import scratch_bound, scratch_bytes
 from zeropp.stages.stage12 import set_whole
-from zeropp.stages.stage3_param import GatheredWeights, PrimaryWeights, Stage3Param, WeightState
+from zeropp.stages.stage3.param import GatheredWeights, PrimaryWeights, Stage3Param, WeightState
 
 
 def place_weights(shards: list[Stage3Param], persist_threshold: int, secondary: Partition | None, dtype, device,
@@ -54,6 +54,11 @@ class WeightSources:
     secondary: object | None = None
     deltas: object | None = None
     quantizer_block: int = 0
+
+    def memory_lines(self) -> list:
+        """What they keep between steps besides the shards (hpZ's copy; the deltas' references are
+        carried state): zeropp/collectives/protocols.py MemoryLine."""
+        return [self.secondary.memory()] if self.secondary is not None else []
 
 
 class PartitionedWeights:
@@ -123,7 +128,7 @@ class PartitionedWeights:
         return [self.flat] + kept + live
 
     def memory_lines(self) -> list:
-        return [self.sources.secondary.memory()] if self.sources.secondary is not None else []
+        return self.sources.memory_lines()
 
     def gather_bound(self, module_weights) -> int:
         """Gathers in flight at once: the bucket requested, those prefetched (at most the prefetch

@@ -1,4 +1,4 @@
-"""Where stage 3 sees a weight used, and what it tells `WeightGathers` (zeropp/stages/stage3.py;
+"""Where stage 3 sees a weight used, and what it tells `WeightGathers` (gathers.py, beside it;
 the planner's trace, planner/trace.py, runs the same hooks over a recorder of its own):
 
 - a forward pre-hook on every module with direct partitioned weights requests them, a post-hook
@@ -16,8 +16,8 @@ import contextlib
 import torch
 
 from zeropp.stages.schedule import checkpoint_region
-from zeropp.stages.stage3 import WeightGathers
-from zeropp.stages.stage3_param import SavedWeightView, Stage3Param
+from zeropp.stages.stage3.gathers import WeightGathers
+from zeropp.stages.stage3.param import SavedWeightView, Stage3Param
 
 
 class GatherOnRead(dict):
