@@ -227,14 +227,15 @@ def save(engine, path: str):
 
 
 def load(engine, path: str) -> list[str]:
-    """Load and return the lines the load printed (rank 0 prints them; every rank gets them)."""
+    """Load and return the notes the load printed, what it reset (rank 0 prints them; every rank gets
+    them): every line but Megatron's progress line, which every load prints."""
     from training.checkpoint import load_checkpoint
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         load_checkpoint(path, engine, load_rng=False)
     lines = [out.getvalue()]
     dist.broadcast_object_list(lines, src=0)
-    return [line for line in lines[0].splitlines() if line.strip()]
+    return [line for line in lines[0].splitlines() if line.strip() and not line.startswith("> loading checkpoint from")]
 
 
 def check_resume(zero: dict, path: str, ranks_per_node: int, sharding: str = "zero") -> str:
