@@ -60,7 +60,7 @@ class AsyncOuterSync(OuterSync):
         self.cross.settle_bytes()
         board = self.board
         with board.lock:
-            flags = torch.tensor([float(bool(board.mergeable(self.steps))), float(board.finished),
+            flags = torch.tensor([float(bool(board.mergeable(self.steps)) or board.reset_masters), float(board.finished),
                                   float(board.failure is not None), float(board.rounds), -float(board.rounds),
                                   float(board.busy())])
         self.comm.all_reduce(flags, op=dist.ReduceOp.MAX, phase="outer_membership")   # my group's ranks agree
@@ -93,12 +93,15 @@ class AsyncOuterSync(OuterSync):
             if o is not None and o.fragment == f and o.state == "counted":   # mine: as the synchronous merge
                 if o.reseed:
                     self._set_masters(f, 0.0, g)
+                elif o.skipped:   # my steps stay in my masters for the next offer
+                    pass
                 elif self.s.quantization == "topk2":   # what I did not send stays in my masters
                     self._set_masters(f, 0.0, self.local(f).add_(g - base + self.err[f], alpha=1.0 - keep))
                     self.err[f].zero_()
                 else:
                     self._set_masters(f, keep, g)
-                self.since[f] = max(0, self.since[f] - o.tokens)
+                if not o.skipped:
+                    self.since[f] = max(0, self.since[f] - o.tokens)
                 board.log["late"] += self.steps > o.merge_at
                 board.offer = None
             else:   # a round I took without contributing: my own steps stay, on the new global values

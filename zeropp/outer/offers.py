@@ -27,6 +27,7 @@ class Offer:
     state: str = "waiting"   # "taken" by a round in flight, then "counted" (merged from merge_at)
     weight: float = 0.0      # its share of the round, once counted
     reseed: bool = False     # my outer gradient was not finite: my masters take the global values
+    skipped: bool = False    # its round's outer step was skipped (not finite): nothing to merge
 
 
 def fresh_log() -> dict:

@@ -115,7 +115,8 @@ class Rounds:
         f, w = opened.fragment, opened.weights[opened.rank]
         final = f == F
         flat = sync.flat["global"]
-        mine = o.values if o is not None else torch.zeros(flat.numel() if final else sync.glob[f].numel())
+        mine = o.values if o is not None else torch.zeros(flat.numel() if final else sync.glob[f].numel(),
+                                                          device=flat.device)
         sent = None
         if final or s.quantization == "none":
             delta = mine * w
@@ -123,8 +124,8 @@ class Rounds:
         else:   # each member's wire (zeros from one that offered nothing), decoded with its weight
             send = mine + sync.err[f] if o is not None else None
             wire, sent = encode_outer(send, s) if o is not None else (
-                torch.zeros(outer_wire_nbytes(mine.numel(), s), dtype=torch.uint8), None)
-            rows = torch.empty(opened.size, wire.numel(), dtype=torch.uint8)
+                torch.zeros(outer_wire_nbytes(mine.numel(), s), dtype=torch.uint8, device=mine.device), None)
+            rows = torch.empty(opened.size, wire.numel(), dtype=torch.uint8, device=wire.device)
             cross.all_gather(rows, wire, PHASE).wait()
             delta = decode_weighted(rows, mine.numel(), opened.weights, s)
         if not cross.commit():   # a member failed during it: nobody applies it
@@ -135,26 +136,28 @@ class Rounds:
         finite, reseed, drift = group_check(cross, delta, mine)
         with board.lock:
             board.rounds = cross.rounds()
+            if not finite:   # every member skips it; a group whose own outer gradient is not finite reseeds
+                cross.events.append(f"outer step of fragment {f} skipped: its outer gradient is not finite")
             if final:
                 if finite:
                     flat.copy_(delta)
                 board.finished = True
-            elif finite:
-                sync.glob[f].copy_(round_step(sync.glob[f], None if sync.mom is None else sync.mom[f], delta, s))
-                if o is not None and s.quantization == "int4":   # what quantization left, for the next offer
-                    sync.err[f].copy_(send - sent)
-                elif o is not None and s.quantization == "topk2":   # what went: the merge moves my masters by it
-                    sync.err[f].copy_(sent)
-                board.glob_round[f] = board.rounds
-                board.dirty.add(f)
-                sync.outer_steps += 1
-                sync.drift = drift
             else:
-                cross.events.append(f"outer step of fragment {f} skipped: its outer gradient is not finite")
+                if finite:
+                    sync.glob[f].copy_(round_step(sync.glob[f], None if sync.mom is None else sync.mom[f], delta, s))
+                    if o is not None and s.quantization == "int4":   # what quantization left, for the next offer
+                        sync.err[f].copy_(send - sent)
+                    elif o is not None and s.quantization == "topk2":   # what went: the merge moves my masters by it
+                        sync.err[f].copy_(sent)
+                    sync.outer_steps += 1
+                    sync.drift = drift
+                board.glob_round[f] = board.rounds
+                board.dirty.add(f)   # (merged even when skipped: my offer resolves, a bad copy reseeds)
             if o is not None:
-                o.state, o.weight, o.reseed = "counted", w, reseed and not final
+                o.state, o.weight, o.reseed, o.skipped = "counted", w, reseed and not final, not finite
                 board.log["counted"].append(w)
-                sync.counted_through = max(sync.counted_through, o.merge_at - (0 if final else s.delay))
+                if finite:
+                    sync.counted_through = max(sync.counted_through, o.merge_at - (0 if final else s.delay))
             board.log["rounds"] += 1
             board.lock.notify_all()
         return True
