@@ -104,7 +104,7 @@ class Header:
             return ConfigError(f"another job is already group {g} of this run (it started first); this one stops: "
                                f"give each job its own --group-id below --num-groups {self.groups}")
         differ = self.differing()
-        if differ and self.claims[g] <= 1:
+        if differ and max(self.claims) <= 1:   # (two jobs with one id may both look senior: not judged now)
             return ConfigError(f"this group's {' and '.join(CATEGORIES[c] for c in differ)} differ from the run's "
                                f"(the groups that exchanged the most: {self.run_rounds} exchanges); start it with the "
                                f"same flags as the others")

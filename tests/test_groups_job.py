@@ -77,6 +77,14 @@ def test_compressed_outer_gradients_survive_a_kill_and_a_heal(corpus, tmp_path, 
 
 
 @pytest.mark.slow
+def test_an_asynchronous_group_killed_mid_exchange_heals_and_exchanges_again(corpus, tmp_path):  # noqa: F811
+    """--outer-async: the other group never waits for the killed one; the restart heals from it,
+    takes the global values as its masters, offers again, and both end on the same global model."""
+    flags = base(corpus)
+    assert kill_one_group(lambda out: [*flags(out), "--outer-async"], tmp_path) == ""
+
+
+@pytest.mark.slow
 def test_a_group_of_another_model_is_refused_alone_and_the_run_goes_on(corpus, tmp_path):  # noqa: F811
     """Restarted with another --hidden-size, a group is refused at its join with one line (exit 2);
     the healthy group goes on to its end (it used to stop too, without saving)."""

@@ -49,6 +49,10 @@ def test_a_second_job_with_a_group_id_is_refused_the_first_goes_on():
     assert heads[0].refusal() is None and heads[1].refusal() is None
     assert str(heads[2].refusal()).startswith("another job is already group 1 of this run (it started first)")
     assert all(h.void() == "a second job claimed group 1: it was refused, this exchange is skipped" for h in heads)
+    # the two with one id are both the most senior (no exchange yet): nobody's shape is judged meanwhile
+    members = [Mine(0.0, 0, 0, 50.0, RUN), Mine(0.0, 0, 0, 60.0, RUN), Mine(0.0, 0, 1, 70.0, RUN)]
+    heads = quorum(members, [0, 0, 0])
+    assert heads[2].refusal() is None and heads[0].refusal() is None and heads[1].refusal() is not None
 
 
 def test_the_weights_are_the_shares_of_the_tokens_of_those_that_count():
