@@ -11,6 +11,7 @@ too). Launching and reading the jobs: bench/jobs.py.
   before the model is built.
 - clean-start: three groups started a few seconds apart wait for each other (within the exchange
   timeout) and each logs every iteration from 1, none taking another's.
+- async-resume: two groups with --outer-async stopped and resumed: their outer state comes back.
 - async-straggler: three groups with --outer-async, one throttled (its inner steps take 5 times as
   long: THROTTLE in its environment, the harness's): every group exits 0 on the same final model
   at the run's last iteration (the first group there takes the others to it), the straggler's outer
@@ -163,6 +164,39 @@ def async_straggler(base, tmp: Path, iters: int = 300, slow: float = 5.0, extra:
     return ""
 
 
+LOSS = re.compile(r" iteration +(\d+)/ *\d+ \|.*\| lm loss: ([0-9.E+-]+) \|")
+
+
+def async_resume(base, tmp: Path, stop_at: int = 40, iters: int = 80) -> str:
+    """Two groups with --outer-async stop at `stop_at` (--exit-interval: they save and exit 0) and
+    resume from their checkpoints to `iters`: the global values, the momentum and each group's base
+    values come back, so the merges after the resume do not pull the masters anywhere else (the
+    training loss stays where it was, not near the untrained model's), and both end on one model."""
+    lh, url = start_lighthouse(tmp / "lighthouse.log")
+    argv = [*RUN, "--train-iters", str(iters), "--outer-async", "--save-interval", str(stop_at)]
+    logs = {g: [tmp / f"group{g}.log", tmp / f"group{g}_again.log"] for g in (0, 1)}
+    procs = []
+    try:
+        procs = [launch(g, 2, url, [*base(tmp / f"g{g}"), *argv, "--exit-interval", str(stop_at)], logs[g][0])
+                 for g in (0, 1)]
+        rcs = [p.wait(timeout=600) for p in procs]
+        procs = [launch(g, 2, url, [*base(tmp / f"g{g}"), *argv, "--load", str(tmp / f"g{g}" / "ckpt")], logs[g][1])
+                 for g in (0, 1)]
+        rcs += [p.wait(timeout=600) for p in procs]
+    finally:
+        stop(*procs, lh)
+    if any(rcs):
+        return problem(logs[0][1], f"exit statuses {rcs}")
+    for g in (0, 1):
+        before = [float(x) for _, x in LOSS.findall(logs[g][0].read_text(errors="replace"))][-10:]
+        after = [float(x) for _, x in LOSS.findall(logs[g][1].read_text(errors="replace"))]
+        if not before or not after or max(after) > max(before) + 0.5:
+            return problem(logs[g][1], f"group {g}'s loss after the resume rose from at most {max(before or [0]):.3f} "
+                                       f"to {max(after or [0]):.3f}: its outer state did not come back")
+    ends = finals(logs[0][1], logs[1][1])
+    return "" if all(ends) and ends[0] == ends[1] else problem(logs[1][1], f"different final models: {ends}")
+
+
 CELLS = {"refused-model": refused_model, "refused-outer-flags": refused_outer_flags,
          "refused-duplicate": refused_duplicate, "unreachable-lighthouse": unreachable_lighthouse,
-         "clean-start": clean_start, "async-straggler": async_straggler}
+         "clean-start": clean_start, "async-straggler": async_straggler, "async-resume": async_resume}

@@ -5,8 +5,8 @@ import importlib.util
 
 import pytest
 
-from bench.groups_edges import (async_straggler, clean_start, refused_duplicate, refused_model, refused_outer_flags,
-                                unreachable_lighthouse)
+from bench.groups_edges import (async_resume, async_straggler, clean_start, refused_duplicate, refused_model,
+                                refused_outer_flags, unreachable_lighthouse)
 from bench.groups_job import kill_one_group, late_start_and_clean_stop, lighthouse_restart, same_as_one_job
 from bench.groups_sites import NO_SITES, can_make_sites, heal_interrupted
 from tests.test_cli_errors import fails, good
@@ -82,6 +82,13 @@ def test_an_asynchronous_group_killed_mid_exchange_heals_and_exchanges_again(cor
     takes the global values as its masters, offers again, and both end on the same global model."""
     flags = base(corpus)
     assert kill_one_group(lambda out: [*flags(out), "--outer-async"], tmp_path) == ""
+
+
+@pytest.mark.slow
+def test_asynchronous_groups_stopped_and_resumed_take_their_outer_state_back(corpus, tmp_path):  # noqa: F811
+    """The asynchronous outer state's copy for a save was also what a load filled: the global values
+    came back as the untrained model's."""
+    assert async_resume(base(corpus), tmp_path) == ""
 
 
 @pytest.mark.slow

@@ -190,9 +190,11 @@ class AsyncOuterSync(OuterSync):
             return self.flat["global"].clone()
 
     def checkpoint_state(self, world: int) -> dict[str, FlatState]:
-        """My slices of the outer state: a consistent copy (the thread may publish meanwhile)."""
+        """My slices of the outer state: while the thread runs, a consistent copy to save (it may
+        publish meanwhile); before it starts (a load fills them), the tensors themselves."""
         with self.board.lock:
-            flats = {k: v.clone() for k, v in self.flat.items()}
+            running = self.rounds.thread is not None and self.rounds.thread.is_alive()
+            flats = {k: v.clone() if running else v for k, v in self.flat.items()}
             self._saved = self._scalars()
         return {f"{KEY}.{name}.{s.name}": FlatState(part, s.numel, sharded=True, per_group=name in ("error", "base"))
                 for name, flat in flats.items() for s, part in self.layout.per_parameter(flat)}
