@@ -38,7 +38,7 @@ from pathlib import Path
 from bench import RESULTS, write_result
 from bench.diloco_job import demo_flags
 from bench.groups_edges import THROTTLE, WEIGHT, launch
-from bench.jobs import RUN, VALIDATION, check_data, listed, start_lighthouse, stop, wait_for
+from bench.jobs import RUN, VALIDATION, check_data, iterations, listed, start_lighthouse, stop, wait_for
 
 TRACE = "ZEROPP_GROUPS_TRACE"   # training/outer.py: a JSON line per inner step (rank 0)
 GROUPS = 3
@@ -76,6 +76,8 @@ def run(tmp: Path, name: str, mode: str, iters: int, slow: dict, seed: int = 123
             mtbf, draw = kills[0], random.Random(kills[1])
             while all(p.poll() is None for p in procs.values()):
                 time.sleep(draw.uniform(0.5, 1.5) * mtbf)
+                if near_end(incarnations, iters):   # a group restarted after the others ended would end alone
+                    break
                 g = draw.randrange(GROUPS)
                 if procs[g].poll() is not None or not wait_for(incarnations[g][-1]["log"], r"saved checkpoint", 120,
                                                                 procs[g]):
@@ -92,6 +94,12 @@ def run(tmp: Path, name: str, mode: str, iters: int, slow: dict, seed: int = 123
         stop(*procs.values(), lh)
     return {"name": name, "mode": mode, "iters": iters, "slow": slow, "kills": killed, "exit": rcs,
             "wall_s": time.time() - began, "groups": {g: measure(incs) for g, incs in incarnations.items()}}
+
+
+def near_end(incarnations: dict, iters: int, share: float = 0.8) -> bool:
+    """Whether a group has passed `share` of the run (the kills stop there)."""
+    return any(seen and seen[-1][1] >= share * iters for seen in
+               (iterations(incs[-1]["log"]) if incs[-1]["log"].exists() else [] for incs in incarnations.values()))
 
 
 def measure(incarnations: list[dict]) -> dict:
@@ -130,6 +138,12 @@ def tokens(result: dict, seq: int = 64, per_group_batch: int = 8) -> dict:
             "useful": sum(g["useful_steps"] for g in gs) * per_step / result["wall_s"]}
 
 
+def final_loss(result: dict) -> float | None:
+    """The global model's final validation loss: the one most groups ended on."""
+    losses = [g["final_loss"] for g in result["groups"].values() if g["final_loss"] is not None]
+    return max(set(losses), key=losses.count) if losses else None
+
+
 def straggler(a, tmp: Path) -> dict:
     rows = {}
     for mode in listed(a.modes, MODES, "--modes"):
@@ -140,7 +154,7 @@ def straggler(a, tmp: Path) -> dict:
                       "straggler_steps": slow["groups"][2]["inner_steps"], "calm": calm, "slow": slow}
         print(f"{mode:6s} fast groups' rate with a {a.slow:g}x straggler / without: {min(fast):.2f} "
               f"(limit {LIMITS['rate']}); straggler's mean weight {rows[mode]['straggler_weight']}; final loss "
-              f"{slow['groups'][0]['final_loss']} (without: {calm['groups'][0]['final_loss']})", flush=True)
+              f"{final_loss(slow)} (without: {final_loss(calm)})", flush=True)
     return rows
 
 
@@ -161,7 +175,7 @@ def punisher(a, tmp: Path) -> dict:
             steps = sum(g["inner_steps"] for g in hit["groups"].values())
             calm = run(tmp, f"{mode}-seed{seed}-equal-tokens", "sync", max(1, round(steps / GROUPS)), {}, seed=seed,
                        join_ms=a.join_ms)
-            loss, base = hit["groups"][0]["final_loss"], calm["groups"][0]["final_loss"]
+            loss, base = final_loss(hit), final_loss(calm)
             row = {"useful_fraction": {g: x["useful_fraction"] for g, x in hit["groups"].items()},
                    "tokens_per_s": tokens(hit), "final_loss": loss, "undisturbed_equal_tokens_loss": base,
                    "loss_ratio": loss / base if loss and base else None, "run": hit, "undisturbed": calm}
