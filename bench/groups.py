@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import RESULTS, write_result
+from bench import RESULTS, provenance, write_result
 from bench.diloco_job import demo_flags
 from bench.groups_edges import THROTTLE, WEIGHT, launch
 from bench.jobs import RUN, VALIDATION, check_data, iterations, listed, start_lighthouse, stop, wait_for
@@ -210,10 +210,11 @@ def main(argv=None) -> int:
     a.iters = a.iters or (300 if a.family == "straggler" else None)
     with tempfile.TemporaryDirectory() if a.workdir is None else _kept(a.workdir) as tmp:
         report = {"straggler": straggler, "punisher": punisher}[a.family](a, Path(tmp))
-    old = Path(a.out)
+    old = Path(a.out)   # the other family's results stay, each with its own provenance
     kept = json.loads(old.read_text()) if old.exists() else {}
     kept.pop("provenance", None)
-    print(f"wrote {write_result(a.out, {**kept, a.family: {**report, 'limits': LIMITS}})}")
+    entry = {**report, "limits": LIMITS, "provenance": provenance()}
+    print(f"wrote {write_result(a.out, {**kept, a.family: entry})}")
     return 0
 
 
