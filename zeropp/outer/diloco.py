@@ -270,7 +270,8 @@ class OuterSync:
         g = self.flat["global"]   # the global parameters: the mean of the groups' loaded masters,
         g.copy_(self.layout.local_all())   # the same in every group (the outer step assumes it)
         if self.cross.size > 1 and not self.cross.fault_tolerant:   # (torchft: a heal replaces them)
-            self.cross.all_reduce(g, PHASE, async_op=False)
+            for part in self.glob:
+                self.cross.all_reduce(part, PHASE, async_op=False)
             g.div_(self.cross.size)
         for state in (self.mom, self.err):
             for t in state or []:

@@ -50,8 +50,11 @@ def final_sync(sync: OuterSync) -> str | None:
             sync.cross.commit()
         return "; ".join(n for n in notes + ["no other group present at the end: this group's own model"] if n)
     layout, g = sync.layout, sync.flat["global"]
-    mean = layout.local_all()   # every fragment at once: one all-reduce, whatever F
-    sync.cross.all_reduce(mean if opened.scale is None else mean.mul_(opened.scale), PHASE).wait()
+    mean = layout.local_all()
+    if opened.scale is not None:
+        mean.mul_(opened.scale)
+    for part in layout.views(mean):   # a fragment at a time, as it always was: the same sums, bit for bit
+        sync.cross.all_reduce(part, PHASE).wait()
     if opened.scale is None and opened.size > 1:
         mean.div_(opened.size)
     if not sync.cross.commit():
