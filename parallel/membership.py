@@ -99,7 +99,8 @@ def lighthouse_answers(url: str, seconds: float) -> bool:
     end = time.monotonic() + seconds
     while True:
         try:
-            with socket.create_connection((where.hostname, where.port or 29510), timeout=max(0.1, end - time.monotonic())):
+            left = max(0.1, end - time.monotonic())
+            with socket.create_connection((where.hostname, where.port or 29510), timeout=left):
                 return True
         except (OSError, ValueError):
             if time.monotonic() >= end:

@@ -158,7 +158,8 @@ class TorchftGroups:
         failed, refused, some, not_all = self.any_in_group(errored, refusal is not None, received is not None,
                                                             received is None)
         if refused:
-            raise refusal or ConfigError("this group was refused by the others' (see rank 0's line)")
+            raise refusal or ConfigError("this group was refused by the others at its join (another rank of it "
+                                         "says why)")
         healed = some and not not_all
         if healed:   # every rank of my group fetched its part: loaded together (even if the exchange fails)
             self._load(received)

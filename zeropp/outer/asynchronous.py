@@ -60,9 +60,9 @@ class AsyncOuterSync(OuterSync):
         self.cross.settle_bytes()
         board = self.board
         with board.lock:
-            flags = torch.tensor([float(bool(board.mergeable(self.steps)) or board.reset_masters), float(board.finished),
-                                  float(board.failure is not None), float(board.rounds), -float(board.rounds),
-                                  float(board.busy())])
+            ready = bool(board.mergeable(self.steps)) or board.reset_masters
+            flags = torch.tensor([float(ready), float(board.finished), float(board.failure is not None),
+                                  float(board.rounds), -float(board.rounds), float(board.busy())])
         self.comm.all_reduce(flags, op=dist.ReduceOp.MAX, phase="outer_membership")   # my group's ranks agree
         merge, finished, failed, rmax, rmin, busy = flags.tolist()
         if failed:

@@ -194,7 +194,8 @@ class OuterSync:
             x.note = f"exchange of fragment {f} not committed (a group failed during it): skipped"
             return
         self.since[f], self.joined = 0, True
-        self.counted_through = max(self.counted_through, x.merge_at - self.s.delay) if x.counted else self.counted_through
+        if x.counted:
+            self.counted_through = max(self.counted_through, x.merge_at - self.s.delay)
         if x.error is None:
             mean = x.buf.div_(n) if n > 1 and not x.weighted else x.buf
             outer = g - mean

@@ -37,7 +37,8 @@ class OuterSettings:
         """The fragments exchanged after inner step `step`: f with step % H == f H // F (one at
         most when F <= H), in closed form (F may be large)."""
         H, F, r = self.interval, self.fragments, step % self.interval
-        return range(min(F, -(-r * F // H)), min(F, -(-(r + 1) * F // H)))   # f H // F == r <=> r F / H <= f < (r + 1) F / H
+        # f H // F == r  <=>  r F / H <= f < (r + 1) F / H
+        return range(min(F, -(-r * F // H)), min(F, -(-(r + 1) * F // H)))
 
 
 def saved_layout(s: OuterSettings) -> list:
