@@ -197,6 +197,14 @@ def async_resume(base, tmp: Path, stop_at: int = 40, iters: int = 80) -> str:
     return "" if all(ends) and ends[0] == ends[1] else problem(logs[1][1], f"different final models: {ends}")
 
 
+def quantized(cell, quantization: str):
+    """`cell` with --outer-quantization `quantization` in every group."""
+    def run(base, tmp: Path) -> str:
+        return cell(lambda out: [*base(out), "--outer-quantization", quantization], tmp)
+    return run
+
+
 CELLS = {"refused-model": refused_model, "refused-outer-flags": refused_outer_flags,
          "refused-duplicate": refused_duplicate, "unreachable-lighthouse": unreachable_lighthouse,
          "clean-start": clean_start, "async-straggler": async_straggler, "async-resume": async_resume}
+COMPRESSED = ("kill-one-group", "link-outage")   # bench/groups_job.py adds them with int4 and topk2 outer gradients

@@ -12,7 +12,8 @@ test_groups_job.py asserts each on a tiny corpus; `python -m bench.faults groups
   it heals keeping its own masters and exchanges with group 0 again.
 - lighthouse-restart, late-start-clean-stop (through scripts/launch_groups.sh), same-as-one-job
   (the one-job mode's model bit for bit), the run's edges (a refused joiner, the start, groups
-  that never wait for each other: bench/groups_edges.py), link-outage (three groups on emulated sites, one cut off for 60 s), heal-interrupted (a late
+  that never wait for each other: bench/groups_edges.py), kill-one-group and link-outage with INT4
+  and topk2 outer gradients (`-int4`, `-topk2`), link-outage (three groups on emulated sites, one cut off for 60 s), heal-interrupted (a late
   group's heal over a slow link cut off): bench/groups_sites.py, root only;
 - in the bench only (`python -m bench.faults groups`, bench/results/groups_job.json):
   three-groups-two-kills, kill-against-uninterrupted (the final validation loss after a kill
@@ -33,6 +34,7 @@ import torch
 
 from bench import ROOT
 from bench.groups_edges import CELLS as EDGES
+from bench.groups_edges import COMPRESSED, quantized
 from bench.groups_sites import heal_interrupted, link_outage
 from bench.jobs import (FIGURES, RUN, TIMEOUT, VALIDATION, clean_stop, finals, finish, free_port, iterations, launch,
                         launch_group, problem, samples_in_order, script, start_lighthouse, stood_still, stop,
@@ -282,6 +284,7 @@ def same_as_one_job(base, tmp: Path, iters: int = 24) -> str:
 CELLS = {"kill-one-group": kill_one_group, "freeze-one-group": freeze_one_group, "lighthouse-restart": lighthouse_restart,
          "late-start-clean-stop": late_start_and_clean_stop, "same-as-one-job": same_as_one_job,
          "link-outage": link_outage, "heal-interrupted": heal_interrupted, **EDGES}
+CELLS.update({f"{name}-{q}": quantized(CELLS[name], q) for name in COMPRESSED for q in ("int4", "topk2")})
 FAULTS = tuple(CELLS)
 
 
