@@ -11,8 +11,9 @@ test_groups_job.py asserts each on a tiny corpus; `python -m bench.faults groups
 - freeze-one-group: every rank of group 1 stopped for 15 s, then continued (cut off and back):
   it heals keeping its own masters and exchanges with group 0 again.
 - lighthouse-restart, late-start-clean-stop (through scripts/launch_groups.sh), same-as-one-job
-  (the one-job mode's model bit for bit), different-models (every group stops with one line),
-  link-outage (three groups on emulated sites, one cut off for 60 s), heal-interrupted (a late
+  (the one-job mode's model bit for bit), the run's edges (a refused joiner, the start, groups
+  that never wait for each other: bench/groups_edges.py), kill-one-group and link-outage with INT4
+  and topk2 outer gradients (`-int4`, `-topk2`), link-outage (three groups on emulated sites, one cut off for 60 s), heal-interrupted (a late
   group's heal over a slow link cut off): bench/groups_sites.py, root only;
 - in the bench only (`python -m bench.faults groups`, bench/results/groups_job.json):
   three-groups-two-kills, kill-against-uninterrupted (the final validation loss after a kill
@@ -32,6 +33,8 @@ from pathlib import Path
 import torch
 
 from bench import ROOT
+from bench.groups_edges import CELLS as EDGES
+from bench.groups_edges import COMPRESSED, quantized
 from bench.groups_sites import heal_interrupted, link_outage
 from bench.jobs import (FIGURES, RUN, TIMEOUT, VALIDATION, clean_stop, finals, finish, free_port, iterations, launch,
                         launch_group, problem, samples_in_order, script, start_lighthouse, stood_still, stop,
@@ -92,7 +95,9 @@ def kills(base, tmp: Path, groups: int, victims: tuple[int, ...], iters: int) ->
         return problem(logs[0], "group 0 logged nothing after the last kill")
     for log in restarts:
         again = log.read_text(errors="replace")
-        for said in ("healed from a peer", "continuing at their inner step", f"quorum: {groups} groups"):
+        # (a synchronous group takes the others' inner step; an asynchronous one keeps its own)
+        took = [] if "--outer-async" in flags[0] else ["continuing at their inner step"]
+        for said in ("healed from a peer", *took, f"quorum: {groups} groups"):
             if said not in again:
                 return problem(log, f"a restarted group never said {said!r}")
     quorum, heals = tensorboard(tmp / "g0" / "tb", "outer/quorum-size"), tensorboard(tmp / f"g{victims[-1]}" / "tb",
@@ -235,25 +240,6 @@ def late_start_and_clean_stop(base, tmp: Path, iters: int = 4000) -> str:
     return ""
 
 
-def different_models(base, tmp: Path) -> str:
-    lh, url = start_lighthouse(tmp / "lighthouse.log")
-    argv = [*RUN, "--train-iters", "200"]
-    logs = [tmp / "group0.log", tmp / "group1.log"]
-    g0 = launch_group(0, 2, url, [*base(tmp / "g0"), *argv], logs[0])
-    g1 = launch_group(1, 2, url, [*base(tmp / "g1"), *argv, "--hidden-size", "64"], logs[1])
-    try:
-        rcs = g0.wait(timeout=300), g1.wait(timeout=300)
-    finally:
-        stop(g0, g1, lh)
-    said = "run different models or group shapes"
-    for rc, log in zip(rcs, logs):   # torchrun reports a worker's exit status 2 as its own 1, with its line
-        lines = log.read_text(errors="replace").splitlines()
-        if rc == 0 or not any(line.startswith("error: ") and said in line for line in lines) \
-                or not any("exitcode  : 2" in line for line in lines):
-            return problem(log, f"exit status {rc}: expected the ranks' exit status 2 and one line saying {said!r}")
-    return ""
-
-
 def steady_groups(base, tmp: Path, argv: list[str], name: str) -> str:
     """Two groups that meet at every exchange (the Lighthouse waits for both), to the end: ""
     or what failed; logs `name`0.log and `name`1.log, outputs under tmp / `name`<g>."""
@@ -267,10 +253,14 @@ def steady_groups(base, tmp: Path, argv: list[str], name: str) -> str:
     return problem(logs[rcs.index(next(r for r in rcs if r))], f"exit statuses {rcs}") if any(rcs) else ""
 
 
+CROSS = re.compile(r"cross-group MB: ([0-9.]+)")
+
+
 def same_as_one_job(base, tmp: Path, iters: int = 24) -> str:
     """Two groups as two jobs, every exchange with both (the Lighthouse waits for 2), against the
     same two groups in one torchrun job (`--group-size 1`): the exported models are equal bit for
-    bit (equal token weights are halves: exact)."""
+    bit (equal token weights are halves: exact; INT4 and topk2 rows decode to the same mean), and
+    so are the bytes across groups each iteration counts."""
     from tools.export_checkpoint import consolidated_state_dict
     argv = [*RUN, "--train-iters", str(iters), "--hidden-dropout", "0", "--save-interval", str(iters)]
     one = launch(4, [*base(tmp / "one"), *argv, "--ranks-per-node", "2", "--group-size", "1"])
@@ -287,13 +277,16 @@ def same_as_one_job(base, tmp: Path, iters: int = 24) -> str:
         if differ:
             worst = max((want[k] - got[k]).abs().max().item() for k in differ)
             return f"group {g}'s export differs from the one job's in {len(differ)} tensors (worst {worst:.3e})"
+    sent = [CROSS.findall(text) for text in (out, (tmp / "g0.log").read_text(errors="replace"))]
+    if sent[0] != sent[1]:   # the bytes across groups per iteration, counted: the same wires
+        return f"cross-group MB per iteration: one job {sent[0]}, groups as jobs {sent[1]}"
     return ""
 
 
 CELLS = {"kill-one-group": kill_one_group, "freeze-one-group": freeze_one_group, "lighthouse-restart": lighthouse_restart,
          "late-start-clean-stop": late_start_and_clean_stop, "same-as-one-job": same_as_one_job,
-         "different-models": different_models, "link-outage": link_outage,
-         "heal-interrupted": heal_interrupted}
+         "link-outage": link_outage, "heal-interrupted": heal_interrupted, **EDGES}
+CELLS.update({f"{name}-{q}": quantized(CELLS[name], q) for name in COMPRESSED for q in ("int4", "topk2")})
 FAULTS = tuple(CELLS)
 
 

@@ -55,6 +55,12 @@ FIGURES = {
                                   "slow_link_fsdp2_plugin_quiet_200.json": "200 Mbit/s"},
                             command="sudo python -m bench.slow_link --num-layers 4 --hidden 256 --heads 4 --vocab 4096 --seq 128 "
                                     "--micro-batch 8 --dtype bf16 --systems fsdp2,fsdp2+zeropp,zeropp,zeropp-loco --rates 100,0 --repeats 2"),
+    "slow_link_hsdp": dict(section="Slow link", title="HSDP (replicate across nodes) with the plug-in's INT4 replica all-reduce",
+                           render="slow_link", files=["slow_link_hsdp.json", "slow_link_hsdp_fp32.json"],
+                           runs={"slow_link_hsdp.json": "bf16", "slow_link_hsdp_fp32.json": "fp32"},
+                           command="sudo python -m bench.slow_link sweep --num-layers 4 --hidden 256 --heads 4 --vocab 4096 "
+                                   "--seq 128 --micro-batch 2 --dtype bf16 --systems hsdp,hsdp+zeropp --rates 100,0 --repeats 2 "
+                                   "(and --dtype fp32)"),
     "slow_link_diloco": dict(section="Slow link", title="Streaming DiLoCo against ZeRO-3 and ZeRO++ + LoCo, bf16",
                              render="slow_link_diloco", baseline="ours ZeRO++ + LoCo",
                              files=["slow_link_diloco.json", "slow_link_diloco_bench_model.json"],
@@ -129,6 +135,9 @@ FIGURES = {
                          command="python -m bench.faults"),
     "groups_job": dict(section="Faults", title="Groups that survive each other", render="groups_job",
                        files=["groups_job.json"], command="python -m bench.faults groups"),
+    "groups_goodput": dict(section="Faults", title="Groups as jobs: synchronous against --outer-async",
+                           render="groups_goodput", files=["groups_goodput.json"],
+                           command="python -m bench.groups straggler; python -m bench.groups punisher"),
     "zeropp_comm": dict(section="Communication", title="Cross-node MiB per iteration per rank, counted as NCCL rings",
                         render="zeropp_comm", files=["zeropp_comm.json"], command="python -m bench.comm"),
     "fsdp2_time_split": dict(section="Communication", title="Where plain FSDP2's step goes on CPU ranks, the quickstart's model",

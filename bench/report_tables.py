@@ -212,6 +212,36 @@ def groups_job(files, opts):
     return table(["cell", "result", "seconds"], rows)
 
 
+def groups_goodput(files, opts):
+    """bench.groups: the fast groups' rate beside a throttled group, and under the punisher each
+    group's useful compute time, the run's tokens per second and the final loss at equal tokens;
+    each family with the command and load that gave it."""
+    (_, data), = files
+    out = []
+    if "straggler" in data:
+        st = data["straggler"]
+        rows = [[mode, f(min(r["calm"]["groups"][g]["rate_it_per_s"] for g in ("0", "1"))),
+                 f(min(r["slow"]["groups"][g]["rate_it_per_s"] for g in ("0", "1"))), f(r["ratio"]),
+                 f(st["limits"]["rate"], 1), f(r["straggler_weight"], 3)]
+                for mode, r in st.items() if mode not in ("limits", "provenance")]
+        out += ["Groups 0 and 1 beside group 2 throttled (its inner steps 5 times as long), iterations per second:", ""]
+        out += table(["mode", "undisturbed", "with the straggler", "ratio", "limit", "straggler's mean weight"], rows)
+        out += ["", f"(`{st['provenance']['command']}`, load {st['provenance']['machine']['loadavg_1min']:.1f})", ""]
+    if "punisher" in data:
+        pu = data["punisher"]
+        rows = [[run, *(f(r["useful_fraction"][g], 3) for g in ("0", "1", "2")), f(pu["limits"]["useful"], 1),
+                 f(r["tokens_per_s"]["processed"], 0), f(r["tokens_per_s"]["useful"], 0), f(r["final_loss"], 4),
+                 f(r["undisturbed_equal_tokens_loss"], 4), pct(r["loss_ratio"]), len(r["run"]["kills"])]
+                for run, r in pu["rows"].items()]
+        out += ["Random kills (one group's launcher every ~90 s, restarted from its checkpoint), group 2 twice as "
+                "slow: useful compute time / live time per group, tokens per second, final loss against the "
+                "undisturbed synchronous run at equal tokens (limit 2%):", ""]
+        out += table(["run", "group 0", "group 1", "group 2 (slow)", "limit", "tokens/s", "useful tokens/s",
+                      "final loss", "undisturbed", "difference", "kills"], rows)
+        out += ["", f"(`{pu['provenance']['command']}`, load {pu['provenance']['machine']['loadavg_1min']:.1f})"]
+    return out
+
+
 # --- Communication -------------------------------------------------------------------------
 
 def zeropp_comm(files, opts):
@@ -279,5 +309,5 @@ def quant_host_cost(files, opts):
 
 
 RENDERERS = {fn.__name__: fn for fn in (fsdp2_time_split, quant_host_cost, slow_link, slow_link_diloco, planner_calibration, convergence,
-                                        train_memory, memory_bound, memory_matrix, checkpoint_memory, fault_matrix, groups_job,
+                                        train_memory, memory_bound, memory_matrix, checkpoint_memory, fault_matrix, groups_job, groups_goodput,
                                         zeropp_comm, quant_bench, hadamard_cost)}

@@ -141,6 +141,12 @@ def test_the_slurm_example_ends_with_its_groups_and_says_which_failed(tmp_path):
 
 # -- each group's files ------------------------------------------------------------------------------
 
+@pytest.fixture
+def lighthouse_answers(monkeypatch):
+    """group_args' Lighthouse URL answers (parsing checks that one does, before the model is built)."""
+    monkeypatch.setattr("training.outer.lighthouse_answers", lambda url, wait: True)
+
+
 def group_args(tmp: Path, *extra, group: int = 1):
     return parse_args(["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
                        "--micro-batch-size", "1", "--train-iters", "2", "--lr", "1e-3", "--data-path", "data",
@@ -149,7 +155,7 @@ def group_args(tmp: Path, *extra, group: int = 1):
 
 
 @needs_torchft
-def test_each_group_keeps_its_own_files_from_flags_or_config(tmp_path, capsys):
+def test_each_group_keeps_its_own_files_from_flags_or_config(tmp_path, capsys, lighthouse_answers):
     config = tmp_path / "run.yaml"
     config.write_text(f"save: {tmp_path}/ckpt\ntensorboard-dir: {tmp_path}/tb\nload: {tmp_path}/ckpt\n")
     args = group_args(tmp_path, "--config", str(config))
@@ -160,7 +166,7 @@ def test_each_group_keeps_its_own_files_from_flags_or_config(tmp_path, capsys):
 
 
 @needs_torchft
-def test_a_group_loads_its_own_checkpoint_or_else_one_that_every_group_starts_from(tmp_path):
+def test_a_group_loads_its_own_checkpoint_or_else_one_that_every_group_starts_from(tmp_path, lighthouse_answers):
     one_job, run = tmp_path / "warmup", tmp_path / "run"
     one_job.mkdir()
     (one_job / TRACKER).write_text("100")   # a checkpoint of one job (a warm-up): every group starts from it

@@ -5,11 +5,13 @@ loads none, put back the committed step torchft moved to the peer's, so that it 
 the next quorum. Two ranks of one group as two threads: a stand-in for torchft's Manager on each
 (what start_quorum does on a heal: the registered load function called with the fetched state,
 the step moved) and a MAX all-reduce between the threads for the group's own agreement."""
+import collections
 import threading
 
 import torch
 
-from parallel.membership import TorchftGroups
+from parallel.run_shape import RunShape
+from parallel.torchft_groups import TorchftGroups
 
 
 class GroupComm:
@@ -18,7 +20,7 @@ class GroupComm:
     def __init__(self, size: int):
         self.size, self.values, self.barrier = size, [], threading.Barrier(size)
 
-    def all_reduce(self, t, op, phase):
+    def all_reduce(self, t, op=None, phase=None):
         self.barrier.wait()
         self.values.append(t.clone())
         self.barrier.wait()
@@ -82,9 +84,11 @@ def open_on_two_ranks(fails: tuple):
 
     def rank(r):
         groups = TorchftGroups.__new__(TorchftGroups)
-        groups.comm, groups.manager, groups.events = comm, Manager(fails[r]), []
+        groups.ingroup = groups.after_torchft = comm
+        groups.manager, groups.events = Manager(fails[r]), collections.deque()
         groups.size, groups.rank, groups.heals, groups.timeout_s, groups.retry_at = 1, 0, 0, 10.0, 0.0
-        groups.register(lambda: {}, loaded[r].append, "shape")
+        groups.group_id, groups.num_groups, groups.started = 0, 2, 0.0
+        groups.register(lambda: {}, loaded[r].append, RunShape({"model": "shape"}))
         out[r] = (groups.open(5, 0, 100), groups.manager)
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]

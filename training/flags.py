@@ -342,6 +342,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--outer-timeout", type=_seconds, default=60.0, metavar="S",
                    help="with --lighthouse: seconds an exchange or a quorum waits for a group before going on "
                         "without it")
+    g.add_argument("--outer-async", action="store_true",
+                   help="with --lighthouse: groups never wait for each other: each offers its outer gradient when "
+                        "its inner steps are done, the outer step takes whoever reported (weighted by tokens), and "
+                        "each merges the global update when it arrives (docs/fault_tolerant_groups.md)")
+    g.add_argument("--outer-min-groups", type=_int, default=1, metavar="M",
+                   help="with --lighthouse: an exchange commits only with M groups (torchft's min_replica_size; "
+                        "start the Lighthouse with --min_replicas M)")
+    g.add_argument("--outer-max-staleness", type=_count, default=4, metavar="K",
+                   help="with --outer-async: an outer gradient from more than K outer steps of its fragment ago is "
+                        "dropped (its steps stay in the group's masters and go with its next one)")
 
     g = p.add_argument_group("planning")
     g.add_argument("--dry-run", action="store_true",

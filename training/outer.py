@@ -5,24 +5,35 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
+import time
+
+import torch
+import torch.distributed as dist
 
 from common import ConfigError, note
 from parallel.comm import Communicator
 from parallel.startup import die_with_launcher, print_rank0
 from parallel.topology import Topology
 from zeropp.collectives.partition import Partition
-from parallel.membership import TorchftGroups
+from parallel.membership import lighthouse_answers
+from parallel.run_shape import RunShape
 from training.checkpoint import META, TRACKER, complete_iterations
 from zeropp.kernels.sparse import DEFAULT_CHUNK
-from zeropp.outer.diloco import KEY, PHASE, WARMUP, OuterSettings, attach, saved_layout
+from zeropp.outer.asynchronous import AsyncOuterSync
+from zeropp.outer.diloco import KEY, PHASE, WARMUP, OuterSettings, OuterSync, attach, saved_layout
 from zeropp.outer.edges import final_sync as synchronize_groups
 from zeropp.outer.edges import heal, join, outer_state, with_global_weights
 
 OUTER_FLAGS = ("outer_lr", "outer_momentum", "outer_fragments", "outer_quantization", "outer_sync_delay",
                "outer_merge_alpha", "outer_warmup_iters", "outer_topk_fraction", "group_size", "lighthouse",
-               "group_id", "num_groups", "outer_timeout")
-FAULT_TOLERANT_FLAGS = ("group_id", "num_groups", "outer_timeout")
+               "group_id", "num_groups", "outer_timeout", "outer_async", "outer_min_groups", "outer_max_staleness")
+FAULT_TOLERANT_FLAGS = ("group_id", "num_groups", "outer_timeout", "outer_async", "outer_min_groups",
+                        "outer_max_staleness")
+THROTTLE = "ZEROPP_GROUPS_THROTTLE"   # the test harness's: this group's inner steps take k times as long
+TRACE = "ZEROPP_GROUPS_TRACE"   # the goodput bench's: a JSON line per inner step to this file (rank 0)
+LIGHTHOUSE_WAIT_S = 10.0   # how long the start looks for the Lighthouse (one started with the groups may be late)
 
 
 def check_outer_args(args, flag):
@@ -118,7 +129,8 @@ def check_groups(args, flag, nodes: int, per_node: int) -> tuple[int, int]:
 def check_fault_tolerant_args(args, flag, H):
     """--lighthouse: this torchrun job is one group; one line per bad input."""
     if args.lighthouse is None:
-        given = [flag(args, d, getattr(args, d)) for d in FAULT_TOLERANT_FLAGS if d in args.explicit]
+        given = [flag(args, d, None if d == "outer_async" else getattr(args, d)) for d in FAULT_TOLERANT_FLAGS
+                 if d in args.explicit]
         raise ConfigError(f"{', '.join(given)} needs --lighthouse URL (torchft's Lighthouse; "
                           f"scripts/launch_groups.sh starts one)")
     if args.group_id is None or args.num_groups is None:
@@ -128,9 +140,12 @@ def check_fault_tolerant_args(args, flag, H):
     if "group_size" in args.explicit:
         raise ConfigError(f"{flag(args, 'group_size', args.group_size)} has no effect with --lighthouse (each "
                           f"torchrun job is one group); drop it")
-    if args.outer_quantization != "none":
-        raise ConfigError(f"--outer-quantization {args.outer_quantization} is not fault tolerant yet; pass "
-                          f"--outer-quantization none with --lighthouse")
+    if args.outer_min_groups > args.num_groups:
+        raise ConfigError(f"{flag(args, 'outer_min_groups', args.outer_min_groups)} exceeds --num-groups "
+                          f"{args.num_groups}: no exchange could commit; pass at most {args.num_groups}")
+    if not args.outer_async and "outer_max_staleness" in args.explicit:
+        raise ConfigError(f"{flag(args, 'outer_max_staleness', args.outer_max_staleness)} has no effect without "
+                          f"--outer-async (a synchronous exchange is never stale); add --outer-async or drop it")
     if args.outer_warmup_iters:   # an all-reduce across groups every step: no group could leave
         raise ConfigError(f"{flag(args, 'outer_warmup_iters', args.outer_warmup_iters)} is not fault tolerant "
                           f"yet; drop it with --lighthouse (or train the warm-up as one job and --load it)")
@@ -141,6 +156,11 @@ def check_fault_tolerant_args(args, flag, H):
                           f"{spacing - 1}")
     if not args.dry_run and importlib.util.find_spec("torchft") is None:   # found, not imported (it imports Triton)
         raise ConfigError("--lighthouse needs torchft; pip install torchft")
+    wait = min(args.outer_timeout, LIGHTHOUSE_WAIT_S)
+    # before the model is built, not torchft's traceback later; a dry run plans without one
+    if not args.dry_run and not lighthouse_answers(args.lighthouse, wait):
+        raise ConfigError(f"--lighthouse {args.lighthouse}: nothing answers there within {wait:g} s; start torchft's "
+                          f"Lighthouse first (scripts/launch_groups.sh lighthouse) or fix the URL")
 
 
 def group_paths(args):
@@ -192,13 +212,21 @@ def attach_outer(args, engine):
     group = engine.comm.topology
     settings = OuterSettings(args.outer_sync_interval, args.outer_lr, args.outer_momentum, args.outer_fragments,
                              args.outer_quantization, args.outer_sync_delay, args.outer_merge_alpha,
-                             warmup=args.outer_warmup_iters, topk_fraction=args.outer_topk_fraction)
+                             warmup=args.outer_warmup_iters, topk_fraction=args.outer_topk_fraction,
+                             asynchronous=fault_tolerant(args) and args.outer_async,
+                             max_staleness=getattr(args, "outer_max_staleness", 4))
     if fault_tolerant(args):
+        from parallel.torchft_groups import TorchftGroups   # (it imports torchft, which imports Triton)
         die_with_launcher()   # a group whose launcher is killed leaves no rank behind in the exchanges
-        cross = TorchftGroups(engine.comm, args.group_id, args.lighthouse, args.outer_timeout, args.outer_timeout)
+        cross = TorchftGroups(engine.comm, args.group_id, args.num_groups, args.lighthouse, args.outer_timeout,
+                              args.outer_min_groups)
         print_rank0(f"> outer membership: group {args.group_id} of {args.num_groups} ({group.num_nodes} node(s) x "
                     f"{group.ranks_per_node} ranks), meeting the others through torchft's Lighthouse at "
-                    f"{args.lighthouse}; an exchange waits {args.outer_timeout:g} s for a group")
+                    f"{args.lighthouse}; an exchange waits {args.outer_timeout:g} s for a group"
+                    + (f", commits with at least {args.outer_min_groups} groups" if args.outer_min_groups > 1 else "")
+                    + ("; asynchronous: no group waits for another (outer gradients older than "
+                       f"{settings.max_staleness} outer steps of their fragment are dropped)" if settings.asynchronous
+                       else ""))
     else:
         cross = Partition(group=group.across_group, size=group.groups, rank=group.offset // group.world_size)
     groups = args.num_groups if fault_tolerant(args) else group.groups
@@ -219,12 +247,27 @@ def attach_outer(args, engine):
         print_rank0(f"> note: --clip-grad {args.clip_grad:g} clips each group's own gradient norm, not the job's"
                     + (" (the job's during the warm-up)" if settings.warmup else "")
                     + ": with --outer-sync-interval 1 pass --clip-grad 0 for synchronous data parallel")
-    sync = attach(engine, cross, settings)
+    sync = attach(engine, cross, settings, AsyncOuterSync if settings.asynchronous else OuterSync)
+    sync.end_iteration = args.train_iters
     if fault_tolerant(args):   # what a group that is behind takes from a peer; the groups must agree on the shapes
-        cross.register(lambda: outer_state(sync), lambda state: heal(sync, state),
-                       f"{args.num_groups}/{group.world_size}/{sum(s.numel for s in engine.shards)}/"
-                       f"{sum(g.numel() for g in sync.glob)}/{saved_layout(sync.s)}")
+        cross.register(lambda: outer_state(sync), lambda state: heal(sync, state), run_shape(args, engine, sync))
     return sync
+
+
+def run_shape(args, engine, sync) -> RunShape:
+    """What every group of a --lighthouse run must share (parallel/run_shape.py), by category."""
+    def of(*names):
+        return "/".join(f"{n}={getattr(args, n, None)}" for n in names)
+    s = sync.s
+    return RunShape({
+        "model": f"{of('num_layers', 'hidden_size', 'num_attention_heads', 'ffn_hidden_size', 'max_position_embeddings')}"
+                 f"/ranks={engine.comm.topology.world_size}/params={sum(x.numel for x in engine.shards)}"
+                 f"/shard={sync.flat['global'].numel()}",
+        "outer": f"{saved_layout(s)}/lr={s.lr}/momentum={s.momentum}/alpha={s.merge_alpha}/async={s.asynchronous}"
+                 f"/staleness={s.max_staleness}/{of('outer_min_groups')}",
+        "data": of("data_path", "split", "seed", "seq_length", "global_batch_size", "tokenizer_type", "tokenizer_model",
+                   "vocab_file", "merge_file"),
+        "groups": of("num_groups")})
 
 
 def join_groups(engine, iteration: int) -> int:
@@ -235,14 +278,50 @@ def join_groups(engine, iteration: int) -> int:
         return iteration
     sync.steps = iteration
     print_rank0(f"> outer membership: {join(sync)}")
+    trace(sync, start=True)
     return sync.steps
 
 
 def outer_iteration(engine, iteration: int) -> int:
     """The iteration after an inner step: the others' when this group took their schedule at an
-    exchange (--lighthouse), else `iteration`."""
+    exchange (--lighthouse), --train-iters when --outer-async took this group to the run's final
+    round, else `iteration`."""
     sync = outer_sync(engine)
-    return sync.steps if sync is not None and sync.cross.fault_tolerant else iteration
+    if sync is None or not sync.cross.fault_tolerant:
+        return iteration
+    throttle(sync)
+    trace(sync)
+    return sync.steps
+
+
+def trace(sync, **more):
+    """The goodput bench's trace (TRACE in a group's environment, rank 0): per inner step its end,
+    its wall time, the part of it the inner steps' thread spent in exchanges, and the last inner
+    step whose work is in the global model (bench/groups.py)."""
+    path = os.environ.get(TRACE)
+    if not path or sync.comm.topology.rank != 0:
+        return
+    now, waited = time.time(), sync.cross.waited
+    last, last_waited = getattr(sync, "traced", (None, 0.0))
+    sync.traced = now, waited
+    line = {"t": now, "it": sync.steps, "dt": None if last is None else now - last, "waited": waited - last_waited,
+            "counted": sync.counted_through, **more}
+    with open(path, "a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
+def throttle(sync):
+    """The test harness's straggler (THROTTLE=k in a group's environment): each inner step takes k
+    times as long, the rest of it asleep (the exchanges' thread goes on meanwhile). Every rank of
+    the group sleeps the same, from the shortest step among them (a rank's step includes waiting for
+    a peer that slept longer: each sleeping in proportion to its own would feed that back)."""
+    k, now = float(os.environ.get(THROTTLE) or 0), time.monotonic()
+    last, sync.stepped_at = getattr(sync, "stepped_at", None), now
+    if k > 1 and last is not None:
+        step = torch.tensor([now - last], dtype=torch.float64)
+        sync.comm.all_reduce(step, op=dist.ReduceOp.MIN)
+        time.sleep((k - 1) * step.item())
+        sync.stepped_at = time.monotonic()
 
 
 def outer_fields(engine, stats, iterations: int) -> dict:
@@ -257,6 +336,8 @@ def outer_fields(engine, stats, iterations: int) -> dict:
         status = sync.cross.status()
         for event in status["events"]:
             print_rank0(f"> outer membership: {event}")
+        if sync.s.asynchronous and (line := sync.board.window_line()):
+            print_rank0(f"> outer rounds: {line}")
         return {"outer_steps": sync.outer_steps, "cross_group_mb": inter / iterations / 2**20,
                 "outer_drift": sync.drift, "quorum": status["quorum_size"], "heals": status["heals"],
                 "loss_of": f"group {sync.cross.group_id}"}
@@ -277,6 +358,8 @@ def final_sync(engine) -> bool:
     if sync is None:
         return False
     note = synchronize_groups(sync)
+    if sync.cross.fault_tolerant:
+        trace(sync, final=True)
     print_rank0(f"> outer synchronization: final exchange of all {sync.s.fragments} fragment(s) after iteration "
                 f"{sync.steps}: every group now holds the global parameters, the groups' exact mean"
                 + (f" ({note})" if note else ""))

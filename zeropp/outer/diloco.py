@@ -54,7 +54,6 @@ after a resume as in a run that never stopped.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import torch
@@ -63,70 +62,9 @@ from parallel.membership import JOINING, FixedGroups
 from zeropp.collectives.partition import FlatState, Partition
 from zeropp.collectives.protocols import MemoryLine, PlannedCollective
 from zeropp.config import ConfigError
-from zeropp.outer.fragments import FragmentLayout, fragment_bounds
-from zeropp.kernels.format import DEFAULT_BLOCK_SIZE, Quantized, wire_nbytes
-from zeropp.kernels import sparse
-from zeropp.kernels.quant import dequantize, dequantize_reduce, quantize
-
-KEY = "outer_sync"
-GLOBAL = KEY + ".global."   # + a parameter's name: its global values in checkpoints
-PHASE = "outer_sync"
-WARMUP = "outer_warmup"   # the warm-up's gradient all-reduce across the groups
-DRIFT = "outer_drift"   # the drift's all-reduce inside a group (not across groups)
-_LAYER = re.compile(r"\.(\d+)\.")
-
-
-@dataclass(frozen=True)
-class OuterSettings:
-    interval: int                 # H: inner steps between two exchanges of a fragment
-    lr: float = 0.7
-    momentum: float = 0.9         # Nesterov
-    fragments: int = 1
-    quantization: str = "none"    # or "int4", "topk2"
-    delay: int = 1                # inner steps between issuing an exchange and merging it (< H)
-    merge_alpha: float = 0.5      # the share of the local values a delayed merge keeps
-    block_size: int = DEFAULT_BLOCK_SIZE[4]
-    warmup: int = 0               # inner steps trained as one synchronous job before the first exchange
-    topk_fraction: float = 0.02   # topk2: the share of each chunk sent
-
-
-def outer_wire_nbytes(numel: int, s: OuterSettings) -> int:
-    """Bytes a rank sends for `numel` elements of outer gradient, quantized (int4, topk2)."""
-    if s.quantization == "topk2":
-        return sparse.wire_nbytes(numel, s.topk_fraction)
-    return wire_nbytes(numel, 4, s.block_size)
-
-
-def saved_layout(s: OuterSettings) -> list:
-    """What a saved outer state's shape and schedule depend on."""
-    topk = [s.topk_fraction] if s.quantization == "topk2" else []   # what the masters hold unsent
-    return [s.interval, s.fragments, s.quantization, bool(s.momentum), s.delay] + topk
-
-
-def encode_outer(send: torch.Tensor, s: OuterSettings) -> tuple[torch.Tensor, torch.Tensor]:
-    """A quantized outer gradient: (its wire, what the wire decodes to)."""
-    if s.quantization == "topk2":
-        q = sparse.encode(send, s.topk_fraction)
-        return q.to_bytes(), sparse.decode(q)
-    q = quantize(send, 4, s.block_size)
-    return q.to_bytes(), dequantize(q)
-
-
-def decode_mean(buf: torch.Tensor, numel: int, groups: int, s: OuterSettings) -> torch.Tensor:
-    """The mean of the gathered wires `buf` [groups, bytes], fp32 [numel]."""
-    if s.quantization == "topk2":
-        return sparse.decode_reduce(sparse.SparseTopK.from_bytes(buf, numel, s.topk_fraction), 1.0 / groups)
-    return dequantize_reduce(Quantized.from_bytes(buf, numel, 4, s.block_size), torch.float32, 1.0 / groups)
-
-
-def exchange_per_step(owned: int, s: OuterSettings) -> PlannedCollective:
-    """A rank's exchanges of one inner step over the group "outer" (a rank of every group), for
-    `owned` master elements: every fragment once in H steps, so the whole shard / H (rounded down)."""
-    if s.quantization == "none":
-        return PlannedCollective(PHASE, "all_reduce", "outer", owned * 4 // s.interval)
-    return PlannedCollective(PHASE, "all_gather", "outer", outer_wire_nbytes(owned, s) // s.interval,
-                             owned // s.interval, 4)
-
+from zeropp.outer.fragments import FragmentLayout, StepsSince, fragment_bounds  # noqa: F401 (the planner's)
+from zeropp.outer.settings import DRIFT, GLOBAL, KEY, PHASE, WARMUP, OuterSettings, saved_layout  # noqa: F401
+from zeropp.outer.wire import decode_mean, decode_weighted, encode_outer, exchange_per_step, in_flight_bound  # noqa: F401
 
 @dataclass
 class Exchange:
@@ -143,29 +81,33 @@ class Exchange:
     wire: torch.Tensor | None = None    # int4: what I send, held until it is sent
     size: int = 1                 # the groups in it
     weighted: bool = False        # the sum is the token-weighted mean (a fault-tolerant membership)
+    weights: list | None = None   # int4, topk2: each member's weight when they are not equal
+    counted: bool = True          # my values are in it (a member that joins or is behind has weight 0)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.buf, self.mine, self.error, self.wire) if t is not None)
 
 
-def in_flight_bound(numels: list[int], s: OuterSettings, groups: int) -> int:
-    """The most bytes of exchanges in flight at once (`Exchange.nbytes`), for fragments of `numels`
-    master elements: those issued in the last max(delay, 1) inner steps, at the worst step."""
-    def held(n):   # my outer gradient and (exact) my locals to sum or (int4) the error and the wires
-        return 8 * n + (0 if s.quantization == "none" else (groups + 1) * outer_wire_nbytes(n, s))
-    window, H, F = max(s.delay, 1), s.interval, s.fragments
-    return max(sum(held(n) for f, n in enumerate(numels) if (step - f * H // F) % H < window) for step in range(H))
-
-
-def group_check(comm, outer: torch.Tensor, mine: torch.Tensor) -> tuple[bool, bool, float]:
+def group_check(cross, outer: torch.Tensor, mine: torch.Tensor) -> tuple[bool, bool, float]:
     """Whether `outer` is finite on every shard of my group (so all its ranks agree, and the
     other groups too: they hold the same outer gradient), whether my group's own outer
     gradient `mine` is not (its copy went bad), and the RMS of `outer - mine` over them."""
     diff = outer - mine
     sums = torch.stack([diff.square().sum().nan_to_num(), diff.new_tensor(float(diff.numel())),
                         (~torch.isfinite(outer)).any().float(), (~torch.isfinite(mine)).any().float()])
-    comm.all_reduce(sums, phase=DRIFT)
+    cross.group_sum(sums)
     return sums[2].item() == 0, sums[3].item() > 0, (sums[0] / sums[1].clamp(min=1)).sqrt().item()
+
+
+def nesterov(mean: torch.Tensor, outer: torch.Tensor, mom: torch.Tensor | None, s: OuterSettings) -> torch.Tensor:
+    """The new global values from the members' `mean` and the outer gradient `outer` = g - mean
+    (Nesterov: m <- mu m + outer, g <- g - lr (outer + mu m), written from the mean so that lr 1,
+    mu 0 give the mean exactly); `mom` (a fragment's momentum) is updated in place."""
+    new = mean.add(outer, alpha=1.0 - s.lr)
+    if mom is not None:
+        mom.mul_(s.momentum).add_(outer)
+        new.add_(mom, alpha=-s.lr * s.momentum)
+    return new
 
 
 class OuterSync:
@@ -178,29 +120,23 @@ class OuterSync:
         self.comm = engine.comm
         self.layout = FragmentLayout(engine.shards, settings.fragments, engine.device)
         self.owned, self.local, self._set_masters = self.layout.owned, self.layout.local, self.layout.set
-        self.flat = {"global": torch.cat([self.local(f) for f in range(settings.fragments)])}
+        self.flat = {"global": self.layout.local_all()}
         if settings.momentum:
             self.flat["momentum"] = torch.zeros_like(self.flat["global"])
         if settings.quantization != "none":
             self.flat["error"] = torch.zeros_like(self.flat["global"])
         self.glob, self.mom, self.err = (self.layout.views(self.flat.get(k)) for k in ("global", "momentum", "error"))
         self.steps = self.outer_steps = 0
-        self.since = [0] * settings.fragments   # inner steps trained since each fragment's last exchange
+        self.since = StepsSince(settings.fragments)   # inner steps trained since each fragment's last exchange
         self.pending: list[Exchange] = []
         self.joined = not cross.fault_tolerant   # in an exchange since this process started
         self.drift = float("nan")   # of the last merged exchange
         self.in_flight_peak = 0     # bytes (Exchange.nbytes) of the exchanges in flight at once
+        self.counted_through = 0    # the last inner step whose work is in a committed exchange with my weight
 
     def due(self, step: int) -> list[int]:
         """The fragments exchanged after inner step `step` (1, 2, ...)."""
-        H, F = self.s.interval, self.s.fragments
-        return [f for f in range(F) if step % H == f * H // F]
-
-    def average_gradients(self, grads: torch.Tensor):
-        """The warm-up: my reduced gradient shard averaged over the groups (the engine's hook)."""
-        if self.steps < self.s.warmup:
-            self.cross.all_reduce(grads, WARMUP, async_op=False)
-            grads.div_(self.cross.size)
+        return list(self.s.due(step))
 
     # -- CarriedState ---------------------------------------------------------------------------
     def end_step(self, applied: bool) -> str | None:
@@ -210,7 +146,7 @@ class OuterSync:
             for f in range(self.s.fragments):
                 self.glob[f].copy_(self.local(f))
             return None
-        self.since = [n + 1 for n in self.since]
+        self.since.tick()
         notes = [self._merge(x) for x in self.pending if x.merge_at == self.steps]
         self.pending = [x for x in self.pending if x.merge_at > self.steps]
         for f in self.due(self.steps):
@@ -234,7 +170,8 @@ class OuterSync:
         f = opened.fragment
         local, g = self.local(f), self.glob[f]
         mine = g - local
-        x = Exchange(f, self.steps + self.s.delay, mine=mine, size=opened.size, weighted=opened.scale is not None)
+        x = Exchange(f, self.steps + self.s.delay, mine=mine, size=opened.size, weighted=opened.scale is not None,
+                     weights=None if opened.equal_weights() else opened.weights, counted=opened.scale != 0)
         if self.err is None:   # the locals, summed over the groups
             x.buf = local if opened.scale is None else local.mul_(opened.scale)
             x.work = self.cross.all_reduce(x.buf, PHASE)
@@ -257,25 +194,25 @@ class OuterSync:
             x.note = f"exchange of fragment {f} not committed (a group failed during it): skipped"
             return
         self.since[f], self.joined = 0, True
+        if x.counted:
+            self.counted_through = max(self.counted_through, x.merge_at - self.s.delay)
         if x.error is None:
             mean = x.buf.div_(n) if n > 1 and not x.weighted else x.buf
             outer = g - mean
         else:
-            outer = decode_mean(x.buf, g.numel(), n, self.s)
+            outer = decode_mean(x.buf, g.numel(), n, self.s) if x.weights is None else \
+                decode_weighted(x.buf, g.numel(), x.weights, self.s)
             mean = g - outer
         x.work = x.buf = x.wire = None
-        finite, x.reseed, x.drift = group_check(self.comm, outer, x.mine)
+        finite, x.reseed, x.drift = group_check(self.cross, outer, x.mine)
         if not finite:   # a group diverged: every rank keeps the outer state as it was
             x.note = f"outer step of fragment {f} skipped: its outer gradient is not finite" + (
                 f"; group {self.cross.rank}'s copy is not: it takes the global values" if x.reseed else "")
             return
-        new = mean.add(outer, alpha=1.0 - self.s.lr)
-        if self.mom is not None:
-            self.mom[f].mul_(self.s.momentum).add_(outer)
-            new.add_(self.mom[f], alpha=-self.s.lr * self.s.momentum)
+        new = nesterov(mean, outer, None if self.mom is None else self.mom[f], self.s)
         if self.s.quantization == "topk2":   # the merge's move of my masters: the global values' and what I sent
-            self.err[f].copy_(new.sub(g).add_(x.mine).sub_(x.error))
-        elif x.error is not None:
+            self.err[f].copy_(new.sub(g).add_(x.mine).sub_(x.error) if x.counted else new.sub(g))
+        elif x.error is not None and x.counted:   # (a member of weight 0 sent nothing: its error stays)
             self.err[f].copy_(x.error)
         g.copy_(new)
         x.mine = x.error = None
@@ -312,7 +249,7 @@ class OuterSync:
     def scalar_state(self) -> dict:
         """With the merges to come: taken after checkpoint_state(), which steps them."""
         return {"steps": self.steps, "outer_steps": self.outer_steps, "groups": self.cross.layout_key(),
-                "since": self.since, "membership": self.cross.state_dict(),
+                "since": self.since.as_list(), "membership": self.cross.state_dict(),
                 "settings": saved_layout(self.s),
                 "merges": [[x.fragment, x.merge_at, x.drift, x.note, x.reseed]
                            for x in self.pending if x.stepped or x.note]}
@@ -325,16 +262,18 @@ class OuterSync:
         self.drain()
         if self.carried(saved):
             self.steps, self.outer_steps = saved["steps"], saved["outer_steps"]
-            self.since = saved.get("since", self.since)
+            if "since" in saved:
+                self.since.load(saved["since"])
             self.cross.load_state_dict(saved.get("membership"))
             self.pending = [Exchange(f, at, stepped=note is None, drift=drift, note=note, reseed=bool(rest and rest[0]))
                             for f, at, drift, note, *rest in saved.get("merges", [])]
             return None
-        for f in range(self.s.fragments):   # the global parameters: the mean of the groups' loaded masters,
-            self.glob[f].copy_(self.local(f))   # the same in every group (the outer step assumes it)
-            if self.cross.size > 1 and not self.cross.fault_tolerant:   # (torchft: a heal replaces them)
-                self.cross.all_reduce(self.glob[f], PHASE, async_op=False)
-                self.glob[f].div_(self.cross.size)
+        g = self.flat["global"]   # the global parameters: the mean of the groups' loaded masters,
+        g.copy_(self.layout.local_all())   # the same in every group (the outer step assumes it)
+        if self.cross.size > 1 and not self.cross.fault_tolerant:   # (torchft: a heal replaces them)
+            for part in self.glob:
+                self.cross.all_reduce(part, PHASE, async_op=False)
+            g.div_(self.cross.size)
         for state in (self.mom, self.err):
             for t in state or []:
                 t.zero_()
@@ -347,7 +286,7 @@ class OuterSync:
 
     def peak_buffers(self) -> dict:
         return {"outer_exchange_peak": self.in_flight_peak,
-                "outer_exchange_bound": in_flight_bound([g.numel() for g in self.glob], self.s, self.cross.size)}
+                "outer_exchange_bound": in_flight_bound(self.glob.numels(), self.s, self.cross.size)}
 
     def plan_step(self) -> list[PlannedCollective]:
         return [exchange_per_step(sum(g.numel() for g in self.glob), self.s)]
@@ -370,16 +309,24 @@ class OuterSync:
                 + (f"; {unmerged} exchange(s) not merged at the end (a resume merges them)" if unmerged else ""))
 
 
-def attach(engine, cross, settings: OuterSettings) -> OuterSync:
+def average_gradients(sync: OuterSync, grads: torch.Tensor):
+    """The warm-up: my reduced gradient shard averaged over the groups (the engine's hook)."""
+    if sync.steps < sync.s.warmup:
+        sync.cross.all_reduce(grads, WARMUP, async_op=False)
+        grads.div_(sync.cross.size)
+
+
+def attach(engine, cross, settings: OuterSettings, kind=OuterSync) -> OuterSync:
     """Make `engine` (a sharded engine over one group) synchronize across the groups: `cross` is a
-    membership (parallel/membership.py) or the Partition of the same rank in every group of this job."""
+    membership (parallel/membership.py) or the Partition of the same rank in every group of this job;
+    `kind` the synchronous OuterSync or zeropp/outer/asynchronous.py's AsyncOuterSync."""
     if not hasattr(engine, "masters_changed"):
         raise ConfigError("--outer-sync-interval needs ZeRO stage 1-3 over groups of more than one rank; "
                           "pass --zero-stage 3 and a --group-size of at least one node of 2+ ranks")
     if isinstance(cross, Partition):
         cross = FixedGroups(engine.comm, cross.group, cross.size, cross.rank)
-    sync = OuterSync(engine, cross, settings)
+    sync = kind(engine, cross, settings)
     if settings.warmup:
-        engine.parts.gradient_hooks.append(sync.average_gradients)
+        engine.parts.gradient_hooks.append(lambda grads: average_gradients(sync, grads))
     engine.parts.carried[KEY] = sync   # last: after the techniques' parts commit their step
     return sync

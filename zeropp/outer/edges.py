@@ -18,21 +18,18 @@ def with_global_weights(sync: OuterSync):
     training/outer.py). Yields the RMS distance of the groups' masters from the global ones."""
     for x in sync.pending:   # as a save does: the exchanges in flight stepped, merged at their step
         sync._outer_step(x)
-    own = [sync.local(f) for f in range(sync.s.fragments)]
-    sums = torch.zeros(2, dtype=torch.float64, device=sync.engine.device)
-    for o, g in zip(own, sync.glob):
-        sums += torch.stack([(o - g).double().square().sum(), sums.new_tensor(float(o.numel()))])
+    own = sync.layout.local_all()
+    g = sync.global_values() if sync.s.asynchronous else sync.flat["global"]   # (the thread's: a copy)
+    sums = torch.stack([(own - g).double().square().sum(), torch.tensor(float(own.numel()), dtype=torch.float64)])
     sync.comm.all_reduce(sums, phase=DRIFT)
     if sync.cross.size > 1 and not sync.cross.fault_tolerant:   # (torchft: my group's drift)
         sync.cross.all_reduce(sums, DRIFT, async_op=False)
-    for f in range(sync.s.fragments):
-        sync._set_masters(f, 0.0, sync.glob[f])
+    sync.layout.set_all(g)
     sync.engine.masters_changed()
     try:
         yield (sums[0] / sums[1].clamp(min=1)).sqrt().item()
     finally:
-        for f in range(sync.s.fragments):
-            sync._set_masters(f, 0.0, own[f])
+        sync.layout.set_all(own)
         sync.engine.masters_changed()
 
 
@@ -42,6 +39,8 @@ def final_sync(sync: OuterSync) -> str | None:
     and the global values set to the mean, so the global parameters (what a checkpoint exports)
     are every group's trained model. What `tools/export_checkpoint.py --average-groups`
     computes from a checkpoint saved before the end."""
+    if sync.s.asynchronous:
+        return sync.final()
     notes = [sync._merge(x) for x in sync.pending]
     sync.pending = []
     F = sync.s.fragments
@@ -50,33 +49,46 @@ def final_sync(sync: OuterSync) -> str | None:
         if opened.quorum:
             sync.cross.commit()
         return "; ".join(n for n in notes + ["no other group present at the end: this group's own model"] if n)
-    means = []
-    for f in range(F):
-        mean = sync.local(f)
-        sync.cross.all_reduce(mean if opened.scale is None else mean.mul_(opened.scale), PHASE).wait()
-        means.append(mean.div_(opened.size) if opened.scale is None and opened.size > 1 else mean)
+    layout, g = sync.layout, sync.flat["global"]
+    mean = layout.local_all()
+    if opened.scale is not None:
+        mean.mul_(opened.scale)
+    for part in layout.views(mean):   # a fragment at a time, as it always was: the same sums, bit for bit
+        sync.cross.all_reduce(part, PHASE).wait()
+    if opened.scale is None and opened.size > 1:
+        mean.div_(opened.size)
     if not sync.cross.commit():
         return "; ".join(n for n in notes + ["final synchronization not committed (a group failed during it)"] if n)
-    for f, mean in enumerate(means):
-        local, g = sync.local(f), sync.glob[f]
-        finite, reseed, _ = group_check(sync.comm, g - mean, g - local)
-        if finite:
-            g.copy_(mean)
-            if sync.err is not None:   # nothing of the groups' drift is left unsent
-                sync.err[f].zero_()
-        else:
-            notes.append(f"final synchronization of fragment {f} skipped: a group's values are not finite"
-                         + (f"; group {sync.cross.rank} takes the global values" if reseed else ""))
-        if finite or reseed:
-            sync._set_masters(f, 0.0, g)
+    sync.counted_through = sync.steps
+    local = layout.local_all()
+    finite, reseed = fragment_checks(sync, g - mean, g - local)
+    took = layout.elementwise(finite)
+    g.copy_(torch.where(took, mean, g))
+    if sync.err is not None:   # nothing of the groups' drift is left unsent
+        sync.flat["error"].masked_fill_(took, 0.0)
+    layout.set_all(torch.where(layout.elementwise(finite | reseed), g, local))
+    for f in (~finite).nonzero().flatten().tolist():
+        notes.append(f"final synchronization of fragment {f} skipped: a group's values are not finite"
+                     + (f"; group {sync.cross.rank} takes the global values" if reseed[f] else ""))
     sync.engine.masters_changed()
     return "; ".join(n for n in notes if n) or None
+
+
+def fragment_checks(sync: OuterSync, outer: torch.Tensor, mine: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """group_check for every fragment at once (over my whole shard): per fragment [F], whether
+    `outer` is finite on every shard of my group, and whether my group's own `mine` is not."""
+    bad = torch.stack([~torch.isfinite(outer), ~torch.isfinite(mine)], 1).float()
+    counts = sync.layout.per_fragment(bad)
+    sync.cross.group_sum(counts)
+    return counts[:, 0] == 0, counts[:, 1] > 0
 
 
 # -- a fault-tolerant membership: join and heal ---------------------------------------------------
 def outer_state(sync: OuterSync) -> dict:
     """What a group that is behind takes from a peer (copies: torchft sends them while this
     group goes on)."""
+    if sync.s.asynchronous:
+        return sync.rounds.outer_state()
     return {"steps": sync.steps, "outer_steps": sync.outer_steps, "fingerprint": sync.cross.fingerprint,
             **{k: v.clone() for k, v in sync.flat.items() if k != "error"}}
 
@@ -86,18 +98,23 @@ def heal(sync: OuterSync, state: dict):
     group has fetched its part; collective over my group). A group that has not exchanged since
     it (re)started takes the global parameters as its masters too; one that trained on alone
     keeps its own and merges them at its next exchanges."""
+    if sync.s.asynchronous:
+        return sync.rounds.heal(state)
     if state.get("fingerprint") != sync.cross.fingerprint:   # nothing copied: the quorum's header says why
-        return                                              # to every group (parallel/membership.py)
+        return                                              # to every group (parallel/torchft_groups.py)
     for k, v in state.items():
         if k in sync.flat:
             sync.flat[k].copy_(v)
-    if "error" in sync.flat:
-        sync.flat["error"].zero_()
+    if "error" in sync.flat:   # what this group has not sent of its own steps, kept with its masters
+        kept = sync.joined
+        if not kept:
+            sync.flat["error"].zero_()
+        sync.cross.events.append("its error feedback " + ("kept: this group keeps its masters" if kept else
+                                                          "zeroed: this group takes the global values"))
     sync.steps, sync.outer_steps = state["steps"], state["outer_steps"]
-    sync.since = [0] * sync.s.fragments
+    sync.since.reset()
     if not sync.joined:
-        for f in range(sync.s.fragments):
-            sync._set_masters(f, 0.0, sync.glob[f])
+        sync.layout.set_all(sync.flat["global"])
         sync.engine.masters_changed()
 
 
@@ -105,8 +122,10 @@ def join(sync: OuterSync) -> str:
     """Before the first inner step: meet the groups present (torchft's quorum), heal from them if
     this group is behind, and when they are at an exchange take part in it with no weight. The
     inner step to continue from is then `sync.steps`."""
+    if sync.s.asynchronous:
+        return sync.join()
     before = sync.steps
-    opened = sync.cross.open(sync.steps, JOINING, 0)
+    opened = sync.cross.at_start(lambda: sync.cross.open(sync.steps, JOINING, 0))
     if not opened.quorum:
         return "no quorum at the start: this group trains alone until one forms"
     x = sync.start(opened)
