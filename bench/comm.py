@@ -113,7 +113,7 @@ def main(argv=None):
     ap.add_argument("--out", default=str(RESULTS / "zeropp_comm.json"))
     a = ap.parse_args(argv)
     a.systems = ["ZeRO-3"] + [s for s in a.systems.split(",") if s in SYSTEMS and s != "ZeRO-3"]
-    from parallel.spawn import run_distributed
+    from scenarios.harness.spawn import run_distributed
     results = []
     for c in a.configs.split(","):
         shape, dtype = c.split(":")

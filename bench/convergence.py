@@ -39,7 +39,7 @@ from pathlib import Path
 
 from bench import RESULTS, ROOT, checkout_name
 from bench.convergence_report import parse_log, report, wallclock
-from bench.jobs import check_data, run_logged
+from scenarios.harness.jobs import check_data, run_logged
 
 ZERO3_FLAGS = ["--zero-stage", "3"]
 ZEROPP_FLAGS = ["--zero-stage", "3", "--zero-quantized-weights", "--zero-hpz-size", "2", "--zero-quantized-gradients"]

@@ -125,7 +125,7 @@ def add_args(ap):
 
 def run(args):
     from bench import write_result
-    from parallel.spawn import run_distributed
+    from scenarios.harness.spawn import run_distributed
     results = run_distributed(run_rank, args.ranks, args=(args,), timeout=540)
     r0 = results[0]
     print(f"{args.ranks} ranks as {args.ranks // args.ranks_per_node} emulated nodes x {args.ranks_per_node} on one "

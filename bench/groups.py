@@ -36,9 +36,9 @@ import time
 from pathlib import Path
 
 from bench import RESULTS, provenance, write_result
-from bench.diloco_job import demo_flags
-from bench.groups_edges import THROTTLE, WEIGHT, launch
-from bench.jobs import RUN, VALIDATION, check_data, iterations, listed, start_lighthouse, stop, wait_for
+from scenarios.diloco_job import demo_flags
+from scenarios.groups_edges import THROTTLE, WEIGHT, launch
+from scenarios.harness.jobs import RUN, VALIDATION, check_data, iterations, listed, start_lighthouse, stop, wait_for
 
 TRACE = "ZEROPP_GROUPS_TRACE"   # training/outer.py: a JSON line per inner step (rank 0)
 GROUPS = 3

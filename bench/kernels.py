@@ -137,7 +137,7 @@ def _host_rank(rank, world, systems, a, rounds, no_op):
 
 def host_cost(args):
     from bench.systems import LABELS
-    from parallel.spawn import run_distributed
+    from scenarios.harness.spawn import run_distributed
     a = dict(num_layers=args.num_layers, hidden=args.hidden, heads=4, vocab=4096, seq=args.seq, micro_batch=1,
              warmup=2, steps=args.steps, seed=1234, dtype=args.dtype, bucket_fraction=8, ranks_per_node=2)
     medians = {}

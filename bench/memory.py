@@ -46,7 +46,7 @@ from bench import RESULTS, memory_bound, write_result
 from bench.memory_bound import PeakRSS, ds_config, model_config, rss_mb, rss_split
 from model import GPT, num_parameters
 from parallel.comm import Communicator
-from parallel.spawn import run_distributed
+from scenarios.harness.spawn import run_distributed
 from parallel.topology import topology_from_env
 from zeropp.memory import memory_report
 

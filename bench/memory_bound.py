@@ -30,10 +30,10 @@ import time
 import torch
 
 import zeropp
-from bench.jobs import listed
+from scenarios.harness.jobs import listed
 from model import GPT, GPTConfig, num_parameters
 from parallel.comm import Communicator
-from parallel.spawn import run_distributed
+from scenarios.harness.spawn import run_distributed
 from parallel.topology import topology_from_env
 from zeropp.memory import AllocationTrace, memory_report
 

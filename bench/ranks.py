@@ -212,7 +212,7 @@ def build_system(rank, world, system, a, prepare=None):
 
 
 def bench_rank(rank, world, system, a):
-    """One rank under parallel.spawn, without a process group (DeepSpeed joins through its own init)."""
+    """One rank under scenarios.harness.spawn, without a process group (DeepSpeed joins through its own init)."""
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     COUNTER.install()  # before DeepSpeed binds torch.distributed functions

@@ -132,9 +132,9 @@ FIGURES = {
         command="python -m bench.memory large --sharding S --dtype D --num-layers 8 --hidden 768 --heads 12 "
                 "--vocab 8192 --seq 64 --optimizer adamw --checkpoint DIR"),
     "fault_matrix": dict(section="Faults", title="The fault matrix", render="fault_matrix", files=["fault_matrix.json"],
-                         command="python -m bench.faults"),
+                         command="python -m scenarios.faults"),
     "groups_job": dict(section="Faults", title="Groups that survive each other", render="groups_job",
-                       files=["groups_job.json"], command="python -m bench.faults groups"),
+                       files=["groups_job.json"], command="python -m scenarios.faults groups"),
     "groups_goodput": dict(section="Faults", title="Groups as jobs: synchronous against --outer-async",
                            render="groups_goodput", files=["groups_goodput.json"],
                            command="python -m bench.groups straggler; python -m bench.groups punisher"),

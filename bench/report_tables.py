@@ -194,7 +194,7 @@ def cells_passed(tree):
 
 
 def fault_matrix(files, opts):
-    """bench.fault_matrix: cells passed per mode and layout."""
+    """scenarios.fault_matrix: cells passed per mode and layout."""
     (_, data), = files
     rows = [["engine", layout, *cells_passed(cells)] for layout, cells in data["layouts"].items()]
     for mode, layouts in data.get("modes", {}).items():
@@ -205,7 +205,7 @@ def fault_matrix(files, opts):
 
 
 def groups_job(files, opts):
-    """bench.groups_job: each fault-tolerant-groups cell's outcome and time."""
+    """scenarios.groups_job: each fault-tolerant-groups cell's outcome and time."""
     (_, data), = files
     rows = [[cell, "PASS" if c["ok"] else f"FAIL: {c['why']}", f(c["seconds"], 0)]
             for cell, c in data["cells"].items()]

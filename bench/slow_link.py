@@ -7,7 +7,7 @@ DeepSpeed when installed, a plain PyTorch loop) side by side on emulated nodes: 
     .venv/bin/python -m bench.slow_link local | split | calibrate | planner | gpu
     .venv/bin/python -m bench.slow_link COMMAND --help      # what it measures, its limit, sizes, duration
 
-The link: two network namespaces joined by a veth rate-limited both ways by tc tbf (bench/netns.py),
+The link: two network namespaces joined by a veth rate-limited both ways by tc tbf (scenarios/harness/netns.py),
 2 torchrun ranks in each; traffic inside a node stays on its loopback. Commands that need the link
 print a SKIPPED line and exit 0 without root and iproute2; they remove their namespaces on exit.
 """

@@ -109,7 +109,7 @@ def _median_dicts(dicts: list[dict]) -> dict:
 
 
 def run(args):
-    from parallel.spawn import run_distributed
+    from scenarios.harness.spawn import run_distributed
     torch.set_num_threads(1)
     load = os.getloadavg()[0]
     rounds = [([time_model(torch.bfloat16, steps=args.steps), time_model(torch.float32, steps=args.steps)], time_quant(),

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from bench import RESULTS, ROOT, cpu_model, write_result
-from bench.netns import NS, missing, netns_down, netns_up, sh, tbf_burst
+from scenarios.harness.netns import NS, missing, netns_down, netns_up, sh, tbf_burst
 from bench.slow_link_report import fmt_table, md_table, rate_name
 from bench.slow_link_run import run_system
 from bench.slow_link_sweep import add_model_args, summarize

@@ -1,6 +1,6 @@
 """The systems side by side on gloo ranks of one machine, no link (`python -m bench.slow_link local`):
 our stages 0-3 next to PyTorch FSDP2 and DeepSpeed ZeRO (when installed), one GPT, seed, data stream,
-fp32 and AdamW for all. Each system runs in its own fresh ranks (parallel/spawn.py, one thread each), so
+fp32 and AdamW for all. Each system runs in its own fresh ranks (scenarios/harness/spawn.py, one thread each), so
 peak RSS is its own; a system that fails or hangs is an error row. Per row: step time, peak RSS,
 model-state bytes, bytes per step counted (our Communicator) and intercepted (wrappers on
 torch.distributed, every system) beside the ring model's bytes (the limit), collectives per step,
@@ -139,7 +139,7 @@ def checks(rows, pairs, tol=1e-5):
 
 def run(args):
     from bench.ranks import bench_rank
-    from parallel.spawn import spawn_ranks
+    from scenarios.harness.spawn import spawn_ranks
     a = {k: getattr(args, k) for k in (*MODEL, "warmup", "steps", "seed")}
     systems = ALL_SYSTEMS if args.systems == "all" else [s for s in args.systems.split(",") if s]
     world1 = [s for s in args.world1_systems.split(",") if s]
@@ -255,7 +255,7 @@ def rank_of_collectives(rank, world, numel, reps):
 
 def run_split(args):
     from bench.systems import block_params
-    from parallel.spawn import spawn_ranks
+    from scenarios.harness.spawn import spawn_ranks
     a = {**{k: getattr(args, k) for k in (*SPLIT_MODEL, "warmup", "steps", "seed", "dtype")}, "ranks_per_node": 2,
          "bucket_fraction": 8}
     env, systems = {"LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}, args.systems.split(",")

@@ -20,7 +20,7 @@ import traceback
 from pathlib import Path
 
 from bench import ROOT
-from bench.netns import ADDR, IF, NS, RANKS_PER_NODE, link_counters, qdisc_stats, set_rate, start_tracked, stop
+from scenarios.harness.netns import ADDR, IF, NS, RANKS_PER_NODE, link_counters, qdisc_stats, set_rate, start_tracked, stop
 
 
 def run_system(system: str, rates: list[int], a: dict, port: int, setup_timeout: float, rate_timeout: float,

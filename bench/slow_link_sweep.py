@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from bench import RESULTS
-from bench.netns import IF, RANKS_PER_NODE, TBF_LATENCY, missing, netns_down, netns_up, tbf_burst
+from scenarios.harness.netns import IF, RANKS_PER_NODE, TBF_LATENCY, missing, netns_down, netns_up, tbf_burst
 from bench.slow_link_report import mb, rate_name, render
 from bench.slow_link_run import run_system
 

@@ -30,7 +30,7 @@ import time
 from types import SimpleNamespace
 
 from bench import ROOT
-from bench.jobs import DATA_PREFIX, TOKENIZER, check_data, job_env, listed, torchrun
+from scenarios.harness.jobs import DATA_PREFIX, TOKENIZER, check_data, job_env, listed, torchrun
 
 VARIANTS = {"train.py": {}, "glibc-32m": {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20)}}
 TINY = dict(num_layers=1, hidden=64, heads=4)
@@ -106,7 +106,7 @@ def run(a) -> dict:
                                          "stage3_max_live_parameters": a.bucket, "stage3_max_reuse_distance": 0}}, f)
     large = dict(num_layers=a.num_layers, hidden=a.hidden, heads=a.heads)
     act = activations_mb(a)
-    from parallel.spawn import run_distributed
+    from scenarios.harness.spawn import run_distributed
     staging = None
     rows = {}
     for name in variants:

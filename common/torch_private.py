@@ -350,7 +350,7 @@ def replica_all_reduce_on(group) -> bool:
 def forget_dtensor_plans() -> None:
     """Drop DTensor's cached redistribution plans and sharding propagations. Each holds the meshes
     it was made for (an output spec, its mesh and process groups), and DeviceMesh equality ignores
-    process groups: in a process whose groups were destroyed (parallel/spawn.py's pooled ranks) a
+    process groups: in a process whose groups were destroyed (scenarios/harness/spawn.py's pooled ranks) a
     new equal mesh would find a cached spec naming a destroyed group."""
     from torch.distributed.tensor._redistribute import _gen_transform_infos
     _gen_transform_infos.cache_clear()

@@ -3,7 +3,7 @@ that uses a fixture which trains on several ranks or launches train.py is slow, 
 import pytest
 
 from common import forget_notes
-from parallel import spawn
+from scenarios.harness import spawn
 
 # module fixtures that train (several ranks, or a train.py process) before their tests read the result
 SLOW_FIXTURES = {"runs", "short_run_done", "saved_4_ranks_stage3", "checkpoint"}

@@ -1,11 +1,11 @@
-"""Test helpers for multi-rank runs: the process harness (parallel/spawn.py,
+"""Test helpers for multi-rank runs: the process harness (scenarios/harness/spawn.py,
 shared with bench/) and a copy of an engine's checkpoint state.
 
     results = run_distributed(fn, world_size=4, args=(...))   # one result per rank
 
 `fn(rank, world_size, *args)` runs on every rank with torch.distributed
 initialised (gloo); an exception on any rank fails the call with that rank's
-traceback. The ranks are a pool kept across tests (parallel/spawn.py: spawning
+traceback. The ranks are a pool kept across tests (scenarios/harness/spawn.py: spawning
 and joining gloo once per world size, not once per call, is most of the suite's
 time saved); `fresh=True`, or `env=`, gives a call processes of its own.
 """
@@ -16,7 +16,7 @@ import copy
 import io
 import os
 
-from parallel import spawn
+from scenarios.harness import spawn
 
 __all__ = ["run_distributed", "spawn_ranks", "train_ranks", "snapshot", "restore"]
 

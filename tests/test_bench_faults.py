@@ -1,4 +1,4 @@
-"""Smoke tests of `python -m bench.faults`: its --help, the matrix's parts and columns picked by
+"""Smoke tests of `python -m scenarios.faults`: its --help, the matrix's parts and columns picked by
 flags, and (slow) one cell of the engine's matrix end to end, its JSON with its provenance."""
 import importlib.util
 import json
@@ -6,8 +6,8 @@ import json
 import pytest
 
 from bench import ROOT
-from bench.faults import main, pick
-from bench.jobs import iterations, listed, samples_in_order
+from scenarios.faults import main, pick
+from scenarios.harness.jobs import iterations, listed, samples_in_order
 from tests.test_bench_slow_link_smoke import EVERY_COMMAND
 
 

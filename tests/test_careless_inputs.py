@@ -354,7 +354,7 @@ def test_old_checkpoint_with_a_relative_tokenizer(checkpoint, tmp_path):
     assert os.path.samefile(tok.model_file, checkpoint.parent.parent / "sp.model")
 
 
-# -- found by trying more careless inputs (bench/cli_errors.py lists them all) -----------------
+# -- found by trying more careless inputs (scenarios/cli_errors.py lists them all) -----------------
 @pytest.mark.parametrize("make, flag, says", [
     (lambda t: (t.write_text("x"), str(t))[1], "--data-cache-path", "is a file"),
     (lambda t: "/dev/null", "--config", "is not a regular file"),

@@ -2,7 +2,7 @@
 weight deltas' reference weights and counters. It changes only when a step is applied, is
 never saved non-finite, and resumes bit for bit on the same layout.
 
-The fault matrix (bench/fault_matrix.py, tests/test_fault_matrix.py) runs every switch
+The fault matrix (scenarios/fault_matrix.py, tests/test_fault_matrix.py) runs every switch
 combination through these faults; here are the symptoms as they were found."""
 import os
 import re

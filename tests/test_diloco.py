@@ -216,8 +216,8 @@ def test_a_warm_up_is_synchronous_data_parallel_then_the_groups_exchange(runs):
 
 def warmup_faults(rank, world):
     """An fp16 overflow, then (fp32) a NaN loss, on rank 0 only (group 0) at the second of 3
-    warm-up steps (bench/fault_modes.py's engines and fault injection)."""
-    from bench.fault_modes import Grouped
+    warm-up steps (scenarios/fault_modes.py's engines and fault injection)."""
+    from scenarios.fault_modes import Grouped
     out = []
     for precision, value in (("fp16", float("inf")), ("fp32", float("nan"))):
         run = Grouped({"stage": 3}, precision, 2, 1, OuterSettings(2, fragments=2, warmup=3))

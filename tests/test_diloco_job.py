@@ -13,7 +13,7 @@ node (`--ranks-per-node 2 --group-size 1`), a 2-layer GPT on a tiny corpus.
 import pytest
 import torch
 
-from bench.diloco_job import GROUPS, SHORT, TOPK2, diverge_one_group, short_export, signal_one_group
+from scenarios.diloco_job import GROUPS, SHORT, TOPK2, diverge_one_group, short_export, signal_one_group
 from tests.distributed import train_ranks
 from tests.test_cli_errors import fails, good
 from tests.test_cli_errors import corpus as cli_corpus   # noqa: F401 (a fixture)
@@ -23,7 +23,7 @@ from training.checkpoint import iteration_dir
 
 
 def base(corpus, out):  # noqa: F811
-    """The tiny GPT on the tiny corpus; bench/diloco_job.py's flags (the groups, the fault's) come
+    """The tiny GPT on the tiny corpus; scenarios/diloco_job.py's flags (the groups, the fault's) come
     after these and win."""
     return flags(corpus, out, 1)
 
@@ -33,7 +33,7 @@ def base(corpus, out):  # noqa: F811
 @pytest.mark.slow
 def test_sigterm_to_one_group_stops_every_group_and_saves(corpus, tmp_path):  # noqa: F811
     """A node's preemption: SIGTERM to group 1's ranks only. Every rank stops after the same
-    iteration, the checkpoint is complete, and the job exits 0 (bench/diloco_job.py)."""
+    iteration, the checkpoint is complete, and the job exits 0 (scenarios/diloco_job.py)."""
     assert signal_one_group(base(corpus, tmp_path), tmp_path / "ckpt") == ""
 
 
@@ -52,7 +52,7 @@ def test_a_loss_diverging_in_one_group_stops_every_group_with_a_loadable_checkpo
 @pytest.fixture(scope="module")
 def short_run_done(corpus, tmp_path_factory):  # noqa: F811
     """6 iterations with H = 100: no exchange before the end; evaluated and saved at 3 and 6
-    (bench/diloco_job.py's short run, on pooled ranks: the launcher is not under test here)."""
+    (scenarios/diloco_job.py's short run, on pooled ranks: the launcher is not under test here)."""
     tmp = tmp_path_factory.mktemp("short")
     argv = [*base(corpus, tmp), *GROUPS, *SHORT]
     rc, out = train_ranks(4, argv)

@@ -1,10 +1,10 @@
-"""The fault matrix (bench/fault_matrix.py): switch combinations generated from the config
+"""The fault matrix (scenarios/fault_matrix.py): switch combinations generated from the config
 validator, each through an fp16 overflow, a bf16 NaN, an exact resume, a load on another
 layout and with a switch flipped, and "auto" on a fast and a slow link. The default suite runs
 the quick share (each stage plain, each switch alone, all at once) on each layout; the whole matrix (and the other layouts) runs with
-ZEROPP_FULL_MATRIX=1, and `python -m bench.faults` prints it as a table.
+ZEROPP_FULL_MATRIX=1, and `python -m scenarios.faults` prints it as a table.
 
-The two modes' rows (bench/fault_modes.py): streaming DiLoCo, one outer setting per layout in
+The two modes' rows (scenarios/fault_modes.py): streaming DiLoCo, one outer setting per layout in
 the default suite (INT4 merged a step late on 2 x 2, exact at once on 4 x 1 with ZeRO++ inside),
 every setting with ZEROPP_FULL_MATRIX=1; FSDP2 + the plug-in, every switch at once in the
 default suite, the quick share as a slow test, every combination FSDP2 accepts with
@@ -14,8 +14,8 @@ import os
 import pytest
 
 import zeropp
-from bench.fault_matrix import FAULTS, SWITCH_VALUES, accepted, combinations, name, quick, run_matrix
-from bench.fault_modes import (DILOCO_FAULTS, DILOCO_LAYOUTS, FSDP2_FAULTS, outer_settings, quick_settings, run_diloco,
+from scenarios.fault_matrix import FAULTS, SWITCH_VALUES, accepted, combinations, name, quick, run_matrix
+from scenarios.fault_modes import (DILOCO_FAULTS, DILOCO_LAYOUTS, FSDP2_FAULTS, outer_settings, quick_settings, run_diloco,
                                run_fsdp2, settings_name)
 from common import ConfigError
 from zeropp.fsdp.engine import check_fsdp2_config
@@ -58,7 +58,7 @@ def test_quick_matrix(world, ranks_per_node):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not os.environ.get("ZEROPP_FULL_MATRIX"),
-                    reason="the whole matrix takes minutes: ZEROPP_FULL_MATRIX=1, or python -m bench.faults")
+                    reason="the whole matrix takes minutes: ZEROPP_FULL_MATRIX=1, or python -m scenarios.faults")
 @pytest.mark.parametrize("world, ranks_per_node", [(4, 2), (2, 1), (4, 4)])
 def test_full_matrix(world, ranks_per_node):
     combos = combinations(world, ranks_per_node)
@@ -70,7 +70,7 @@ def test_full_matrix(world, ranks_per_node):
 # -- the modes -------------------------------------------------------------------------------------
 
 FULL = pytest.mark.skipif(not os.environ.get("ZEROPP_FULL_MATRIX"),
-                          reason="every row takes minutes: ZEROPP_FULL_MATRIX=1, or python -m bench.faults")
+                          reason="every row takes minutes: ZEROPP_FULL_MATRIX=1, or python -m scenarios.faults")
 
 
 def test_fsdp2_combinations_are_what_both_validators_accept():

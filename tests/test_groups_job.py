@@ -1,14 +1,14 @@
 """Groups that survive each other (train.py --lighthouse): each group its own torchrun job of 2
 gloo ranks, meeting the others through torchft's Lighthouse, on a 2-layer GPT and a tiny corpus
-(bench/groups_job.py runs the jobs and checks them)."""
+(scenarios/groups_job.py runs the jobs and checks them)."""
 import importlib.util
 
 import pytest
 
-from bench.groups_edges import (async_resume, async_straggler, clean_start, refused_duplicate, refused_model,
+from scenarios.groups_edges import (async_resume, async_straggler, clean_start, refused_duplicate, refused_model,
                                 refused_outer_flags, unreachable_lighthouse)
-from bench.groups_job import kill_one_group, late_start_and_clean_stop, lighthouse_restart, same_as_one_job
-from bench.groups_sites import NO_SITES, can_make_sites, heal_interrupted
+from scenarios.groups_job import kill_one_group, late_start_and_clean_stop, lighthouse_restart, same_as_one_job
+from scenarios.groups_sites import NO_SITES, can_make_sites, heal_interrupted
 from tests.test_cli_errors import fails, good
 from tests.test_cli_errors import corpus as cli_corpus   # noqa: F401 (a fixture)
 from tests.test_train import corpus, flags   # noqa: F401 (corpus: the fixture)
@@ -54,7 +54,7 @@ def test_a_lighthouse_restart_leaves_the_groups_training_and_they_meet_again(cor
 @pytest.mark.slow
 @pytest.mark.skipif(not can_make_sites(), reason=NO_SITES)
 def test_a_heal_cut_off_midway_leaves_nothing_half_loaded_and_heals_again_later(corpus, tmp_path):  # noqa: F811
-    """A late group heals from the other over a slow link (bench/groups_sites.py), and the link
+    """A late group heals from the other over a slow link (scenarios/groups_sites.py), and the link
     goes down midway for 15 s: the heal fails whole, the group trains alone, heals once the link
     is back and exchanges again; the other never stood still and read its samples in order;
     both end on the same global model."""

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.jobs import free_port, job_env, wait_for
+from scenarios.harness.jobs import free_port, job_env, wait_for
 from tests.test_train import corpus   # noqa: F401 (the tiny corpus: a fixture)
 from training.args import parse_args
 from training.checkpoint import TRACKER

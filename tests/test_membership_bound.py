@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from bench.jobs import start_lighthouse, stop
+from scenarios.harness.jobs import start_lighthouse, stop
 from tests.distributed import spawn_ranks
 
 pytestmark = [pytest.mark.slow,   # two fresh rank processes that import torchft

@@ -1,7 +1,7 @@
 """The cross-group process group (common/torchft_private.py `gloo_within`) under a link cut while
 it is reconfigured: gloo waits five times its timeout for a pair's first connection, so a group
 whose peer wrote its address and was then cut off stood still five exchange timeouts (50 s
-with a 10 s timeout in a groups job). Two ranks on two emulated sites (bench/groups_sites.py),
+with a 10 s timeout in a groups job). Two ranks on two emulated sites (scenarios/groups_sites.py),
 torchft's configure as the Manager calls it."""
 import importlib.util
 import json
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from bench.groups_sites import NO_SITES, address, can_make_sites, in_site, link, sites_down, sites_up
+from scenarios.groups_sites import NO_SITES, address, can_make_sites, in_site, link, sites_down, sites_up
 
 pytestmark = [pytest.mark.slow,   # a 15 s outage
               pytest.mark.skipif(importlib.util.find_spec("torchft") is None, reason="torchft is not installed"),

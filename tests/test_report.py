@@ -136,11 +136,11 @@ def runnable(module: str) -> bool:
 
 
 def test_every_figure_names_an_entry_point_that_exists():
-    """The command a page gives to run a figure again names a benchmark module that is still there."""
+    """The command a page gives to run a figure again names a benchmark or scenario module that is there."""
     import importlib.util
     gone = []
     for key, fig in report.FIGURES.items():
-        module = re.search(r"python -m (bench\.\w+)", fig["command"])
+        module = re.search(r"python -m ((?:bench|scenarios)\.\w+)", fig["command"])
         if module is None or not runnable(module.group(1)):
             gone.append(f"{key}: {fig['command']}")
     assert not gone, "figures whose command no longer runs:\n" + "\n".join(gone)
@@ -151,7 +151,7 @@ def test_every_benchmark_command_in_the_text_exists():
     import importlib.util
     gone = sorted({f"{rel(p)}: {m}" for p in tracked("*.py", "*.md", "*.sh", "*.yaml")
                    if not rel(p).startswith("bench/results/") and p.name != "results.md"
-                   for m in re.findall(r"python -m (bench\.[a-z][a-z0-9_]{2,})", p.read_text(errors="replace"))
+                   for m in re.findall(r"python -m ((?:bench|scenarios)\.[a-z][a-z0-9_]{2,})", p.read_text(errors="replace"))
                    if not runnable(m)})
     assert not gone, "benchmark commands naming a module that is gone:\n" + "\n".join(gone)
 

@@ -1,4 +1,4 @@
-"""The pooled rank processes of tests/distributed.py (parallel/spawn.py): a call runs on kept
+"""The pooled rank processes of tests/distributed.py (scenarios/harness/spawn.py): a call runs on kept
 processes, a failure comes back as the rank's traceback and ends the pool, a hang times out,
 and what a body changes does not reach the next call."""
 import os
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from parallel import spawn
+from scenarios.harness import spawn
 from tests.distributed import run_distributed, spawn_ranks
 
 
@@ -131,8 +131,8 @@ def test_fresh_ranks_start_with_torch_and_the_project_imported():
 
 CALLER = """
 import sys, time
-from parallel import spawn
 sys.path.insert(0, {root!r})
+from scenarios.harness import spawn
 from tests.test_spawn_pool import whoami
 if __name__ == "__main__":
     print(*[r[0] for r in spawn.run_distributed(whoami, 2, pool=True)], flush=True)

@@ -8,7 +8,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("common", "parallel", "model", "data", "zeropp", "training", "planner", "tools", "bench")
+PACKAGES = ("common", "parallel", "model", "data", "zeropp", "training", "planner", "tools", "scenarios", "bench")
 SCRIPTS = ("train", "generate")
 
 # Who may import whom (top-level packages and scripts); tests/ may import anything.
@@ -23,7 +23,10 @@ ALLOWED = {
     "tools": {"common", "model", "data", "zeropp", "training"},
     "train": {"common", "parallel", "model", "data", "zeropp", "training", "planner"},
     "generate": {"common", "model", "data", "training", "tools"},
-    "bench": {"common", "parallel", "model", "data", "zeropp", "training", "planner", "tools", "train"},
+    # what the project verifies (scenarios/, its harness beneath it) and what it measures (bench/):
+    # the product imports neither
+    "scenarios": {"common", "parallel", "model", "data", "zeropp", "training", "planner", "tools", "train"},
+    "bench": {"common", "parallel", "model", "data", "zeropp", "training", "planner", "tools", "train", "scenarios"},
 }
 MAX_LINES = 400
 # Inside zeropp/, a folder imports only the folders before it here ("" is zeropp/'s own modules:
@@ -145,6 +148,20 @@ def test_training_checkpoint_imports_nothing_else_of_training():
     upward = [f"{m} imports {t}" for m, targets in edges.items() if m == inside or m.startswith(inside + ".")
               for t in targets if t.startswith("training.") and not (t == inside or t.startswith(inside + "."))]
     assert upward == []
+
+
+def test_the_harness_sits_beneath_the_scenarios_and_nothing_of_the_product_imports_either():
+    """scenarios/harness/ imports no scenario and no benchmark (the scenarios, the benchmarks and
+    the tests stand on it); no product package imports scenarios or bench; the rank pool and job
+    launching live in the harness, not in the transport layer."""
+    edges, _, _ = graph()
+    product = {"common", "parallel", "model", "data", "zeropp", "training", "planner", "tools", *SCRIPTS}
+    wrong = [f"{m} imports {t}" for m, targets in edges.items() for t in targets
+             if (m.startswith("scenarios.harness") and not t.startswith("scenarios.harness")
+                 and t.split(".")[0] in ("scenarios", "bench"))
+             or (m.split(".")[0] in product and t.split(".")[0] in ("scenarios", "bench"))]
+    assert not wrong, wrong
+    assert not (ROOT / "parallel" / "spawn.py").exists() and (ROOT / "scenarios" / "harness" / "spawn.py").exists()
 
 
 def test_only_train_py_imports_the_launcher():

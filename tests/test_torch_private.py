@@ -295,7 +295,7 @@ def an_hsdp_weight_gathered(rank, world):
 
 
 def test_pooled_ranks_forget_dtensors_plans_with_their_groups():
-    """DeviceMesh equality ignores process groups: without forget_dtensor_plans (parallel/spawn.py calls
+    """DeviceMesh equality ignores process groups: without forget_dtensor_plans (scenarios/harness/spawn.py calls
     it between bodies) the second body's FSDP2 parameters come out on the first body's destroyed groups."""
     for _ in range(2):
         assert run_distributed(an_hsdp_weight_gathered, 4) == [True] * 4

@@ -14,7 +14,7 @@ import torch
 
 import train
 
-from bench.diloco_job import child_pids
+from scenarios.diloco_job import child_pids
 from tests.distributed import train_ranks
 from tests.test_train import corpus, flags  # noqa: F401  (corpus is a fixture)
 from tools.export_checkpoint import consolidated_state_dict

@@ -134,7 +134,7 @@ def conversion_steps():
     model, then a step and a load of that save: (received sizes, own share of the tensors that
     moved, chunks, whole model, keys whose chunk is FSDP2's storage, keys that moved, keys that
     differ after the load)."""
-    from bench.fault_cells import build, train
+    from scenarios.fault_cells import build, train
     from tests.distributed import restore, snapshot
     world_size = torch.distributed.get_world_size()
     engine = build({"stage": 3}, "bf16", 1, "fsdp2")

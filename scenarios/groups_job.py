@@ -1,7 +1,7 @@
 """Groups that survive each other as a user meets them: each group its own `torchrun train.py
 --lighthouse ...` job of 2 gloo ranks, meeting the others through torchft's Lighthouse (a
 process of its own). A cell returns "" when it holds, else what went wrong (tests/
-test_groups_job.py asserts each on a tiny corpus; `python -m bench.faults groups` runs them).
+test_groups_job.py asserts each on a tiny corpus; `python -m scenarios.faults groups` runs them).
 
 - kill-one-group: once the groups exchange together, one rank of group 1 is frozen (SIGSTOP: the
   others meet it in an exchange that cannot finish) and its launcher SIGKILLed (its ranks die
@@ -12,13 +12,13 @@ test_groups_job.py asserts each on a tiny corpus; `python -m bench.faults groups
   it heals keeping its own masters and exchanges with group 0 again.
 - lighthouse-restart, late-start-clean-stop (through scripts/launch_groups.sh), same-as-one-job
   (the one-job mode's model bit for bit), the run's edges (a refused joiner, the start, groups
-  that never wait for each other: bench/groups_edges.py), kill-one-group and link-outage with INT4
+  that never wait for each other: scenarios/groups_edges.py), kill-one-group and link-outage with INT4
   and topk2 outer gradients (`-int4`, `-topk2`), link-outage (three groups on emulated sites, one cut off for 60 s), heal-interrupted (a late
-  group's heal over a slow link cut off): bench/groups_sites.py, root only;
-- in the bench only (`python -m bench.faults groups`, bench/results/groups_job.json):
+  group's heal over a slow link cut off): scenarios/groups_sites.py, root only;
+- in the bench only (`python -m scenarios.faults groups`, bench/results/groups_job.json):
   three-groups-two-kills, kill-against-uninterrupted (the final validation loss after a kill
   against the uninterrupted groups), punisher (random kills against a long job, below).
-Launching and reading the jobs: bench/jobs.py.
+Launching and reading the jobs: scenarios/harness/jobs.py.
 """
 from __future__ import annotations
 
@@ -32,11 +32,11 @@ from pathlib import Path
 
 import torch
 
-from bench import ROOT
-from bench.groups_edges import CELLS as EDGES
-from bench.groups_edges import COMPRESSED, quantized
-from bench.groups_sites import heal_interrupted, link_outage
-from bench.jobs import (FIGURES, RUN, TIMEOUT, VALIDATION, clean_stop, finals, finish, free_port, iterations, launch,
+from scenarios.harness.results import ROOT
+from scenarios.groups_edges import CELLS as EDGES
+from scenarios.groups_edges import COMPRESSED, quantized
+from scenarios.groups_sites import heal_interrupted, link_outage
+from scenarios.harness.jobs import (FIGURES, RUN, TIMEOUT, VALIDATION, clean_stop, finals, finish, free_port, iterations, launch,
                         launch_group, problem, samples_in_order, script, start_lighthouse, stood_still, stop,
                         tensorboard, wait_for, worker_ranks)
 
@@ -291,7 +291,7 @@ FAULTS = tuple(CELLS)
 
 
 def run_group_cells(base, tmp: Path, faults=FAULTS) -> dict:
-    """{fault: {"ok", "why", "seconds"}} (bench/fault_matrix.py's table of groups as jobs)."""
+    """{fault: {"ok", "why", "seconds"}} (scenarios/fault_matrix.py's table of groups as jobs)."""
     row = {}
     for fault in faults:
         (tmp / fault).mkdir(parents=True)

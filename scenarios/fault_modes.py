@@ -1,4 +1,4 @@
-"""The fault matrix's rows for the two modes beside the engine's switches (`python -m bench.faults`):
+"""The fault matrix's rows for the two modes beside the engine's switches (`python -m scenarios.faults`):
 streaming DiLoCo (zeropp/outer/diloco.py) and FSDP2 + the ZeRO++ plug-in (zeropp/fsdp/engine.py).
 A cell returns "" when it holds, else what went wrong; every rank runs every check, and a
 cell's verdict is every rank's (the groups of DiLoCo hold different states).
@@ -44,9 +44,9 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from bench.fault_cells import (FAULT_AT, STEPS, accepted, batch, build, check_resume, check_skip, differences, load,
+from scenarios.fault_cells import (FAULT_AT, STEPS, accepted, batch, build, check_resume, check_skip, differences, load,
                                name, nonfinite, rank_entry, run_cell, save, state, train)
-from parallel.spawn import run_distributed
+from scenarios.harness.spawn import run_distributed
 from parallel.topology import topology_from_env
 from zeropp.collectives.partition import Partition
 from zeropp.outer.diloco import OuterSettings, attach

@@ -1,4 +1,4 @@
-"""One rank's side of the fault matrix (bench/fault_matrix.py): the switches, a tiny GPT on
+"""One rank's side of the fault matrix (scenarios/fault_matrix.py): the switches, a tiny GPT on
 the engine, and the checks each cell of the matrix runs (a cell returns "" when it holds, else
 what went wrong). Every rank runs every check: they are collective."""
 

@@ -1,7 +1,7 @@
 """Cells of groups as separate jobs (train.py --lighthouse) at the run's edges: nothing one group
 does ends the run, the start, and groups that never wait for each other. A cell returns "" when
-it holds, else what went wrong (tests/test_groups_job.py runs them; `python -m bench.faults groups`
-too). Launching and reading the jobs: bench/jobs.py.
+it holds, else what went wrong (tests/test_groups_job.py runs them; `python -m scenarios.faults groups`
+too). Launching and reading the jobs: scenarios/harness/jobs.py.
 
 - refused-model / refused-outer-flags / refused-duplicate: while group 0 trains, a group with
   another model (--hidden-size), with other outer flags (--outer-lr), or a second job claiming
@@ -24,7 +24,7 @@ import re
 import time
 from pathlib import Path
 
-from bench.jobs import (RUN, TIMEOUT, clean_stop, finals, free_port, iterations, job_env, launch_group, problem,
+from scenarios.harness.jobs import (RUN, TIMEOUT, clean_stop, finals, free_port, iterations, job_env, launch_group, problem,
                         start, start_lighthouse, stood_still, stop, torchrun, wait_for)
 
 THROTTLE = "ZEROPP_GROUPS_THROTTLE"   # training/outer.py reads it: a group's inner steps take k times as long
@@ -33,7 +33,7 @@ WEIGHT = re.compile(r"> outer rounds: .*outer gradient in (\d+), weight ([0-9.]+
 
 def launch(g: int, groups: int, url: str, argv: list[str], log: Path, env: dict | None = None,
            timeout: float = TIMEOUT):
-    """Group g of `groups` (bench/jobs.py launch_group, with an environment and a timeout of its own)."""
+    """Group g of `groups` (scenarios/harness/jobs.py launch_group, with an environment and a timeout of its own)."""
     return start([*torchrun(2), "train.py", *argv, "--lighthouse", url, "--group-id", str(g), "--num-groups",
                   str(groups), "--outer-timeout", str(timeout)], log, env=job_env(**(env or {})))
 
@@ -207,4 +207,4 @@ def quantized(cell, quantization: str):
 CELLS = {"refused-model": refused_model, "refused-outer-flags": refused_outer_flags,
          "refused-duplicate": refused_duplicate, "unreachable-lighthouse": unreachable_lighthouse,
          "clean-start": clean_start, "async-straggler": async_straggler, "async-resume": async_resume}
-COMPRESSED = ("kill-one-group", "link-outage")   # bench/groups_job.py adds them with int4 and topk2 outer gradients
+COMPRESSED = ("kill-one-group", "link-outage")   # scenarios/groups_job.py adds them with int4 and topk2 outer gradients

@@ -1,4 +1,4 @@
-"""Bad or unusual inputs run through the real commands (`python -m bench.faults inputs`
+"""Bad or unusual inputs run through the real commands (`python -m scenarios.faults inputs`
 tabulates what each prints).
 
 Each case is a real process (`python train.py ...`, `python -m data.preprocess ...`)
@@ -16,9 +16,9 @@ import sys
 
 import numpy as np
 
-from bench import ROOT
-from bench.jobs import DATA_PREFIX as DATA
-from bench.jobs import TOKENIZER as MODEL
+from scenarios.harness.results import ROOT
+from scenarios.harness.jobs import DATA_PREFIX as DATA
+from scenarios.harness.jobs import TOKENIZER as MODEL
 from data.indexed_dataset import IndexedDatasetBuilder
 from data.tokenizer import train_sentencepiece
 

@@ -14,7 +14,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from bench import ROOT
+from scenarios.harness.results import ROOT
 
 DATA_PREFIX = "work_dir/kjv_text_document"   # the bundled corpus (scripts/quickstart.sh builds it)
 TOKENIZER = "work_dir/kjv_sp.model"

@@ -1,4 +1,4 @@
-"""The fault matrix of the engine's switches (`python -m bench.faults` runs and prints it): every
+"""The fault matrix of the engine's switches (`python -m scenarios.faults` runs and prints it): every
 ZeRO stage x ZeRO++ switch combination that the config validator accepts, generated, never
 listed (every value of every switch key of fault_cells.SWITCH_VALUES crossed, kept when
 `DeepSpeedConfig` and `validate_topology` accept it on the layout), each through the faults a
@@ -24,9 +24,9 @@ import tempfile
 
 import torch
 
-from bench.fault_cells import (FAULTS, SHORT, SWITCH_VALUES, accepted, check_auto, check_load_elsewhere,
+from scenarios.fault_cells import (FAULTS, SHORT, SWITCH_VALUES, accepted, check_auto, check_load_elsewhere,
                                check_resume, check_skip, name, rank_entry, run_cell)
-from parallel.spawn import run_distributed
+from scenarios.harness.spawn import run_distributed
 
 
 def combinations(world: int = 4, ranks_per_node: int = 2, sharding: str = "zero") -> list[dict]:
@@ -119,7 +119,7 @@ def run_matrix(combos: list[dict], faults=FAULTS, world: int = 4, ranks_per_node
                timeout: float = 3000, pool: bool = False) -> dict:
     """{combination name: {fault: {"ok", "why", "seconds"}}} for `combos` on this layout; with
     "world" among the faults, each checkpoint is loaded on half the ranks too. `pool`: on kept
-    rank processes (parallel/spawn.py; the tests'), else fresh ones."""
+    rank processes (scenarios/harness/spawn.py; the tests'), else fresh ones."""
     with tempfile.TemporaryDirectory() as tmp:
         table = run_distributed(rank_main, world, args=(combos, tuple(faults), ranks_per_node, tmp),
                                 timeout=timeout, pool=pool)[0]

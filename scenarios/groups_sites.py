@@ -4,7 +4,7 @@ runs. Each site has a hostname of its own (a UTS namespace) that every site reso
 (/etc/netns/<site>/hosts, which `ip netns exec` mounts over /etc/hosts): torchft advertises the
 group's TCPStore (MASTER_ADDR, set by torchrun from the hostname), its Manager server and its
 checkpoint transport by that name. `link(site, up)` cuts a site off and back: the cell
-link-outage (`python -m bench.faults groups --cells link-outage`).
+link-outage (`python -m scenarios.faults groups --cells link-outage`).
 Addresses are in 198.51.100.0/24 (a documentation range), which exists only inside these
 namespaces. Needs root and iproute2 (ip, bridge veth)."""
 from __future__ import annotations
@@ -16,9 +16,9 @@ import shutil
 import time
 from pathlib import Path
 
-from bench.jobs import (FIGURES, RUN, TIMEOUT, finals, iterations, launch_group, problem, samples_in_order,
+from scenarios.harness.jobs import (FIGURES, RUN, TIMEOUT, finals, iterations, launch_group, problem, samples_in_order,
                         start_lighthouse, stood_still, stop, wait_for)
-from bench.netns import sh
+from scenarios.harness.netns import sh
 
 HUB, BRIDGE = "fthub", "ftbr"
 HUB_ADDR = "198.51.100.254"
@@ -170,7 +170,7 @@ def heal_interrupted(base, tmp: Path, iters: int = 3000, rate_mbit: float = 4, s
     model."""
     if not can_make_sites():
         return NO_SITES
-    from bench.netns import tbf_burst
+    from scenarios.harness.netns import tbf_burst
     argv = [*RUN, "--train-iters", str(iters)]
     logs = [tmp / "group0.log", tmp / "group1.log"]
     started, procs = [], []   # whatever fails from here, these are stopped and the namespaces go

@@ -1,6 +1,6 @@
 """Streaming DiLoCo's faults as a user meets them: train.py under torchrun, 4 gloo ranks as 2
 groups of one 2-rank node (`--ranks-per-node 2 --group-size 1`), ZeRO-3 inside each group.
-A cell returns "" when it holds, else what went wrong (`python -m bench.faults` prints them as
+A cell returns "" when it holds, else what went wrong (`python -m scenarios.faults` prints them as
 the "DiLoCo job" table; tests/test_diloco_job.py asserts each on a tiny corpus).
 
 - signal-one-group: SIGTERM to group 1's ranks only (a node's preemption) after a few
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from bench import ROOT
-from bench.jobs import DATA_PREFIX, TOKENIZER, check_data, child_pids, finish, launch, problem, worker_ranks  # noqa: F401
+from scenarios.harness.results import ROOT
+from scenarios.harness.jobs import DATA_PREFIX, TOKENIZER, check_data, child_pids, finish, launch, problem, worker_ranks  # noqa: F401
 
 GROUPS = ["--global-batch-size", "8", "--zero-stage", "3", "--ranks-per-node", "2", "--group-size", "1"]
 FAULTS = ("signal-one-group", "diverge-one-group", "diverge-one-group-topk2", "short-export")

@@ -2,18 +2,18 @@
 careless input), run through the engine, its modes and train.py; a cell passes or says what
 went wrong. Three commands:
 
-    python -m bench.faults [--quick]        # the fault matrix: a table per part, bench/results/fault_matrix.json
-    python -m bench.faults groups [--cells kill-one-group,punisher]   # groups as jobs: groups_job.json
-    python -m bench.faults inputs           # careless inputs through the real commands: cli_errors.json
+    python -m scenarios.faults [--quick]        # the fault matrix: a table per part, bench/results/fault_matrix.json
+    python -m scenarios.faults groups [--cells kill-one-group,punisher]   # groups as jobs: groups_job.json
+    python -m scenarios.faults inputs           # careless inputs through the real commands: cli_errors.json
 
 The matrix's parts (--parts):
 - engine: every ZeRO stage x ZeRO++ switch combination the validator accepts on 4 ranks as
   2 nodes x 2 (also 2 x 1 and 1 x 4, their --quick share), through overflow, nan, resume,
-  reshard, world, toggle and auto (bench/fault_matrix.py says what each checks);
+  reshard, world, toggle and auto (scenarios/fault_matrix.py says what each checks);
 - diloco: streaming DiLoCo, 2 groups on 2 nodes x 2 (ZeRO-3 inside) and on 4 nodes x 1 (qwZ +
-  qgZ inside), a row per outer setting (bench/fault_modes.py);
-- job: streaming DiLoCo through train.py under torchrun (bench/diloco_job.py);
-- groups: each group its own torchrun job (train.py --lighthouse, bench/groups_job.py);
+  qgZ inside), a row per outer setting (scenarios/fault_modes.py);
+- job: streaming DiLoCo through train.py under torchrun (scenarios/diloco_job.py);
+- groups: each group its own torchrun job (train.py --lighthouse, scenarios/groups_job.py);
 - fsdp2: FSDP2 + the ZeRO++ plug-in, each switch combination FSDP2 accepts on 2 nodes x 2.
 The limit is exactness: a cell passes when its run ends bit for bit where the reference ends
 (or says one line naming what was reset), else it prints why. Duration: the whole matrix takes
@@ -30,8 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import RESULTS, provenance, write_result
-from bench.jobs import check_data, listed, usage_error
+from scenarios.harness.results import RESULTS, provenance, write_result
+from scenarios.harness.jobs import check_data, listed, usage_error
 
 PARTS = ("engine", "diloco", "job", "groups", "fsdp2")
 
@@ -41,7 +41,7 @@ def pick(faults: tuple, wanted: list | None) -> tuple:
 
 
 def timed(title: str, run, faults) -> dict:
-    from bench.fault_matrix import print_table
+    from scenarios.fault_matrix import print_table
     start = time.perf_counter()
     table = run()
     print_table(f"{title} ({time.perf_counter() - start:.0f} s)", table, faults)
@@ -49,14 +49,14 @@ def timed(title: str, run, faults) -> dict:
 
 
 def matrix(a) -> tuple[dict, list]:
-    from bench.diloco_job import FAULTS as JOB_FAULTS
-    from bench.diloco_job import demo_flags, run_cells
-    from bench.fault_cells import FAULTS, name
-    from bench.fault_matrix import combinations, layouts, quick, run_matrix
-    from bench.fault_modes import (DILOCO_FAULTS, DILOCO_LAYOUTS, FSDP2_FAULTS, outer_settings, quick_settings,
+    from scenarios.diloco_job import FAULTS as JOB_FAULTS
+    from scenarios.diloco_job import demo_flags, run_cells
+    from scenarios.fault_cells import FAULTS, name
+    from scenarios.fault_matrix import combinations, layouts, quick, run_matrix
+    from scenarios.fault_modes import (DILOCO_FAULTS, DILOCO_LAYOUTS, FSDP2_FAULTS, outer_settings, quick_settings,
                                    run_diloco, run_fsdp2)
-    from bench.groups_job import FAULTS as GROUP_FAULTS
-    from bench.groups_job import run_group_cells
+    from scenarios.groups_job import FAULTS as GROUP_FAULTS
+    from scenarios.groups_job import run_group_cells
     parts, wanted = listed(a.parts, PARTS, "--parts"), a.faults and a.faults.split(",")
     report, tables = {"layouts": {}, "modes": {"diloco": {}, "fsdp2": {}}}, []
     for world, rpn in layouts() if "engine" in parts else []:
@@ -98,9 +98,9 @@ def matrix(a) -> tuple[dict, list]:
 
 
 def groups(a) -> tuple[dict, list]:
-    from bench.diloco_job import demo_flags
-    from bench.jobs import FIGURES
-    from bench.groups_job import CELLS, MORE
+    from scenarios.diloco_job import demo_flags
+    from scenarios.harness.jobs import FIGURES
+    from scenarios.groups_job import CELLS, MORE
     cells = {**CELLS, **MORE}
     rows = {}
     names = listed(a.cells or ",".join([*CELLS, "three-groups-two-kills"]), cells, "--cells")
@@ -122,7 +122,7 @@ def groups(a) -> tuple[dict, list]:
 
 
 def inputs(a) -> tuple[dict, list]:
-    from bench.cli_errors import base, cases, checkpoint_cases, files, run
+    from scenarios.cli_errors import base, cases, checkpoint_cases, files, run
     check_data()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -147,7 +147,7 @@ OUT = {"matrix": "fault_matrix.json", "groups": "groups_job.json", "inputs": "cl
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.faults", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m scenarios.faults", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", nargs="?", choices=list(OUT), default="matrix")
     p.add_argument("--quick", action="store_true", help="matrix: the default test suite's share")
