@@ -53,7 +53,7 @@ def unmap_freed_blocks():
     """Training on CPU under glibc: every block of 64 KiB or more gets a mapping of its own,
     returned to the kernel when freed (mallopt(3) M_MMAP_THRESHOLD). Otherwise glibc's threshold
     climbs to the largest block freed so far (up to 32 MiB), and the gathered weights and
-    gradient rows freed below it stay in the heap (bench/train_memory.py measures the
+    gradient rows freed below it stay in the heap (bench/memory/train.py measures the
     difference). A MALLOC_MMAP_THRESHOLD_ set by the user wins."""
     if "MALLOC_MMAP_THRESHOLD_" in os.environ or not sys.platform.startswith("linux"):
         return

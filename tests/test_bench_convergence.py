@@ -6,7 +6,7 @@ import pytest
 
 from bench import ROOT
 from bench.convergence import main
-from bench.convergence_report import parse_log
+from bench.convergence.report import parse_log
 from tests.test_bench_slow_link_smoke import EVERY_COMMAND
 
 LINE = (" [2026-01-01 00:00:00] iteration {it:8d}/      20 | consumed samples:           32 | elapsed time per "

@@ -7,7 +7,7 @@ import pytest
 
 from bench import ROOT
 from bench.memory import main
-from bench.memory_bound import RSS_LIMIT, cell, over_zero3
+from bench.memory.bound import RSS_LIMIT, cell, over_zero3
 from tests.test_bench_slow_link_smoke import EVERY_COMMAND
 
 TINY = ["--num-layers", "1", "--hidden", "32", "--heads", "2", "--vocab", "64", "--seq", "8", "--world", "2",

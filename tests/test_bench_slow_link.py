@@ -1,13 +1,13 @@
-"""The slow-link bench's pieces that need no root: the 1/F buckets (bench/systems.py), the auto
+"""The slow-link bench's pieces that need no root: the 1/F buckets (bench/slow_link/systems.py), the auto
 row's resolution (planner.auto stubbed, and missing), and the bound and target arithmetic on rows
-(bench/slow_link_report.py)."""
+(bench/slow_link/report.py)."""
 import sys
 import types
 
 import pytest
 
-from bench.slow_link_report import derive, goals, rate_name, row_table
-from bench.systems import AutoUnavailable, chosen, make_prepare, num_params, zero_section
+from bench.slow_link.report import derive, goals, rate_name, row_table
+from bench.slow_link.systems import AutoUnavailable, chosen, make_prepare, num_params, zero_section
 
 A = {"num_layers": 2, "hidden": 32, "heads": 4, "vocab": 96, "seq": 16, "micro_batch": 1, "seed": 1,
      "ranks_per_node": 2}
@@ -108,7 +108,7 @@ def test_link_time_bound_and_goals():
 
 
 def test_diloco_rows_are_zero3_with_trains_outer_flags():
-    from bench.systems import DILOCO, outer_argv
+    from bench.slow_link.systems import DILOCO, outer_argv
     from training.flags import build_parser
     for system in DILOCO:
         assert zero_section(system, {**A, "bucket_fraction": 8}) == zero_section("zero3", {**A, "bucket_fraction": 8})

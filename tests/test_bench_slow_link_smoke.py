@@ -47,8 +47,8 @@ def test_each_command_says_what_it_measures(command, capsys):
 
 
 def test_without_root_the_link_commands_skip(monkeypatch, capsys, tmp_path):
-    import bench.slow_link_diloco as diloco
-    import bench.slow_link_sweep as sweep
+    import bench.slow_link.diloco as diloco
+    import bench.slow_link.sweep as sweep
     for module in (sweep, diloco):
         monkeypatch.setattr(module, "missing", lambda: "not root")
     assert slow_link.main(["--quick", "--out", str(tmp_path / "x.json")]) == 0

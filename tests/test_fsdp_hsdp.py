@@ -53,7 +53,7 @@ def same_as_other_replica(model) -> bool:
 
 # -- plain HSDP's bits and bytes ------------------------------------------------------------------
 def plain_and_off(rank, world, steps, accumulate):
-    from bench.dist_counter import COUNTER
+    from bench.slow_link.dist_counter import COUNTER
     from torch.distributed.fsdp import FSDPModule
 
     def run(model, opt):

@@ -12,7 +12,7 @@ a tiny GPT and small buckets, for ZeRO-3 and ZeRO++ (qwZ + hpZ + qgZ):
   pools are bounded to, + 10% of ZeRO-3's (the goal's margin; hpZ's secondary
   copy is a model state, allocated before the step).
 
-bench/memory_bound.py checks the same at 417 M parameters through RSS.
+bench/memory/bound.py checks the same at 417 M parameters through RSS.
 """
 import contextlib
 

@@ -132,7 +132,11 @@ def runnable(module: str) -> bool:
     """A benchmark module that is there and runs as `python -m` (it has a __main__ block)."""
     import importlib.util
     spec = importlib.util.find_spec(module)
-    return spec is not None and spec.origin is not None and "__main__" in Path(spec.origin).read_text()
+    if spec is None or spec.origin is None:
+        return False
+    if spec.submodule_search_locations:   # a family's folder: its __main__.py
+        return (Path(spec.origin).parent / "__main__.py").is_file()
+    return "__main__" in Path(spec.origin).read_text()
 
 
 def test_every_figure_names_an_entry_point_that_exists():

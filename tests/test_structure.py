@@ -207,3 +207,13 @@ def test_no_source_file_over_400_lines():
     long = {str(p.relative_to(ROOT)): n for p in source_files().values()
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert long == {}
+
+
+def test_bench_is_one_folder_per_family_each_run_as_a_module():
+    """bench/ holds a folder per family (slow link, memory, convergence, report, kernels,
+    communication, groups), each run as `python -m bench.FAMILY` (its __main__.py)."""
+    bench = ROOT / "bench"
+    loose = sorted(p.name for p in bench.glob("*.py") if p.name != "__init__.py")
+    assert not loose, f"modules outside a family's folder: {loose}"
+    families = [p for p in bench.iterdir() if p.is_dir() and (p / "__init__.py").is_file()]
+    assert families and all((p / "__main__.py").is_file() for p in families), families

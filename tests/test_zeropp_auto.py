@@ -24,7 +24,7 @@ from training.args import parse_args
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(vocab_size=96, num_layers=2, hidden_size=32, num_attention_heads=4, max_position_embeddings=16,
             hidden_dropout=0.0, attention_dropout=0.0)
-# The bench's model size (bench/slow_link.py), where the choice is not a toss-up.
+# The bench's model size (bench/slow_link/__init__.py), where the choice is not a toss-up.
 BENCH = dict(vocab_size=4096, num_layers=4, hidden_size=192, num_attention_heads=4, max_position_embeddings=16,
              hidden_dropout=0.0, attention_dropout=0.0)
 BASE_ARGS = ["--lr", "1e-3", "--train-iters", "2", "--data-path", "x"]

@@ -297,7 +297,7 @@ def outer_iteration(engine, iteration: int) -> int:
 def trace(sync, **more):
     """The goodput bench's trace (TRACE in a group's environment, rank 0): per inner step its end,
     its wall time, the part of it the inner steps' thread spent in exchanges, and the last inner
-    step whose work is in the global model (bench/groups.py)."""
+    step whose work is in the global model (bench/groups/__init__.py)."""
     path = os.environ.get(TRACE)
     if not path or sync.comm.topology.rank != 0:
         return

@@ -1,6 +1,6 @@
 """The one registry of the systems the benchmarks compare, by name: engine, ZeRO stage,
 label, zero_optimization section, and the model, data and optimizer every system shares.
-bench/ranks.py builds them on a rank. "auto" rows are resolved by planner.auto (make_prepare)."""
+bench/slow_link/ranks.py builds them on a rank. "auto" rows are resolved by planner.auto (make_prepare)."""
 from __future__ import annotations
 
 import dataclasses

@@ -27,7 +27,7 @@
 - train: train.py under torchrun (8 ranks on one node, 411 M parameters: 8 layers, hidden
   2048, fp32 AdamW, stage 3, buckets and live parameters 3e7, reuse distance 0) against a tiny
   run of the same flags: the rise against the fp32 model (limit: 95% of it), placed pool by pool
-  (bench/train_memory.py); a row per allocator setting (--variants).
+  (bench/memory/train.py); a row per allocator setting (--variants).
 """
 from __future__ import annotations
 
@@ -42,8 +42,9 @@ import zlib
 import torch
 
 import zeropp
-from bench import RESULTS, memory_bound, write_result
-from bench.memory_bound import PeakRSS, ds_config, model_config, rss_mb, rss_split
+from bench import RESULTS, write_result
+from bench.memory import bound as memory_bound
+from bench.memory.bound import PeakRSS, ds_config, model_config, rss_mb, rss_split
 from model import GPT, num_parameters
 from parallel.comm import Communicator
 from scenarios.harness.spawn import run_distributed
@@ -274,16 +275,12 @@ def main(argv=None):
     a.bucket, a.max_live = int(a.bucket), int(a.max_live)
     a.dtypes, a.optimizers = a.dtypes or a.dtype, a.optimizers or a.optimizer
     if a.what == "train":
-        from bench.train_memory import run as train
+        from bench.memory.train import run as train
         out = train(a)
     elif a.what in ("bound", "matrix"):
-        from bench.memory_bound import run
+        from bench.memory.bound import run
         out = run(a, detail=a.what == "bound")
     else:
         out = large(a)
     print(f"wrote {write_result(a.out or RESULTS / OUT[a.what], out)}")
     return 0 if out.get("pass", True) else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -25,7 +25,7 @@ class DistCounter:
     def __init__(self):
         self.enabled = False
         # node of a global rank; everything on one node unless a multi-node harness sets it
-        # (bench/slow_link.py: lambda r: r // ranks_per_node)
+        # (bench/slow_link/__init__.py: lambda r: r // ranks_per_node)
         self.node_of = lambda r: 0
         self._local = threading.local()
         self._orig = {}

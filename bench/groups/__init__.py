@@ -222,7 +222,3 @@ def _kept(folder: str):
     import contextlib
     Path(folder).mkdir(parents=True, exist_ok=True)
     return contextlib.nullcontext(folder)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -15,7 +15,7 @@ import statistics
 from pathlib import Path
 
 from bench import write_result
-from bench.systems import GLOO_ALL_REDUCE_PEERS, LABELS, chosen
+from bench.slow_link.systems import GLOO_ALL_REDUCE_PEERS, LABELS, chosen
 
 REF, AUTO = "zero3-reuse0", "auto"
 TECHNIQUES = ("zeropp-qwz", "zeropp-hpz", "zeropp-qgz", "zeropp", "auto")

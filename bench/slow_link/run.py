@@ -2,7 +2,7 @@
 torchrun per namespace (2 nodes x RANKS_PER_NODE ranks, static rendezvous over the veth,
 GLOO_SOCKET_IFNAME = the veth) running this module as the worker. The ranks build the system once,
 then per link rate: rank 0 writes DIR/want<i>, the driver sets the qdisc and writes DIR/set<i>, the
-ranks run bench.ranks.timed_loop and write DIR/rate<i>_rank<R>.json. Local rank 0 of each node reads
+ranks run bench.slow_link.ranks.timed_loop and write DIR/rate<i>_rank<R>.json. Local rank 0 of each node reads
 its veth's counters (/proc/net/dev, per namespace) between barriers at the timed steps' start and
 end, then measures what a barrier and an idle half second put on the link, for the driver to take
 out. "auto" is built again at every rate, after the rate is set: its probe must see that link."""
@@ -26,7 +26,7 @@ from scenarios.harness.netns import ADDR, IF, NS, RANKS_PER_NODE, link_counters,
 def run_system(system: str, rates: list[int], a: dict, port: int, setup_timeout: float, rate_timeout: float,
                logdir: Path, on_rate=None) -> list[dict]:
     """One dict per rate: the ranks' results ("per_rank"), or "error"."""
-    from bench.systems import DEEPSPEED
+    from bench.slow_link.systems import DEEPSPEED
     out_dir = Path(tempfile.mkdtemp(prefix=f"{system}_", dir=logdir))
     procs, logs, runs, world = [], [], [], 2 * RANKS_PER_NODE
     set_rate(rates[0])
@@ -35,7 +35,7 @@ def run_system(system: str, rates: list[int], a: dict, port: int, setup_timeout:
                *(["DS_ACCELERATOR=cpu"] if system in DEEPSPEED else [])]
         cmd = ["ip", "netns", "exec", ns, *env, sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
                "--node-rank", str(node), "--nproc-per-node", str(RANKS_PER_NODE), "--master-addr", ADDR[0],
-               "--master-port", str(port), "--max-restarts", "0", "--module", "bench.slow_link_run",
+               "--master-port", str(port), "--max-restarts", "0", "--module", "bench.slow_link.run",
                "--system", system, "--config", json.dumps(a), "--rates", ",".join(map(str, rates)),
                "--out-dir", str(out_dir), "--ifname", ifname, "--handshake-timeout", str(rate_timeout)]
         logs.append(open(out_dir / f"{ns}.log", "w"))
@@ -125,8 +125,8 @@ def worker():
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)
-    from bench.ranks import COUNTER, build_system, timed_loop
-    from bench.systems import DEEPSPEED, make_prepare, model_config
+    from bench.slow_link.ranks import COUNTER, build_system, timed_loop
+    from bench.slow_link.systems import DEEPSPEED, make_prepare, model_config
     idx, ok = -1, False
     try:
         COUNTER.install()  # before DeepSpeed binds torch.distributed functions

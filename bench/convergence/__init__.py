@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 from bench import RESULTS, ROOT, checkout_name
-from bench.convergence_report import parse_log, report, wallclock
+from bench.convergence.report import parse_log, report, wallclock
 from scenarios.harness.jobs import check_data, run_logged
 
 ZERO3_FLAGS = ["--zero-stage", "3"]
@@ -225,7 +225,3 @@ def main(argv=None):
     elif not any(scratch.iterdir()):
         scratch.rmdir()
     return 0 if verdict["result"] in ("PASS", "NOT RUN") and not any(r["error"] for r in runs.values()) else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -99,7 +99,7 @@ def _gloo_rank(rank, world):
 
 
 def _engine_rank(rank, world, system, dtype, steps):
-    from bench.ranks import run_rank
+    from bench.slow_link.ranks import run_rank
     return statistics.median(run_rank(rank, world, system, {**RUN, "steps": steps, "dtype": dtype,
                                                              "ranks_per_node": 2})["step_times_s"])
 
@@ -197,7 +197,7 @@ def plan_rows(bench: dict, cluster_path: str, with_overhead: bool = True):
 
 
 def run_planner(args):
-    from bench.slow_link_report import md_table, rate_name
+    from bench.slow_link.report import md_table, rate_name
     from planner.cluster import load_cluster
     rows, infos, plain = [], [], []
     for name in args.results.split(","):

@@ -124,7 +124,7 @@ def _no_op_quantizers():
 
 
 def _host_rank(rank, world, systems, a, rounds, no_op):
-    from bench.ranks import build_system, timed_loop
+    from bench.slow_link.ranks import build_system, timed_loop
     if no_op:
         _no_op_quantizers()
     built = {s: build_system(rank, world, s, a) for s in systems}
@@ -136,7 +136,7 @@ def _host_rank(rank, world, systems, a, rounds, no_op):
 
 
 def host_cost(args):
-    from bench.systems import LABELS
+    from bench.slow_link.systems import LABELS
     from scenarios.harness.spawn import run_distributed
     a = dict(num_layers=args.num_layers, hidden=args.hidden, heads=4, vocab=4096, seq=args.seq, micro_batch=1,
              warmup=2, steps=args.steps, seed=1234, dtype=args.dtype, bucket_fraction=8, ranks_per_node=2)
@@ -176,7 +176,3 @@ def main(argv=None):
         sp.add_argument("--out", default=None, help="default under results/")
     a = p.parse_args(argv)
     {"quant": quant, "hadamard": hadamard, "host-cost": host_cost}[a.command](a)
-
-
-if __name__ == "__main__":
-    main()

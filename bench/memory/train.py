@@ -8,7 +8,7 @@ and the large one; rise = the large run's peak minus the tiny run's (train.py's 
 per rank" line: rank 0's and the largest, VmHWM). Rank 0's rise is laid out against the whole
 fp32 model (4 bytes a parameter): the model states and the engine's pools at their peaks
 (train.py's own lines), the activations of one forward and backward (measured here,
-bench/memory_bound.py `activation_probe`), and what is left: what the engine does not hold.
+bench/memory/bound.py `activation_probe`), and what is left: what the engine does not hold.
 
 Variants: `train.py` as it runs (parallel/startup.py `unmap_freed_blocks`: every block of 64
 KiB or more is its own mapping, returned to the kernel when freed); `glibc-32m`
@@ -67,7 +67,7 @@ def run_train(a, model: dict, env: dict, ds_path: str) -> dict:
 
 def activations_mb(a) -> float:
     """One forward + backward of the large GPT unsharded, each gradient dropped as it comes."""
-    from bench.memory_bound import activation_probe
+    from bench.memory.bound import activation_probe
     probe = SimpleNamespace(vocab=4096, num_layers=a.num_layers, hidden=a.hidden, heads=a.heads, seq=a.seq,
                             micro_batch=1, dtype="fp32", checkpoint_activations=False)
     return activation_probe(0, 1, probe)["activation_bytes"] / MB
@@ -80,7 +80,7 @@ def gloo_staging(rank, world, elements: int) -> float:
     import torch
     import torch.distributed as dist
 
-    from bench.memory_bound import PeakRSS, rss_mb
+    from bench.memory.bound import PeakRSS, rss_mb
     from parallel.comm import all_gather_flat
     from parallel.startup import unmap_freed_blocks
     unmap_freed_blocks()   # as train.py

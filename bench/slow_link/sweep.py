@@ -16,8 +16,8 @@ from pathlib import Path
 
 from bench import RESULTS
 from scenarios.harness.netns import IF, RANKS_PER_NODE, TBF_LATENCY, missing, netns_down, netns_up, tbf_burst
-from bench.slow_link_report import mb, rate_name, render
-from bench.slow_link_run import run_system
+from bench.slow_link.report import mb, rate_name, render
+from bench.slow_link.run import run_system
 
 DEFAULT_RATES = [100, 200, 1000, 0]  # Mbit/s; 0 = no qdisc (the veth's own speed)
 DEFAULT_SYSTEMS = ["zero3-reuse0", "zero3", "zeropp-qwz", "zeropp-hpz", "zeropp-qgz", "zeropp", "auto", "fsdp2",
@@ -36,7 +36,7 @@ def add_model_args(p, model: dict, steps: int, warmup: int):
 def add_args(p):
     add_model_args(p, MODEL, 6, 2)
     p.add_argument("--rates", default=",".join(map(str, DEFAULT_RATES)), help="Mbit/s, comma separated; 0 = no qdisc")
-    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help="names from bench/systems.py")
+    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help="names from bench/slow_link/systems.py")
     p.add_argument("--repeats", type=int, default=2, help="passes over the systems (odd ones reversed)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--bucket-fraction", type=int, default=8,
@@ -52,7 +52,7 @@ def add_args(p):
 
 def run(args) -> int:
     import json
-    from bench.systems import DEEPSPEED, LABELS, SLOW_LINK_SYSTEMS, block_params, num_params, zero_section
+    from bench.slow_link.systems import DEEPSPEED, LABELS, SLOW_LINK_SYSTEMS, block_params, num_params, zero_section
     if args.out is None:
         args.out = str(Path(tempfile.gettempdir()) / "slow_link_quick.json") if args.quick else str(RESULTS / "slow_link.json")
     if args.from_json:
@@ -160,7 +160,7 @@ def segment(run, a):
 
 def summarize(system, rate, runs, a):
     """One row: the segments run at `rate` pooled."""
-    from bench.systems import LABELS
+    from bench.slow_link.systems import LABELS
     world = 2 * RANKS_PER_NODE
     row = {"system": system, "label": LABELS.get(system, system), "rate_mbit": rate,
            "wall_s": sum(r["wall_s"] for r in runs)}

@@ -4,7 +4,7 @@
     python -m bench.report --check    # exit 1, naming the page, if a committed page differs
 
 FIGURES below is the one map of figure -> JSON file(s) under bench/results/ -> the documented
-command; the renderers are in bench/report_tables.py. Each table carries, under it, the command
+command; the renderers are in bench/report/tables.py. Each table carries, under it, the command
 that runs it today (the registry's) and the command that produced each file, its commit and machine: from the file's `provenance` (bench.write_result),
 else from what an older file recorded, else the documented command here, with "(commit not
 recorded)". Nothing here imports a benchmark: only their JSON is read.
@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from bench import RESULTS, ROOT
-from bench.report_tables import RENDERERS, cells_passed, f, pct, rate_name, table
+from bench.report.tables import RENDERERS, cells_passed, f, pct, rate_name, table
 
 SECTIONS = ("Slow link", "Convergence", "Memory", "Faults", "Communication", "Kernels")
 CONV = "python -m bench.convergence --iters 1000 --seed S"
@@ -340,7 +340,3 @@ def main(argv=None) -> int:
     if stale:
         print("out of date (run `python -m bench.report`): " + ", ".join(stale), file=sys.stderr)
     return 1 if stale else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

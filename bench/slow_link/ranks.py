@@ -1,4 +1,4 @@
-"""One rank of one system (named in bench/systems.py): `build_system` sets it up and returns
+"""One rank of one system (named in bench/slow_link/systems.py): `build_system` sets it up and returns
 its step functions (`fwd_bwd`, `opt_step`, `mem`, optionally `counted`/`reset`/`comm`);
 `timed_loop` times them. Ours through zeropp.initialize; the peers: a plain PyTorch loop,
 FSDP2 (alone and with our plug-in) and DeepSpeed, with the same model, data and AdamW.
@@ -12,8 +12,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from bench.dist_counter import COUNTER
-from bench.systems import (DEEPSPEED, FSDP2, FSDP2_PLUGIN, HSDP, OPTIM, OURS, bf16, make_batches, make_model,
+from bench.slow_link.dist_counter import COUNTER
+from bench.slow_link.systems import (DEEPSPEED, FSDP2, FSDP2_PLUGIN, HSDP, OPTIM, OURS, bf16, make_batches, make_model,
                            outer_argv, ranks_per_node, zero_section)
 
 

@@ -121,7 +121,3 @@ def main(argv=None):
         r = run_distributed(_rank, world, args=(a, rpn, dtype), timeout=600)[0]
         results.append({"world": world, "ranks_per_node": rpn, "dtype": dtype, "rows": table(world, rpn, dtype, r)})
     print("\nwrote", write_result(a.out, {"model": vars(a), "results": results}))
-
-
-if __name__ == "__main__":
-    main()

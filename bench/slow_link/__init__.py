@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The systems (bench/systems.py: ours per ZeRO stage and technique, FSDP2, FSDP2 + our plug-in,
+"""The systems (bench/slow_link/systems.py: ours per ZeRO stage and technique, FSDP2, FSDP2 + our plug-in,
 DeepSpeed when installed, a plain PyTorch loop) side by side on emulated nodes: one entry point.
 
     sudo .venv/bin/python -m bench.slow_link [sweep] [--quick] [--dtype fp32] [--profile]
@@ -14,39 +14,40 @@ print a SKIPPED line and exit 0 without root and iproute2; they remove their nam
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 
+from bench.slow_link import calibrate, diloco, gpu, local, sweep
+
 COMMANDS = {
-    "sweep": ("bench.slow_link_sweep", "step time against link rate (default 100, 200, 1000 Mbit/s, unlimited) "
+    "sweep": (sweep, "step time against link rate (default 100, 200, 1000 Mbit/s, unlimited) "
               "for ZeRO-3, each ZeRO++ technique, all three, auto, FSDP2 (and reshard to node), DeepSpeed ZeRO-3 "
               "(and hpZ); per row the veth bytes next to the counted ones, and the limit max(unthrottled step, "
               "link time) beside the step with step / limit and the exposed communication. Default model GPT 4 "
               "layers, hidden 192, seq 16, bf16; 2 passes x (2 warm-up + 6 steps): ~20 min on 2 quiet cores; "
               "--quick ~1 min. Needs root. Writes results/slow_link.{json,md,png}"),
-    "diloco": ("bench.slow_link_diloco", "streaming DiLoCo (a group per node, INT4 outer gradients) against "
+    "diloco": (diloco, "streaming DiLoCo (a group per node, INT4 outer gradients) against "
                "ZeRO-3 and ZeRO++ + LoCo at 10-100 Mbit/s and unlimited; DiLoCo's throughput over whole "
                "windows of cycles x H inner steps (exchanges included), the best F of --fragments first; the "
                "planner's inner step (compute rate measured here) beside the measured one, and the bytes "
                "across groups against ZeRO-3's. GPT 4 layers, hidden 256, seq 128, micro-batch 8: ~25 min. "
                "Needs root. Writes results/slow_link_diloco.{json,md}"),
-    "local": ("bench.slow_link_local", "the systems on gloo ranks of one machine, no link (stages 0-3, "
+    "local": (local, "the systems on gloo ranks of one machine, no link (stages 0-3, "
               "FSDP2, DeepSpeed): step time, peak RSS, model-state bytes, bytes per step counted and "
               "intercepted beside the ring model's (the limit), first losses equal; then world size 1 "
               "against a plain loop. GPT 4 layers, hidden 256, seq 128, 4 ranks: ~5 min. "
               "Writes results/zero_bench.json"),
-    "split": ("bench.slow_link_local", "where a step's time goes unthrottled (4 ranks as 2 x 2 over "
+    "split": (local, "where a step's time goes unthrottled (4 ranks as 2 x 2 over "
               "loopback): per system ms per step inside each torch.distributed call and blocked in "
               "Work.wait() by phase, the rest compute; then gloo's reduce-scatter against all-reduce, "
               "all-to-all and all-gather on one block's gradient. ~3 min. Writes results/fsdp2_time_split.json"),
-    "calibrate": ("bench.slow_link_calibrate", "this machine's rates for the planner's emulated cluster: "
+    "calibrate": (calibrate, "this machine's rates for the planner's emulated cluster: "
                   "forward+backward FLOP/s (bf16, fp32) and AdamW, block (de)quantization elements/s, gloo "
                   "loopback bandwidth and ring-hop latency, the sweep's systems' step over loopback. ~3 min. "
                   "Writes results/calibrate_compute.json"),
-    "planner": ("bench.slow_link_calibrate", "the planner (train.py --dry-run's model) against the sweep's "
+    "planner": (calibrate, "the planner (train.py --dry-run's model) against the sweep's "
                 "stored step times: predicted vs measured per system and rate, |error| against a tolerance. "
                 "Seconds; no network. Writes results/planner_calibration.{json,md}"),
-    "gpu": ("bench.gpu_ranks", "several ranks of the engine on ONE GPU over gloo: the CUDA paths of ZeRO-3, "
+    "gpu": (gpu, "several ranks of the engine on ONE GPU over gloo: the CUDA paths of ZeRO-3, "
             "ZeRO++ and FSDP2 (+ plug-in) in a real multi-rank step, step time, losses, bytes across the "
             "emulated nodes (a check of paths and numerics, not a multi-GPU speed). ~3 min on a GPU. "
             "Writes results/gpu_ranks.json"),
@@ -62,7 +63,7 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, text) in COMMANDS.items():
         sp = sub.add_parser(name, help=text.split(";")[0].split(":")[0], description=text)
-        getattr(importlib.import_module(module), "add_args" + SUFFIX.get(name, ""))(sp)
+        getattr(module, "add_args" + SUFFIX.get(name, ""))(sp)
     return p
 
 
@@ -71,9 +72,5 @@ def main(argv=None) -> int:
     if not argv or (argv[0] not in COMMANDS and argv[0] not in ("-h", "--help")):
         argv.insert(0, "sweep")   # `python -m bench.slow_link --quick` is the sweep
     args = parser().parse_args(argv)
-    module = importlib.import_module(COMMANDS[args.command][0])
+    module = COMMANDS[args.command][0]
     return getattr(module, "run" + SUFFIX.get(args.command, ""))(args) or 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

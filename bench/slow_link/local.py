@@ -22,8 +22,8 @@ import time
 import traceback
 
 from bench import RESULTS, write_result
-from bench.slow_link_report import fmt_table
-from bench.systems import (ALL_SYSTEMS, DEEPSPEED, DEFAULT_SYSTEMS, LABELS, OPTIM, PERSISTENCE_THRESHOLD, REUSE0,
+from bench.slow_link.report import fmt_table
+from bench.slow_link.systems import (ALL_SYSTEMS, DEEPSPEED, DEFAULT_SYSTEMS, LABELS, OPTIM, PERSISTENCE_THRESHOLD, REUSE0,
                            REUSE0_PREFETCH_FRACTION, WORLD1_SYSTEMS, num_params, stage_of, zero_section)
 
 MODEL = dict(num_layers=4, hidden=256, heads=4, vocab=4096, seq=128, micro_batch=4)
@@ -138,7 +138,7 @@ def checks(rows, pairs, tol=1e-5):
 
 
 def run(args):
-    from bench.ranks import bench_rank
+    from bench.slow_link.ranks import bench_rank
     from scenarios.harness.spawn import spawn_ranks
     a = {k: getattr(args, k) for k in (*MODEL, "warmup", "steps", "seed")}
     systems = ALL_SYSTEMS if args.systems == "all" else [s for s in args.systems.split(",") if s]
@@ -210,7 +210,7 @@ def add_args_split(p):
 
 def rank_of_system(rank, world, system, a):
     import torch.distributed as dist
-    from bench.ranks import COUNTER, build_system, timed_loop
+    from bench.slow_link.ranks import COUNTER, build_system, timed_loop
     COUNTER.install()
     COUNTER.node_of = lambda r: r // a["ranks_per_node"]
     sysd, waits = build_system(rank, world, system, a), {}
@@ -254,7 +254,7 @@ def rank_of_collectives(rank, world, numel, reps):
 
 
 def run_split(args):
-    from bench.systems import block_params
+    from bench.slow_link.systems import block_params
     from scenarios.harness.spawn import spawn_ranks
     a = {**{k: getattr(args, k) for k in (*SPLIT_MODEL, "warmup", "steps", "seed", "dtype")}, "ranks_per_node": 2,
          "bucket_fraction": 8}

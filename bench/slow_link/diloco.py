@@ -1,6 +1,6 @@
 """Streaming DiLoCo against ZeRO-3 and ZeRO++ + LoCo over the emulated slow link
 (`python -m bench.slow_link diloco`). The link, ranks and counting are the sweep's; the DiLoCo rows
-(bench/systems.py DILOCO) make a group of each node, built as train.py builds it, INT4 outer
+(bench/slow_link/systems.py DILOCO) make a group of each node, built as train.py builds it, INT4 outer
 gradients. A DiLoCo step is an inner step; its throughput is taken over the whole timed window
 (--cycles x H inner steps, every exchange and the delay it causes included). First F in --fragments
 at --fragments-rate with H = 16; the fastest F serves every DiLoCo row. Then the targets at the lowest
@@ -20,9 +20,9 @@ from pathlib import Path
 
 from bench import RESULTS, ROOT, cpu_model, write_result
 from scenarios.harness.netns import NS, missing, netns_down, netns_up, sh, tbf_burst
-from bench.slow_link_report import fmt_table, md_table, rate_name
-from bench.slow_link_run import run_system
-from bench.slow_link_sweep import add_model_args, summarize
+from bench.slow_link.report import fmt_table, md_table, rate_name
+from bench.slow_link.run import run_system
+from bench.slow_link.sweep import add_model_args, summarize
 
 SPEEDUP_MIN, BYTES_MAX = 10.0, 0.01   # at the lowest rate
 PLANNED = re.compile(r"inner step ([\d.]+) s \+ ([\d.]+) s exposed")   # planner/outer.py's line
@@ -50,8 +50,8 @@ def calibrate(a) -> dict:
     """This machine's compute rate per rank on the bench's model and dtype for the planner: forward +
     backward in one thread, divided by the ranks sharing a core."""
     import torch
-    from bench.slow_link_calibrate import time_model
-    from bench.systems import model_config
+    from bench.slow_link.calibrate import time_model
+    from bench.slow_link.systems import model_config
     r = time_model(torch.bfloat16 if a["dtype"] == "bf16" else torch.float32, model_config(a), a["seq"], a["micro_batch"])
     share = max(1.0, 2 * a["ranks_per_node"] / len(os.sched_getaffinity(0)))
     return {**r, "model": {k: a[k] for k in MODEL}, "cpu_model": cpu_model(), "ranks_per_core": share,
@@ -106,7 +106,7 @@ def run(args) -> int:
     if taken:   # netns_up would remove another run's namespaces
         print(f"slow_link diloco: namespaces {', '.join(taken)} exist (another run?); wait or `ip netns del` them")
         return 2
-    from bench.systems import outer_interval
+    from bench.slow_link.systems import outer_interval
     rates = [int(r) for r in args.rates.split(",")]
     a = {**{k: getattr(args, k) for k in (*MODEL, "warmup", "steps", "dtype", "outer_sync_delay")}, "seed": 1234,
          "ranks_per_node": 2, "repeats": 1, "bucket_fraction": 8, "profile": False}
@@ -149,7 +149,7 @@ def throughput(x) -> float:
 
 
 def render(report, out: Path):
-    from bench.systems import LABELS
+    from bench.slow_link.systems import LABELS
     ms = lambda x: 1000 * 4 * report["config"]["micro_batch"] / throughput(x)   # noqa: E731 (4 ranks)
     rows, rates, c = report["results"], report["config"]["rates_mbit"], report["config"]
     by = {(x["system"], x["rate_mbit"]): x for x in rows if not x.get("error")}

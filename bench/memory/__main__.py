@@ -1,0 +1,4 @@
+"""`python -m bench.memory`: see bench/memory/__init__.py."""
+from bench.memory import main
+
+raise SystemExit(main())

@@ -1,0 +1,4 @@
+"""`python -m bench.report`: see bench/report/__init__.py."""
+from bench.report import main
+
+raise SystemExit(main())
