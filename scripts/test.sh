@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Run the test suite (sets up .venv first if needed). Extra arguments go to pytest,
-# e.g. `bash scripts/test.sh -m "not slow"`.
+# Run the tests (sets up .venv first if needed). Extra arguments go to pytest.
+# `bash scripts/test.sh`: the daily command, under 10 minutes on 2 idle cores: the quick tier
+# (-m "not slow") and one slow test of each slow family (tests/conftest.py DAILY).
+# `--full`: every test (CI runs this).
 # `--torch X.Y.Z` runs the FSDP2 plug-in's tests instead (tests/test_fsdp*.py, test_train_fsdp2.py,
 # test_torch_private.py and the FSDP2 rows of the fault matrix) on that torch release, in its own
 # venv (scripts/setup.sh --torch): what reads FSDP2's internals, on a second release of the range.
-# CI (.ci/run) runs the suite, then `--torch 2.14.1`.
+# CI (.ci/run) runs `--full`, then `--torch 2.14.1`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = --torch ]; then
@@ -17,4 +19,8 @@ if [ "${1:-}" = --torch ]; then
     tests/test_fault_matrix.py -k "not test_fault_matrix or fsdp2" "$@"
 fi
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest -q "$@"
+if [ "${1:-}" = --full ]; then
+  shift
+  exec .venv/bin/python -m pytest -q "$@"
+fi
+exec .venv/bin/python -m pytest -q -m "not slow or daily" "$@"

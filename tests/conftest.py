@@ -1,5 +1,8 @@
 """Session-wide: the pooled rank processes of tests/distributed.py end with the session; a test
-that uses a fixture which trains on several ranks or launches train.py is slow, as the fixture is."""
+that uses a fixture which trains on several ranks or launches train.py is slow, as the fixture is;
+the slow tests the daily command keeps are marked `daily`."""
+from pathlib import Path
+
 import pytest
 
 from common import forget_notes
@@ -9,10 +12,33 @@ from scenarios.harness import spawn
 SLOW_FIXTURES = {"runs", "short_run_done", "saved_4_ranks_stage3", "checkpoint"}
 
 
-def pytest_collection_modifyitems(items):
+# `bash scripts/test.sh` (every day, under 10 minutes on 2 idle cores) runs the quick tier and these
+# slow tests, one of each slow family; `bash scripts/test.sh --full` (CI) runs every test.
+DAILY = (
+    "tests/test_fault_matrix.py::test_quick_matrix[2x2]",   # one fault-matrix layout: 2 nodes x 2 ranks
+    "tests/test_fault_matrix.py::test_quick_fsdp2_rows",   # the FSDP2 plug-in's quick rows of the matrix
+    "tests/test_diloco_job.py::test_sigterm_to_one_group_stops_every_group_and_saves",   # a DiLoCo job
+    # a groups job with a kill and a heal (torchft's Lighthouse, two torchrun jobs)
+    "tests/test_groups_job.py::test_a_killed_group_never_stops_the_other_and_heals_from_it_when_restarted",
+    "tests/test_launch_errors.py::test_a_user_error_only_the_workers_find_is_one_line",   # a torchrun launch
+    # the FSDP2 scenarios' quick rows: hpZ alone bit for bit plain FSDP2, every switch within bounds
+    *(f"tests/test_fsdp2_scenarios.py::test_scenario_hpz_alone_is_plain_fsdp2_and_every_switch_within_bounds[{s}]"
+      for s in ("single_group", "multi_group_reshard_true", "mixed_precision_bf16_reduce", "hf_gpt2_tied")),
+    "tests/test_train.py::test_resume_continues_exactly",   # train.py's save and exact resume
+)
+
+
+def pytest_collection_modifyitems(config, items):
     for item in items:
         if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+        if item.nodeid in DAILY:
+            item.add_marker(pytest.mark.daily)
+    # a representative renamed or gone fails the collection of its file (not silently dropped)
+    files = {Path(str(item.fspath)).relative_to(config.rootpath).as_posix() for item in items}
+    gone = [n for n in DAILY if n.split("::")[0] in files and n not in {item.nodeid for item in items}]
+    if gone and not config.getoption("keyword") and not config.getoption("markexpr", "").startswith("slow"):
+        raise pytest.UsageError(f"tests/conftest.py DAILY names tests that are not there: {gone}")
 
 
 @pytest.fixture(scope="session", autouse=True)

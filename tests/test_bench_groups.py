@@ -43,4 +43,8 @@ def test_the_straggler_family_end_to_end(tmp_path):
     assert main(["straggler", "--quick", "--modes", "async", "--out", str(out)]) == 0
     row = json.loads(out.read_text())["straggler"]["async"]
     assert row["ratio"] > 0 and 0 < row["straggler_weight"] < 1
-    assert all(g["inner_steps"] == 30 for g in (row["calm"]["groups"][k] for k in ("0", "1")))
+    # the first group at --train-iters trained all of them; one still training then takes the final
+    # round and ends there too (docs/fault_tolerant_groups.md, "The end"), a few steps short when a
+    # save or the machine's load held it back
+    steps = [row["calm"]["groups"][k]["inner_steps"] for k in ("0", "1")]
+    assert max(steps) == 30 and min(steps) >= 10, steps
