@@ -25,6 +25,9 @@ DAILY = (
     *(f"tests/test_fsdp2_scenarios.py::test_scenario_hpz_alone_is_plain_fsdp2_and_every_switch_within_bounds[{s}]"
       for s in ("single_group", "multi_group_reshard_true", "mixed_precision_bf16_reduce", "hf_gpt2_tied")),
     "tests/test_train.py::test_resume_continues_exactly",   # train.py's save and exact resume
+    "tests/test_scripts.py::test_smoke_run[pretrain_gpt_18b.sh]",   # the 18B launch script, shrunk
+    "tests/test_checkpoint.py::test_reshard_on_load[8-3-True]",   # a checkpoint resharded on load
+    "tests/test_bench_slow_link_smoke.py::test_sweep_on_the_emulated_link",   # the slow-link bench, tiny
 )
 
 
