@@ -217,3 +217,11 @@ def test_bench_is_one_folder_per_family_each_run_as_a_module():
     assert not loose, f"modules outside a family's folder: {loose}"
     families = [p for p in bench.iterdir() if p.is_dir() and (p / "__init__.py").is_file()]
     assert families and all((p / "__main__.py").is_file() for p in families), families
+
+
+def test_training_reads_the_engine_through_its_faces_not_its_parts():
+    """The trainer reaches the DiLoCo mode through the engine's `outer` (zeropp/outer/diloco.py
+    OuterFace), never by digging into `engine.parts`."""
+    digging = [f"{p.relative_to(ROOT)}:{n}" for p in [*(ROOT / "training").rglob("*.py"), ROOT / "train.py"]
+               for n, line in enumerate(p.read_text().splitlines(), 1) if ".parts." in line or '"parts"' in line]
+    assert not digging, digging

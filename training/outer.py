@@ -22,7 +22,7 @@ from parallel.run_shape import RunShape
 from training.checkpoint import META, TRACKER, complete_iterations
 from zeropp.kernels.sparse import DEFAULT_CHUNK
 from zeropp.outer.asynchronous import AsyncOuterSync
-from zeropp.outer.diloco import KEY, PHASE, WARMUP, OuterSettings, OuterSync, attach, saved_layout
+from zeropp.outer.diloco import PHASE, WARMUP, OuterSettings, OuterSync, attach, saved_layout
 from zeropp.outer.edges import final_sync as synchronize_groups
 from zeropp.outer.edges import heal, join, outer_state, with_global_weights
 
@@ -346,8 +346,8 @@ def outer_fields(engine, stats, iterations: int) -> dict:
 
 
 def outer_sync(engine):
-    """The engine's outer synchronization (zeropp/outer/diloco.py OuterSync), None when the mode is off."""
-    return engine.parts.carried.get(KEY) if hasattr(engine, "parts") else None
+    """The engine's outer synchronization (zeropp/outer/diloco.py OuterFace), None when the mode is off."""
+    return engine.outer
 
 
 def final_sync(engine) -> bool:

@@ -55,6 +55,7 @@ after a resume as in a run that never stopped.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -108,6 +109,17 @@ def nesterov(mean: torch.Tensor, outer: torch.Tensor, mom: torch.Tensor | None, 
         mom.mul_(s.momentum).add_(outer)
         new.add_(mom, alpha=-s.lr * s.momentum)
     return new
+
+
+class OuterFace(Protocol):
+    """What the trainer (training/outer.py) reads of an engine's `outer`: the iteration it is at
+    (an exchange may move it: a heal, the final round), the outer steps taken, the groups' drift,
+    the last inner step whose work is in the global model, its membership (`cross`: fault
+    tolerant or not, group id, quorum status) and settings (`s`), and the log's lines."""
+    steps: int
+    outer_steps: int
+    drift: float
+    counted_through: int
 
 
 class OuterSync:
@@ -329,4 +341,5 @@ def attach(engine, cross, settings: OuterSettings, kind=OuterSync) -> OuterSync:
     if settings.warmup:
         engine.parts.gradient_hooks.append(lambda grads: average_gradients(sync, grads))
     engine.parts.carried[KEY] = sync   # last: after the techniques' parts commit their step
+    engine.outer = sync   # the trainer's face (OuterFace): it never looks into the engine's parts
     return sync

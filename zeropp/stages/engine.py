@@ -100,6 +100,9 @@ class Engine:
         self.skipped_steps = 0     # of those, skipped on an fp16 overflow (DeepSpeed's name)
         self.lr = optim.lr
         self.clock = WallClock(config.wall_clock_breakdown, device)
+        # The synchronization across groups (streaming DiLoCo) when zeropp.outer's attach gave this
+        # engine one (zeropp/outer/diloco.py OuterSync, its face the trainer reads); None otherwise.
+        self.outer = None
 
     # -- training loop interface -----------------------------------------
     def __call__(self, *args, **kwargs):
