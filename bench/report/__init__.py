@@ -135,6 +135,10 @@ FIGURES = {
                          command="python -m scenarios.faults"),
     "groups_job": dict(section="Faults", title="Groups that survive each other", render="groups_job",
                        files=["groups_job.json"], command="python -m scenarios.faults groups"),
+    "groups_compressed": dict(section="Faults", title="Groups as jobs with INT4 and topk2 outer gradients",
+                              render="groups_job", files=["groups_compressed.json"],
+                              command="python -m scenarios.faults groups --cells kill-one-group-int4,"
+                                      "kill-one-group-topk2,link-outage-int4,link-outage-topk2"),
     "groups_goodput": dict(section="Faults", title="Groups as jobs: synchronous against --outer-async",
                            render="groups_goodput", files=["groups_goodput.json"],
                            command="python -m bench.groups straggler; python -m bench.groups punisher"),
