@@ -50,7 +50,7 @@ def provenance() -> dict:
 
     import torch
     spec = getattr(sys.modules["__main__"], "__spec__", None)
-    program = ["-m", spec.name] if spec else [sys.argv[0]]
+    program = ["-m", spec.name.removesuffix(".__main__")] if spec else [sys.argv[0]]   # a family: its folder
     return {"command": shlex.join(["python", *program, *sys.argv[1:]]),
             "commit": checkout_name(ROOT).rpartition("(")[2].rstrip(")"),
             "machine": {"cpu": cpu_model(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
