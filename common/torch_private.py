@@ -1,7 +1,7 @@
 """Every private torch attribute the product reads or writes, in one place, checked against the
 torch releases SUPPORTED names (pyproject.toml declares the same range): torch has no public way
 to ask these things, so each is named here, reached only through the function beside it, and
-tests/test_torch_private.py fails loudly when torch renames one or changes what it means. Nothing
+tests/unit/common/test_torch_private.py fails loudly when torch renames one or changes what it means. Nothing
 else in the product touches a private torch name. Nothing here falls back to a default: the
 autograd attributes are looked up at import, the FSDP2 ones when the plug-in is applied
 (`fsdp_internals_problem`), and a torch that lacks one fails there, in one line naming it.

@@ -1,5 +1,5 @@
 """Every private torchft attribute the product touches, in one place (checked against torchft
-0.2.0); tests/test_torchft_private.py fails loudly when torchft renames one or changes it.
+0.2.0); tests/unit/common/test_torchft_private.py fails loudly when torchft renames one or changes it.
 
 | attribute | used for |
 |---|---|
@@ -12,7 +12,7 @@ from datetime import timedelta
 
 CHECKED_TORCHFT = "0.2.0"
 ATTRIBUTES = ("Manager._quorum_future", "ProcessGroupGloo._create_pg", "ProcessGroupWrapper._timeout")
-GLOO_CONNECT_WAITS = 5   # gloo's pair.h: `timeout_ * 5` for a first connection (tests/test_membership_cut.py)
+GLOO_CONNECT_WAITS = 5   # gloo's pair.h: `timeout_ * 5` for a first connection (tests/unit/parallel/test_membership_cut.py)
 
 
 def forget_failed_quorum(manager) -> None:

@@ -197,7 +197,7 @@ CLUSTER = ("nodes: 2\ngpus_per_node: 4\ngpu_memory_gb: 32\npeak_flops: 125e12\ni
 
 def careless_cases(tmp, b, f):
     """Numbers that are not finite, switches that would do nothing, paths that are not what they should
-    be, and the planner's --cluster file (tests/test_careless_inputs.py has their tests)."""
+    be, and the planner's --cluster file (tests/integration/inputs/test_careless_inputs.py has their tests)."""
     train, yaml, jsn = ["train.py"], f["yaml"], f["json"]
     afile = f["yaml"]("not: a directory\n")
     dry = ["train.py", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "2", "--seq-length", "16",

@@ -1,7 +1,7 @@
 """Streaming DiLoCo's faults as a user meets them: train.py under torchrun, 4 gloo ranks as 2
 groups of one 2-rank node (`--ranks-per-node 2 --group-size 1`), ZeRO-3 inside each group.
 A cell returns "" when it holds, else what went wrong (`python -m scenarios.faults` prints them as
-the "DiLoCo job" table; tests/test_diloco_job.py asserts each on a tiny corpus).
+the "DiLoCo job" table; tests/integration/groups/test_diloco_job.py asserts each on a tiny corpus).
 
 - signal-one-group: SIGTERM to group 1's ranks only (a node's preemption) after a few
   iterations. Every rank stops after the same iteration, within 90 s, and saves it; the job

@@ -88,7 +88,7 @@ def everyone(problem: str) -> str:
 # -- DiLoCo ---------------------------------------------------------------------------------------
 
 class Grouped:
-    """An engine over my group, with the outer synchronization attached (as tests/test_diloco.py)."""
+    """An engine over my group, with the outer synchronization attached (as tests/unit/outer/test_diloco.py)."""
 
     def __init__(self, inner: dict, precision: str, per_node: int, nodes: int, settings: OuterSettings):
         self.engine = build(inner, precision, per_node,

@@ -1,6 +1,6 @@
 """Cells of groups as separate jobs (train.py --lighthouse) at the run's edges: nothing one group
 does ends the run, the start, and groups that never wait for each other. A cell returns "" when
-it holds, else what went wrong (tests/test_groups_job.py runs them; `python -m scenarios.faults groups`
+it holds, else what went wrong (tests/integration/groups/test_groups_job.py runs them; `python -m scenarios.faults groups`
 too). Launching and reading the jobs: scenarios/harness/jobs.py.
 
 - refused-model / refused-outer-flags / refused-duplicate: while group 0 trains, a group with

@@ -7,7 +7,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests import REPO as ROOT
+
 PACKAGES = ("common", "parallel", "model", "data", "zeropp", "training", "planner", "tools", "scenarios", "bench")
 SCRIPTS = ("train", "generate")
 
@@ -225,3 +226,24 @@ def test_training_reads_the_engine_through_its_faces_not_its_parts():
     digging = [f"{p.relative_to(ROOT)}:{n}" for p in [*(ROOT / "training").rglob("*.py"), ROOT / "train.py"]
                for n, line in enumerate(p.read_text().splitlines(), 1) if ".parts." in line or '"parts"' in line]
     assert not digging, digging
+
+
+def test_tests_live_in_folders_by_package_and_by_scenario():
+    """tests/unit/<package>/ tests one package of the product (or bench/, scenarios/' harness);
+    tests/integration/<scenario>/ runs train.py, the scripts and the jobs as their users do. At the
+    top of tests/ only the shared helpers and this file; every folder is a package (the files'
+    names may repeat across folders and pooled ranks import them by module name)."""
+    tests = ROOT / "tests"
+    loose = sorted(p.name for p in tests.glob("test_*.py") if p.name != "test_structure.py")
+    assert not loose, f"test files at the top of tests/ (move them to unit/<package>/ or " \
+                      f"integration/<scenario>/): {loose}"
+    for path in tests.rglob("test_*.py"):
+        parts = path.relative_to(tests).parts
+        if len(parts) == 1:
+            continue
+        assert len(parts) == 3 and parts[0] in ("unit", "integration"), f"{path}: not in unit/X/ or integration/X/"
+        if parts[0] == "unit":
+            assert (ROOT / parts[1]).is_dir() or (ROOT / "zeropp" / parts[1]).is_dir(), \
+                f"{path}: tests/unit/{parts[1]}/ names no package of the product (nor a folder of zeropp/)"
+        for folder in path.relative_to(ROOT).parents[:-1]:
+            assert (ROOT / folder / "__init__.py").is_file(), f"{folder}/ has no __init__.py"

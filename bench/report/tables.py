@@ -1,6 +1,6 @@
 """Table renderers for bench.report: each takes the loaded JSON files of one figure (a list of
 (name, data) pairs, in the registry's order) and returns Markdown table lines. Fixed number
-formats and the files' own order keep the output deterministic, so tests/test_report.py can
+formats and the files' own order keep the output deterministic, so tests/unit/bench/test_report.py can
 compare the committed pages with a fresh render exactly."""
 
 MB = 1e6

@@ -17,7 +17,7 @@ whose all-reduce is `ReplicaReduce`:
   the unit's key + "g"). Every replica, the row's owner too, takes the gathered rows, so the
   replicas' gradients, and so their weights, stay identical.
 
-Bounds (tests/test_fsdp_hsdp.py), per element of a row a replica owns: the hop across is qgZ's with
+Bounds (tests/unit/fsdp/test_fsdp_hsdp.py), per element of a row a replica owns: the hop across is qgZ's with
 one rank per node, at most half a step of each replica's block (sum over replicas of block max /
 7 / 2 for INT4); the exact gather adds nothing; the quantized gather adds half a step of the
 reduced row's own block (its block max / 7 / 2). With LoCo what a step leaves out is sent later.

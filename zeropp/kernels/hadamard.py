@@ -14,7 +14,7 @@ relative to the typical element and INT4's 7 levels per sign resolve the rest.
   inverse(forward(x)) == x up to the fp32 rounding of the sums: each output is a sum of
   B terms added in a tree of depth log2(B), within log2(B) ulps of sum|x| per pass.
 
-Two backends, bit-identical (tests/test_hadamard.py), chosen by zeropp.kernels.quant.kernel:
+Two backends, bit-identical (tests/unit/kernels/test_hadamard.py), chosen by zeropp.kernels.quant.kernel:
 a Triton kernel on CUDA (zeropp/kernels/triton_hadamard.py, the same stages, the same fp32 adds
 and subtracts) and this vectorized torch path elsewhere, which works on chunks of whole blocks with one
 reusable scratch chunk per thread (ping-pong between it and the result), so temporaries

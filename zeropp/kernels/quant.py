@@ -28,7 +28,7 @@ elements and cut into blocks of ``block_size``.  Each block gets one fp32 scale:
   Its step is max|x| / 2, not max|x|: the codes cut at a quarter of the block's largest
   and stand for half of it, clipping what is above (format.py SCALE_DIV). On Gaussian blocks
   of 128 the mean squared error is 0.35 of a step of max|x|'s (0.21 against 0.59 variances,
-  tests/test_quant.py), near the least a ternary code reaches, and it kept qgZ's INT2 hop and
+  tests/unit/kernels/test_quant.py), near the least a ternary code reaches, and it kept qgZ's INT2 hop and
   the INT2 weight deltas closer to ZeRO-3 (docs/results.md, convergence).
 * All arithmetic is fp32 whatever the input dtype (fp32/fp16/bf16 are read as fp32 exactly).
 
@@ -48,7 +48,7 @@ quantization step of the original, ``|x - x'| <= scale / 2`` (plus a few fp32 ul
 max|x| for the rounding of the division and the product): max|x| / 254 of its block for
 INT8, max|x| / 14 for INT4; INT2 clips, so a whole step, ``|x - x'| <= scale`` = max|x| / 2
 (format.py ERROR_STEPS; qgZ sends it only with error feedback).
-tests/test_quant.py checks the bound for every format.
+tests/unit/kernels/test_quant.py checks the bound for every format.
 
 Default block sizes (``DEFAULT_BLOCK_SIZE``)
 --------------------------------------------

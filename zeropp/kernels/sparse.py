@@ -19,7 +19,7 @@ never expected to be zero (it is among the largest; a chunk with fewer than k no
 keeps zeros, which decode to +scale and error feedback sends back). Why the median, not the
 largest magnitude M with levels M/4 and 3M/4: kept values sit mostly near the k-th largest, far
 below M when the chunk is heavy-tailed; on Student-t(3) chunks the M/4 levels leave a several
-times larger squared error than the median's (tests/test_diloco_sparse.py compares them).
+times larger squared error than the median's (tests/unit/outer/test_diloco_sparse.py compares them).
 
 Wire (``SparseTopK.to_bytes``, a fixed size per tensor so the groups can all-gather it): the
 fp32 scales of every chunk, then each chunk's positions: its k indices (ascending, ``log2(chunk)``

@@ -1,5 +1,5 @@
 """Triton kernel for zeropp.kernels.hadamard: the same block-diagonal Walsh-Hadamard butterfly,
-bit for bit (tests/test_hadamard.py).
+bit for bit (tests/unit/kernels/test_hadamard.py).
 
 Each program holds a tile of ROWS blocks of BLOCK elements ([ROWS, BLOCK], about 2048
 elements). Stage s (h = 2**s) views each block as [BLOCK / 2h, 2, h], moves the pair axis

@@ -1,5 +1,5 @@
 """Triton kernels for zeropp.kernels.sparse (top-k 2-bit), bit for bit with its torch reference
-(tests/test_sparse_kernels.py). One program per chunk. Encode: each element's unique 64-bit key
+(tests/unit/outer/test_diloco_sparse.py). One program per chunk. Encode: each element's unique 64-bit key
 (the magnitude's bits, then the complement of the index: the lower index wins a tie, as in
 csrc/sparse_cpu.c); the k-th largest key is found bit by bit from the top (a radix select:
 63 counts over the chunk, no sort), the kept elements' slots by a prefix count, so they come

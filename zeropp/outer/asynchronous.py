@@ -18,7 +18,7 @@ meet in zeropp/outer/offers.py's Board.
 
 With every group present, equal tokens and rounds that complete within the merge delay, this is
 the synchronous outer step up to fp32 rounding (sum_i w_i (g - l_i) instead of g - sum_i w_i l_i;
-tests/test_groups_async.py states the bound)."""
+tests/unit/outer/test_outer_rounds.py states the bound)."""
 from __future__ import annotations
 
 import time

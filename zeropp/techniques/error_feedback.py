@@ -13,10 +13,10 @@ the same bits on every backend), stored as one uint8 buffer in the wire layout
 e = Q8(beta e + (1 - beta)(x - Q(x))) (beta 0: classic error feedback); every
 `reset_every` reductions of a bucket e starts again from zero. Storing e costs at
 most half an INT8 step per element, max|e over its block| / 254, on top of what
-the fp32 error kept (tests/test_zeropp_loco.py checks the bound). Without error
+the fp32 error kept (tests/unit/zeropp/test_zeropp_loco.py checks the bound). Without error
 feedback each step's INT4 error is lost; with it what was not sent is sent later,
 so the sum of what the optimizer receives over steps tracks the sum of the true
-gradients (tests/test_zeropp_loco.py: over 20 reductions of the same rows, the drift stays
+gradients (tests/unit/zeropp/test_zeropp_loco.py: over 20 reductions of the same rows, the drift stays
 about one step's error instead of growing twentyfold).
 
 With Hadamard smoothing (`zero_hadamard_gradients`) the rows are sent rotated
