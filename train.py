@@ -55,7 +55,7 @@ def main(argv=None):
     own_group = not dist.is_initialized()   # a caller's group (the tests' pooled ranks) stays the caller's
     device = init_distributed(args.distributed_backend)
     topology = topology_from_env(args.ranks_per_node)
-    comm = engine_comm(args, topology)   # the job's, or its group's with --outer-sync-interval
+    comm = engine_comm(args.groups, topology)   # the job's, or its group's with --outer-sync-interval
     data_rank, data_world, cfg = job_shape(args, topology, tokenizer)
     torch.manual_seed(args.seed)
     if args.ds_config.zero_optimization.auto_switches():  # measure the links, let the planner pick
@@ -72,7 +72,7 @@ def main(argv=None):
     engine = zeropp.initialize(model, args.ds_config, comm, device, args.optimizer_settings,
                                args.gradient_accumulation_steps, param_init=model.init_parameter,
                                sharding=args.sharding, replicas=args.data_parallel_replicate_degree)
-    attach_outer(args, engine)
+    attach_outer(args.groups, engine)
     schedule = build_lr_schedule(args)
     print_job(args, topology, cfg, engine, device, tokenizer.vocab_size)
     progress = resume(args, engine, cfg) if args.load else Progress()

@@ -208,7 +208,7 @@ def print_dry_run(args) -> None:
     if missing:
         raise ConfigError(f"--dry-run: missing input(s): {'; '.join(missing)}; fix the path(s) (the dry run checks "
                           f"them on the machine it runs on)")
-    if args.outer_sync_interval is not None:   # groups of nodes synchronizing rarely
+    if args.groups is not None:   # groups of nodes synchronizing rarely
         print(format_outer_plan(args), flush=True)
         return
     zero = args.ds_config.zero_optimization

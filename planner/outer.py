@@ -11,8 +11,8 @@ from planner.comm import PHASES, rank_bytes
 from planner.plan import companion, format_plan, job_from_args, label, plan_config
 from planner.trace import shard_layout, trace_model
 from training.args import flag
-from training.outer import check_groups
-from zeropp.outer.diloco import OuterSettings, exchange_per_step, fragment_bounds
+from training.outer_args import check_groups
+from zeropp.outer.diloco import exchange_per_step, fragment_bounds
 from zeropp.stages.engine import compute_dtype
 
 
@@ -29,8 +29,7 @@ def format_outer_plan(args) -> str:
     mine = plan_config(group_job, zero, trace, group_cluster)
     base = plan_config(job, zero if label(zero) == "ZeRO-3" else companion(zero, rpn), trace, cluster)
 
-    settings = OuterSettings(args.outer_sync_interval, args.outer_lr, args.outer_momentum, args.outer_fragments,
-                             args.outer_quantization, args.outer_sync_delay, topk_fraction=args.outer_topk_fraction)
+    settings = args.groups.settings   # (training's own, typed at the edge)
     shards = shard_layout(trace, group_job.world, 0, mine.zero.stage, mine.zero.stage3_param_persistence_threshold,
                           mine.zero.zero_hpz_partition_size)
     c = exchange_per_step(sum(s.valid for s in shards), settings)
@@ -62,10 +61,10 @@ def format_outer_plan(args) -> str:
              + f": {each} s; "
              f"inner step {step:.3f} s + {exposed:.3f} s exposed = {step + exposed:.3f} s; ZeRO-3 over the job: "
              f"{base.timing.iteration:.3f} s"]
-    if args.outer_warmup_iters:   # the gradients' all-reduce across groups: one whole exchange each step
+    if settings.warmup:   # the gradients' all-reduce across groups: one whole exchange each step
         warm = exchange_per_step(sum(owned), dataclasses.replace(settings, interval=1, quantization="none"))
         warm_bytes = sum(rank_bytes(warm.op, across, 0, warm.nbytes, rpn))   # a GPU's; a node sends rpn of them
-        lines.append(f"   the first {args.outer_warmup_iters} iterations as one synchronous job: "
+        lines.append(f"   the first {settings.warmup} iterations as one synchronous job: "
                      f"{warm_bytes / 1e6:.3f} MB across groups per iteration per GPU, "
                      f"{rpn * warm_bytes / cluster.inter_bw:.3f} s of link per iteration")
     return "\n".join(lines)

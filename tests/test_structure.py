@@ -5,6 +5,7 @@ imports inside functions count too."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from tests import REPO as ROOT
@@ -247,3 +248,10 @@ def test_tests_live_in_folders_by_package_and_by_scenario():
                 f"{path}: tests/unit/{parts[1]}/ names no package of the product (nor a folder of zeropp/)"
         for folder in path.relative_to(ROOT).parents[:-1]:
             assert (ROOT / folder / "__init__.py").is_file(), f"{folder}/ has no __init__.py"
+
+
+def test_the_outer_wiring_reads_its_typed_config_not_the_command_line():
+    """training/outer.py (the wiring and the trainer's hooks) reads GroupsJob, made at the edge."""
+    text = (ROOT / "training" / "outer.py").read_text()
+    reads = [n for n, line in enumerate(text.splitlines(), 1) if re.search(r"\bargs\b", line)]
+    assert not reads, f"training/outer.py reads argparse's namespace on lines {reads}"

@@ -34,7 +34,7 @@ from training.deepspeed_args import merge_deepspeed_config
 from training.flags import build_parser
 from training.lr_schedule import build_lr_schedule
 from training.megatron_compat import NO_TP, no_op_note, refused_given
-from training.outer import check_outer_args
+from training.outer_args import check_outer_args, groups_job
 from training.yaml_config import apply_yaml
 from common import ConfigError, Problems, note
 
@@ -85,6 +85,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if not any(name.search(message) for name in names):
             problems.add(message)
     problems.raise_if_any()
+    args.groups = groups_job(args)   # the outer mode, typed: what the wiring below the edge reads
     _say_notes(parser, args)
     return args
 

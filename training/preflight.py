@@ -53,7 +53,7 @@ def check_inputs(args):
 def job_shape(args, topology: Topology, tokenizer):
     """(this rank's part of the data, the number of parts, the model config): the batch arithmetic
     and the model's settings checked against the job's shape."""
-    data_rank, data_world = data_partition(args, topology)   # with --lighthouse: this group's part of the job's
+    data_rank, data_world = data_partition(args.groups, topology)   # with --lighthouse: this group's part of the job's
     resolve_batch(args, data_world)
     return data_rank, data_world, model_config(args, tokenizer.vocab_size, args.seed)
 

@@ -57,7 +57,8 @@ def setup_ours(a, system, prepare=None):
     if outer is not None:   # a DiLoCo row: wired as train.py wires it
         from training.flags import build_parser
         from training.outer import attach_outer, engine_comm
-        outer = build_parser().parse_args(outer)
+        from training.outer_args import groups_job
+        outer = groups_job(build_parser().parse_args(outer))
         comm = engine_comm(outer, topology_from_env())
     else:
         comm = Communicator(topology_from_env())

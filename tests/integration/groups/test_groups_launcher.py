@@ -145,7 +145,7 @@ def test_the_slurm_example_ends_with_its_groups_and_says_which_failed(tmp_path):
 @pytest.fixture
 def lighthouse_answers(monkeypatch):
     """group_args' Lighthouse URL answers (parsing checks that one does, before the model is built)."""
-    monkeypatch.setattr("training.outer.lighthouse_answers", lambda url, wait: True)
+    monkeypatch.setattr("training.outer_args.lighthouse_answers", lambda url, wait: True)
 
 
 def group_args(tmp: Path, *extra, group: int = 1):

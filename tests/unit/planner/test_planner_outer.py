@@ -103,7 +103,7 @@ def verdict(argv: list[str]) -> str | None:
     ([], False),
 ])
 def test_the_dry_run_refuses_what_training_refuses(monkeypatch, extra, refused):
-    monkeypatch.setattr("training.outer.lighthouse_answers", lambda url, wait: True)   # training's flag checks
+    monkeypatch.setattr("training.outer_args.lighthouse_answers", lambda url, wait: True)   # training's flag checks
     monkeypatch.setenv("WORLD_SIZE", "16")   # one group of the cluster's: torchrun on its 2 nodes
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
     training = verdict([*EXACT, *LIGHTHOUSE, "--data-path", "corpus", "--train-iters", "100", *extra])

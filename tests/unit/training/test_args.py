@@ -305,3 +305,17 @@ def test_fp16_on_cpu_says_it_is_slow(capsys, monkeypatch):
     assert capsys.readouterr().out.count("> note: --fp16 on CPU is slower than fp32") == 1
     parse_args(REQUIRED + ["--bf16"])
     assert "--fp16" not in capsys.readouterr().out
+
+
+def test_the_outer_mode_is_typed_at_the_edge(monkeypatch):
+    """parse_args makes the outer mode's GroupsJob from the flags; the wiring reads it, not args."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    args = parse_args(["--zero-stage", "3", "--outer-sync-interval", "8", "--outer-lr", "0.5", "--outer-fragments", "2",
+                       "--outer-quantization", "int4", "--outer-sync-delay", "2", "--outer-warmup-iters", "3",
+                       "--clip-grad", "0.5", *REQUIRED])
+    job, s = args.groups, args.groups.settings
+    assert (s.interval, s.lr, s.fragments, s.quantization, s.delay, s.warmup) == (8, 0.5, 2, "int4", 2, 3)
+    assert not s.asynchronous and not job.fault_tolerant
+    assert (job.group_size, job.train_iters, job.clip_grad) == (1, 10, 0.5)
+    assert parse_args(REQUIRED).groups is None
