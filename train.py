@@ -36,7 +36,7 @@ from training.outer import attach_outer, engine_comm, join_groups
 from training.preflight import check_inputs, check_job, job_shape
 from training.report import print_job, print_summary
 from training.signals import StopRequest
-from training.trainer import Trainer, TrainingDiverged
+from training.trainer import LoopConfig, Trainer, TrainingDiverged
 
 
 _UNFREED = []
@@ -82,9 +82,10 @@ def main(argv=None):
     train_batches = iter(build_data_loader(train_ds, progress.consumed_train_samples, args.micro_batch_size,
                                            data_rank, data_world, args.num_workers))
     checkpointer = make_checkpointer(args, engine, cfg, model, argv, progress.run) if args.save else None
-    trainer = Trainer(args, engine, comm, device, schedule, logger, checkpointer, train_batches, valid_ds, test_ds,
-                      flops_per_iteration(cfg, args.global_batch_size, args.seq_length, args.checkpoint_activations),
-                      progress, job_comm=Communicator(topology) if comm.topology.groups > 1 else comm)
+    flops = flops_per_iteration(cfg, args.global_batch_size, args.seq_length, args.checkpoint_activations)
+    trainer = Trainer(LoopConfig.from_args(args), engine, comm, device, schedule, logger, checkpointer, train_batches,
+                      valid_ds, test_ds, flops, progress,
+                      job_comm=Communicator(topology) if comm.topology.groups > 1 else comm)
     early_stop = trainer.run()
     if early_stop is None:
         print_summary(args, topology, trainer.cross_node, engine)

@@ -5,7 +5,6 @@ imports inside functions count too."""
 from __future__ import annotations
 
 import ast
-import re
 from pathlib import Path
 
 from tests import REPO as ROOT
@@ -250,8 +249,13 @@ def test_tests_live_in_folders_by_package_and_by_scenario():
             assert (ROOT / folder / "__init__.py").is_file(), f"{folder}/ has no __init__.py"
 
 
-def test_the_outer_wiring_reads_its_typed_config_not_the_command_line():
-    """training/outer.py (the wiring and the trainer's hooks) reads GroupsJob, made at the edge."""
-    text = (ROOT / "training" / "outer.py").read_text()
-    reads = [n for n, line in enumerate(text.splitlines(), 1) if re.search(r"\bargs\b", line)]
-    assert not reads, f"training/outer.py reads argparse's namespace on lines {reads}"
+def test_the_loop_and_the_outer_wiring_read_typed_configs_not_the_command_line():
+    """training/trainer.py (LoopConfig) and training/outer.py (GroupsJob, made in training/outer_args.py)
+    read typed configs made at the edge: argparse's namespace only in a `from_args`."""
+    for path in (ROOT / "training" / "trainer.py", ROOT / "training" / "outer.py"):
+        tree = ast.parse(path.read_text())
+        allowed = {id(n) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == "from_args"
+                   for n in ast.walk(f)}
+        reads = sorted({n.lineno for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id == "args"
+                        and id(n) not in allowed})
+        assert not reads, f"{path.relative_to(ROOT)} reads argparse's namespace on lines {reads}"

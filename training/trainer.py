@@ -1,6 +1,6 @@
 """The training loop: steps, logging windows, evaluation, checkpoints, and when to stop.
 
-    trainer = Trainer(args, engine, comm, device, schedule, logger, checkpointer,
+    trainer = Trainer(LoopConfig.from_args(args), engine, comm, device, schedule, logger, checkpointer,
                       train_batches, valid_ds, test_ds, flops, progress)
     early_stop = trainer.run()   # None when training reached --train-iters
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -144,16 +144,40 @@ class EarlyStop:
             "; lower --lr, check the data" + (", or raise --max-nan-iters" if self.max_nan_iters else ""))
 
 
+@dataclass(frozen=True)
+class LoopConfig:
+    """What the loop reads of the command line, typed at the edge (train.py: `LoopConfig.from_args`)."""
+    train_iters: int
+    global_batch_size: int
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    seq_length: int
+    log_interval: int
+    log_params_norm: bool
+    eval_interval: int | None
+    eval_iters: int
+    save: str | None                     # --save (None: no checkpoints)
+    save_interval: int | None
+    exit_interval: int | None
+    exit_duration_in_mins: float | None
+    start_time: float                    # when the job started (parse_args), for --exit-duration-in-mins
+    max_nan_iters: int | None
+
+    @classmethod
+    def from_args(cls, args) -> LoopConfig:
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+
 class Trainer:
     """Runs training from `iteration` (and `consumed_samples`, where `train_batches`
     starts) to --train-iters; `cross_node` holds the bytes sent across nodes for the summary.
     `comm` is the engine's (a group's with --outer-sync-interval), `job_comm` the whole job's
     (default `comm`): stops and evaluations are agreed over the job."""
 
-    def __init__(self, args, engine, comm: Communicator, device: torch.device, schedule, logger, checkpointer,
-                 train_batches, valid_ds, test_ds, flops_per_iteration: float, progress: Progress,
+    def __init__(self, cfg: LoopConfig, engine, comm: Communicator, device: torch.device, schedule, logger,
+                 checkpointer, train_batches, valid_ds, test_ds, flops_per_iteration: float, progress: Progress,
                  job_comm: Communicator | None = None):
-        self.args, self.engine, self.comm, self.device = args, engine, comm, device
+        self.cfg, self.engine, self.comm, self.device = cfg, engine, comm, device
         self.job = job_comm or comm
         self.schedule, self.logger = schedule, logger
         self.checkpointer = checkpointer  # None without --save
@@ -162,7 +186,7 @@ class Trainer:
         self.iteration, self.consumed_samples = progress.iteration, progress.consumed_train_samples
         self.consumed_valid_samples = progress.consumed_valid_samples
         self._valid_batches = None   # the validation loader, built at the first evaluation
-        self.nonfinite = NonFinitePolicy(args.max_nan_iters, engine.dtype)
+        self.nonfinite = NonFinitePolicy(cfg.max_nan_iters, engine.dtype)
         self.window: LogWindow | None = None   # the iterations since the last log line, while running
         self.cross_node = CrossNodeTraffic()
         self.saved_at: int | None = None   # the iteration of the last save (a stop saves unless it is this one)
@@ -177,22 +201,22 @@ class Trainer:
         self.engine.train()
         first_iteration = self.iteration
         diverged = signalled = exiting = False
-        exit_interval = self.args.exit_interval
-        while self.iteration < self.args.train_iters:
+        exit_interval = self.cfg.exit_interval
+        while self.iteration < self.cfg.train_iters:
             step = self.train_step(log_memory=self.iteration == first_iteration + 1)
             self.window.add(step)
             # Agreed over the job: a group that stopped alone would leave the others in a collective.
             signalled, bad_streak = stop.agreed(self.job, self.device, self.nonfinite.record(step))
             diverged = self.nonfinite.must_stop(bad_streak)
             self.nonfinite.bad_streak = max(self.nonfinite.bad_streak, bad_streak)
-            if self.iteration % self.args.log_interval == 0 or self.iteration == self.args.train_iters:
+            if self.iteration % self.cfg.log_interval == 0 or self.iteration == self.cfg.train_iters:
                 self.log_window(step)
             if diverged or signalled:
                 break
-            if self.iteration == self.args.train_iters:
+            if self.iteration == self.cfg.train_iters:
                 final_sync(self.engine)   # the outer mode: the global parameters take the last steps
             self.evaluate_and_save_on_interval()
-            if self.iteration < self.args.train_iters:
+            if self.iteration < self.cfg.train_iters:
                 exiting = ("--exit-interval" if exit_interval and self.iteration % exit_interval == 0 else
                            "--exit-duration-in-mins" if self.out_of_time() else False)
             if exiting:
@@ -206,35 +230,35 @@ class Trainer:
     def out_of_time(self) -> bool:
         """--exit-duration-in-mins: whether any rank has run that long since start-up (agreed over the
         job, as Megatron: one all-reduce an iteration, only with the flag)."""
-        limit = getattr(self.args, "exit_duration_in_mins", None)
+        limit = self.cfg.exit_duration_in_mins
         if not limit:
             return False
-        up = torch.tensor([time.time() - self.args.start_time >= 60 * limit], dtype=torch.int32, device=self.device)
+        up = torch.tensor([time.time() - self.cfg.start_time >= 60 * limit], dtype=torch.int32, device=self.device)
         self.job.all_reduce(up, op=torch.distributed.ReduceOp.MAX, phase="other")
         return bool(up.item())
 
     def train_step(self, log_memory: bool = False) -> Step:
         """One iteration: forward and backward over the micro-batches, then the optimizer step."""
-        args = self.args
+        cfg = self.cfg
         # Skipped updates do not advance the schedule (Megatron: `if update_successful`).
         lr = self.schedule(self.iteration - self.engine.skipped_steps)
         self.engine.set_lr(lr)
         loss = 0.0
-        for _ in range(args.gradient_accumulation_steps):
+        for _ in range(cfg.gradient_accumulation_steps):
             batch = next(self.train_batches).to(self.device)
             micro_loss = self.engine(batch[:, :-1], batch[:, 1:])
             self.engine.backward(micro_loss)
-            loss += micro_loss.item() / args.gradient_accumulation_steps
+            loss += micro_loss.item() / cfg.gradient_accumulation_steps
         if log_memory:  # Adam's state exists after one step; gradients until step()
             self.logger.memory_line(memory_report(self.engine))
         result = self.engine.step()
         self.iteration = outer_iteration(self.engine, self.iteration + 1)   # --lighthouse: a heal may move it
-        self.consumed_samples += args.global_batch_size
+        self.consumed_samples += cfg.global_batch_size
         return Step(lr, loss, result.skipped, result.loss_scale, result.grad_norm)
 
     def log_window(self, last: Step):
         """The training line for the iterations since the last one (means over ranks)."""
-        args, window = self.args, self.window
+        cfg, window = self.cfg, self.window
         elapsed = (time.time() - window.start) / window.iterations
         stats = self.comm.reset_stats()
         # Bytes: the mean over ranks (in a ring some ranks send across nodes, others do not).
@@ -244,17 +268,17 @@ class Trainer:
         self.cross_node.iterations += window.iterations
         self.cross_node.sent_bytes += inter
         self.cross_node.plain_zero3_bytes += plain_inter
-        samples_per_s = args.global_batch_size / elapsed
-        self.logger.training_line(self.iteration, args.train_iters, {
+        samples_per_s = cfg.global_batch_size / elapsed
+        self.logger.training_line(self.iteration, cfg.train_iters, {
             "consumed": self.consumed_samples, "iter_ms": elapsed * 1000, "lr": last.lr,
-            "global_batch": args.global_batch_size, "loss": loss,
+            "global_batch": cfg.global_batch_size, "loss": loss,
             "loss_scale": last.loss_scale, "grad_norm": None if last.skipped else last.grad_norm,
             "skipped": window.skipped, "nan": window.nan_iterations, "samples_per_s": samples_per_s,
-            "tokens_per_s": samples_per_s * args.seq_length,
+            "tokens_per_s": samples_per_s * cfg.seq_length,
             "tflops": self.flops_per_iteration / elapsed / (self.comm.topology.world_size * self.comm.topology.groups) / 1e12,
             "intra_mb": intra / window.iterations / 2**20,
             "inter_mb": inter / window.iterations / 2**20, **outer_fields(self.engine, stats, window.iterations),
-            "params_norm": params_norm(self.engine, self.comm, self.device) if args.log_params_norm else None})
+            "params_norm": params_norm(self.engine, self.comm, self.device) if cfg.log_params_norm else None})
         if self.engine.clock.enabled:   # wall_clock_breakdown
             seconds = self.engine.clock.read_and_reset()
             self.logger.wall_clock_line(self.iteration, {name: 1000 * s / window.iterations
@@ -262,8 +286,8 @@ class Trainer:
         self.window = LogWindow()
 
     def evaluate_and_save_on_interval(self):
-        args, iteration = self.args, self.iteration
-        if self.valid_ds is not None and args.eval_interval and iteration % args.eval_interval == 0:
+        cfg, iteration = self.cfg, self.iteration
+        if self.valid_ds is not None and cfg.eval_interval and iteration % cfg.eval_interval == 0:
             loss, drift = self.validate()
             self.logger.validation_line(iteration, "validation", loss, drift=drift, samples=self.consumed_samples)
         if self.save_due():
@@ -278,16 +302,16 @@ class Trainer:
         path = None
         if self.checkpointer is not None and self.saved_at == self.iteration:   # --save-interval saved it
             self.checkpointer.finish()
-            path = iteration_dir(self.args.save, self.iteration)
+            path = iteration_dir(self.cfg.save, self.iteration)
         elif self.checkpointer is not None:
             path = self.save(wait=True)
-        return EarlyStop(self.iteration, path, self.args.save, signal_name, self.nonfinite.bad_streak,
-                         self.args.max_nan_iters)
+        return EarlyStop(self.iteration, path, self.cfg.save, signal_name, self.nonfinite.bad_streak,
+                         self.cfg.max_nan_iters)
 
     def finish(self):
         """After the last iteration: the final validation (unless just run), the test set, the last save."""
-        args, iteration = self.args, self.iteration
-        if self.valid_ds is not None and iteration % args.eval_interval != 0:
+        cfg, iteration = self.cfg, self.iteration
+        if self.valid_ds is not None and iteration % cfg.eval_interval != 0:
             loss, drift = self.validate()
             self.logger.validation_line(iteration, "validation", loss, end_of_training=True, drift=drift,
                                         samples=self.consumed_samples)
@@ -303,7 +327,7 @@ class Trainer:
     # -- evaluation and checkpoints --------------------------------------------------------------
     def _loader(self, dataset, consumed: int):
         topology = self.job.topology   # the job's ranks: the samples a run without groups reads
-        return build_data_loader(dataset, consumed, self.args.micro_batch_size, topology.rank, topology.world_size)
+        return build_data_loader(dataset, consumed, self.cfg.micro_batch_size, topology.rank, topology.world_size)
 
     def validate(self) -> tuple[float, float | None]:
         """The validation loss over the next --eval-iters global batches (Megatron's
@@ -312,7 +336,7 @@ class Trainer:
         if self._valid_batches is None:
             self._valid_batches = self._cycle(self.valid_ds, self.consumed_valid_samples % len(self.valid_ds))
         out = self.evaluate(self._valid_batches)
-        self.consumed_valid_samples += self.args.eval_iters * self.args.global_batch_size
+        self.consumed_valid_samples += self.cfg.eval_iters * self.cfg.global_batch_size
         return out
 
     def _cycle(self, dataset, consumed: int):
@@ -326,12 +350,12 @@ class Trainer:
         engine computes with the exact weights: those a checkpoint saves; with the outer
         synchronization the global parameters, which an export takes), and the groups' drift
         from them (None without the outer synchronization)."""
-        args = self.args
+        cfg = self.cfg
         self.engine.eval()
         total, count = 0.0, 0
         with torch.no_grad(), self.engine.clock.paused(), global_weights(self.engine) as drift:
             # every sample of --eval-iters global batches over this job's ranks (with --lighthouse, one group's)
-            for _ in range(args.eval_iters * args.global_batch_size // (args.micro_batch_size * self.job.topology.world_size)):
+            for _ in range(cfg.eval_iters * cfg.global_batch_size // (cfg.micro_batch_size * self.job.topology.world_size)):
                 batch = next(batches, None)
                 if batch is None:
                     break
@@ -343,7 +367,7 @@ class Trainer:
 
     def save_due(self) -> bool:
         """Whether --save-interval saves this iteration."""
-        interval = self.args.save_interval
+        interval = self.cfg.save_interval
         return self.checkpointer is not None and bool(interval) and self.iteration % interval == 0
 
     def save(self, wait: bool = False) -> str:
