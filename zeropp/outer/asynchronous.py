@@ -163,16 +163,16 @@ class AsyncOuterSync(OuterSync):
         """The end of training: my masters offered to the final round, its exact mean taken (a group
         that took the final round already ends with it)."""
         board = self.board
-        if board.finished:
-            self.rounds.stop()
-            return "the final round of the groups that reached the end first"
-        with board.lock:
-            board.offer = Offer(self.s.fragments, self.layout.local_all(), 1, board.rounds, self.steps)
-            board.lock.notify_all()
-            end = time.monotonic() + 2 * self.cross.timeout_s
-            while not board.finished and board.failure is None and time.monotonic() < end:
-                board.lock.wait(timeout=0.5)
-        flags = torch.tensor([float(board.finished), float(board.failure is None)])
+        with board.lock:   # (checked under the lock: a round in flight may be the others' final one)
+            theirs = board.finished
+            if not theirs:
+                board.offer = Offer(self.s.fragments, self.layout.local_all(), 1, board.rounds, self.steps)
+                board.lock.notify_all()
+                end = time.monotonic() + 2 * self.cross.timeout_s
+                while not board.finished and board.failure is None and time.monotonic() < end:
+                    board.lock.wait(timeout=0.5)
+        # every rank of my group on one path: a final round may end on one rank's thread before another's
+        flags = torch.tensor([float(board.finished), float(board.failure is None), float(theirs)])
         self.comm.all_reduce(flags, op=dist.ReduceOp.MIN, phase="outer_membership")   # every shard's final round
         if not flags[1]:
             self._raise()
@@ -182,7 +182,7 @@ class AsyncOuterSync(OuterSync):
         with board.lock:
             self._take_final()
         self.engine.masters_changed()
-        return None
+        return "the final round of the groups that reached the end first" if flags[2] else None
 
     # -- evaluation, checkpoints, logs --------------------------------------------------------------
     def global_values(self) -> torch.Tensor:

@@ -64,10 +64,12 @@ class Board:
     def wants_round(self, exchanged: bool, seen: Offer | None) -> bool:
         """Whether the thread asks for a round: with an offer (a new one after a round with nothing
         exchanged), or at once after each round while behind."""
+        if self.finished:   # the final round is taken: no round after it (an offer left waiting is moot)
+            return False
         o = self.offer
         if o is not None and o.state == "waiting" and (exchanged or o is not seen):
             return True
-        return self.behind and exchanged and not self.finished
+        return self.behind and exchanged
 
     def take(self, fragment: int, rounds: int, max_staleness: int, events) -> Offer | None:
         """My offer for a round of `fragment` (F: the final one), if there is one for it and it is

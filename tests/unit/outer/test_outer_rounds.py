@@ -143,3 +143,15 @@ def test_the_schedule_and_the_memory_bound_in_closed_form():
     wide = OuterSettings(300000, fragments=300000)
     assert in_flight_bound([1] * 300000, wide, 2) == 8 and list(wide.due(299999)) == [299999]
     assert time.perf_counter() - start < 5
+
+
+def test_no_round_after_the_final_one():
+    """Two groups reached the end together: one rank's final offer came back 'waiting' from the
+    others' final round (its group's other rank had none yet), its thread asked for one more round,
+    met alone and ended the group on its own masters, not on the mean the others took."""
+    board = Board(2)
+    board.offer = Offer(2, torch.zeros(3), 1, 0, 10)
+    assert board.wants_round(True, None)
+    board.finished = True
+    board.behind = True
+    assert not board.wants_round(True, None) and not board.wants_round(False, None)
