@@ -13,8 +13,7 @@ from tests.integration.inputs.test_cli_errors import fails, good
 from tests.integration.inputs.test_cli_errors import corpus as cli_corpus   # noqa: F401 (a fixture)
 from tests.integration.train.test_train import corpus, flags   # noqa: F401 (corpus: the fixture)
 
-# Found, not imported: torchft imports Triton, which tests/unit/kernels/test_quant.py needs imported after it
-# sets TRITON_INTERPRET (the groups' ranks import torchft in their own processes).
+# Found, not imported: torchft imports Triton (the groups' ranks import torchft in their own processes).
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchft") is None, reason="torchft is not installed")
 
 

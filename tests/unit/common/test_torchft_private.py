@@ -16,7 +16,7 @@ from tests.test_structure import ROOT, source_files
 
 def torchft_manager():
     """torchft.manager, imported in the test that needs it, not at collection: torchft imports
-    Triton, which must not be imported before tests/unit/kernels/test_quant.py sets TRITON_INTERPRET."""
+    Triton, which must not be imported before tests/conftest.py sets TRITON_INTERPRET."""
     return pytest.importorskip("torchft.manager")
 
 

@@ -4,33 +4,29 @@ Triton kernel bit for bit against the torch path, the configuration, the collect
 error (within the INT4 bound, smaller than without on blocks with outliers), error
 feedback in the rotated domain and its checkpoint layout, and training.
 
-Like tests/unit/kernels/test_quant.py, TRITON_INTERPRET=1 is set at import time on machines without
-CUDA, so the Triton kernel runs on CPU tensors (run this file alone if triton was
-imported earlier without it: the Triton tests then skip and say so).
+The Triton kernel runs on CPU tensors under Triton's interpreter on machines without CUDA
+(tests/conftest.py sets TRITON_INTERPRET=1 before triton is imported).
 """
 import math
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-_CUDA = torch.cuda.is_available()
-if not _CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
+import zeropp
+from common import ConfigError
+from parallel.comm import Communicator
+from parallel.topology import Topology
+from tests.distributed import run_distributed
+from tests.unit.zeropp.test_zeropp import ARGS, QGZ, int4_bound
+from tests.unit.zeropp.test_zeropp_loco import LOCO, ZERO3_TRAINING_TOLERANCE, train
+from zeropp.kernels import hadamard as hd
+from zeropp.techniques.error_feedback import ErrorFeedback
+from zeropp.techniques.loco import CompensatedReduce
+from zeropp.collectives.partition import Partition
+from zeropp.techniques.qgz import HierarchicalQuantizedReduce
 
-import zeropp  # noqa: E402
-from common import ConfigError  # noqa: E402
-from parallel.comm import Communicator  # noqa: E402
-from parallel.topology import Topology  # noqa: E402
-from tests.distributed import run_distributed  # noqa: E402
-from tests.unit.zeropp.test_zeropp import ARGS, QGZ, int4_bound  # noqa: E402
-from tests.unit.zeropp.test_zeropp_loco import LOCO, ZERO3_TRAINING_TOLERANCE, train  # noqa: E402
-from zeropp.kernels import hadamard as hd  # noqa: E402
-from zeropp.techniques.error_feedback import ErrorFeedback  # noqa: E402
-from zeropp.techniques.loco import CompensatedReduce  # noqa: E402
-from zeropp.collectives.partition import Partition  # noqa: E402
-from zeropp.techniques.qgz import HierarchicalQuantizedReduce  # noqa: E402
+_CUDA = torch.cuda.is_available()
 
 HADAMARD = {**QGZ, "zero_hadamard_gradients": True}
 U = 2.0 ** -24   # fp32 unit roundoff
@@ -113,7 +109,7 @@ try:
 
     from zeropp.kernels import triton_hadamard as ht
     if not _CUDA and not isinstance(ht._hadamard_kernel, InterpretedFunction):
-        _TRITON_SKIP = "triton was imported before TRITON_INTERPRET=1 was set; run this file alone"
+        _TRITON_SKIP = "triton was imported before TRITON_INTERPRET=1 was set (tests/conftest.py sets it)"
 except ImportError as e:
     _TRITON_SKIP = f"triton not importable: {e}"
 needs_triton = pytest.mark.skipif(_TRITON_SKIP is not None, reason=str(_TRITON_SKIP))

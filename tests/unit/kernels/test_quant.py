@@ -2,24 +2,20 @@
 
 The Triton kernels run on CUDA when a GPU is present, else on CPU tensors under the
 Triton interpreter: TRITON_INTERPRET=1 must be in the environment before
-``zeropp.kernels.triton_quant`` is imported (the kernels are decorated at import), so it is set
-here at import time on machines without CUDA.  It only affects triton, which nothing else
-in this repo uses on CPU.
+``zeropp.kernels.triton_quant`` is imported (the kernels are decorated at import); tests/conftest.py
+sets it on machines without CUDA before any test module is collected.
 """
 import math
-import os
 import threading
 
 import pytest
 import torch
 
-_CUDA = torch.cuda.is_available()
-if not _CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
+from zeropp.kernels import quant, torch_quant
+from zeropp.kernels.format import ERROR_STEPS, SCALE_DIV
+from zeropp.kernels.quant import DEFAULT_BLOCK_SIZE, QMAX, Quantized
 
-from zeropp.kernels import quant, torch_quant  # noqa: E402
-from zeropp.kernels.format import ERROR_STEPS, SCALE_DIV  # noqa: E402
-from zeropp.kernels.quant import DEFAULT_BLOCK_SIZE, QMAX, Quantized  # noqa: E402
+_CUDA = torch.cuda.is_available()
 
 SIZES = [1, 7, 127, 128, 129, 1000]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -352,11 +348,11 @@ def test_bad_args():
 qt = None
 _TRITON_SKIP = None
 try:
-    from zeropp.kernels import triton_quant as qt  # noqa: E402
+    from zeropp.kernels import triton_quant as qt
     from triton.runtime.interpreter import InterpretedFunction
 
     if not _CUDA and not isinstance(qt._quantize_kernel, InterpretedFunction):
-        _TRITON_SKIP = "triton was imported before TRITON_INTERPRET=1 was set; run this file alone"
+        _TRITON_SKIP = "triton was imported before TRITON_INTERPRET=1 was set (tests/conftest.py sets it)"
 except ImportError as e:  # triton not installed
     _TRITON_SKIP = f"triton not importable: {e}"
 

@@ -11,21 +11,16 @@
   groups are the wire's; a resume is exact and another fraction resets the outer state;
 - bad input: one line, exit 2.
 """
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():   # before triton is imported (tests/unit/kernels/test_quant.py)
-    os.environ["TRITON_INTERPRET"] = "1"
-
-from planner.comm import rank_bytes  # noqa: E402
-from tests.distributed import run_distributed  # noqa: E402
-from tests.unit.outer.test_diloco import META, batches, diloco, train  # noqa: E402
-from parallel.topology import topology_from_env  # noqa: E402
-from zeropp.outer.diloco import PHASE, OuterSettings, exchange_per_step, in_flight_bound  # noqa: E402
-from zeropp.kernels import cpu_sparse, quant, sparse  # noqa: E402
-from zeropp.kernels.sparse import SparseTopK, topk_count  # noqa: E402
+from planner.comm import rank_bytes
+from tests.distributed import run_distributed
+from tests.unit.outer.test_diloco import META, batches, diloco, train
+from parallel.topology import topology_from_env
+from zeropp.outer.diloco import PHASE, OuterSettings, exchange_per_step, in_flight_bound
+from zeropp.kernels import cpu_sparse, quant, sparse
+from zeropp.kernels.sparse import SparseTopK, topk_count
 
 BACKENDS = ["cpu"] + (["triton"] if quant.triton_available() else [])
 
