@@ -48,6 +48,7 @@ class Opened:
     leader_steps: int = 0   # the largest inner step among the members
     extra: list = field(default_factory=list)     # the caller's fields, their maximum over the members
     counted: bool = False   # my values count in it (agreed by my group's ranks)
+    groups: list = field(default_factory=list)    # the group ids of the members
 
     def equal_weights(self) -> bool:
         return not self.weights or all(w == self.weights[0] for w in self.weights)

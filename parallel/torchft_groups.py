@@ -186,6 +186,7 @@ class TorchftGroups:
             return opened
         opened.weights, opened.run_rounds, opened.counted = header.weights(), header.run_rounds, counts
         opened.leader_steps, opened.extra = int(header.key), header.extra
+        opened.groups = [g for g, n in enumerate(header.claims) if n > 0]
         return opened
 
     def at_start(self, meet) -> Opened:

@@ -17,6 +17,8 @@ too). Launching and reading the jobs: scenarios/harness/jobs.py.
   at the run's last iteration (the first group there takes the others to it), the straggler's outer
   gradients reach the global values with their logged weights, and the others never stand still
   past the exchange timeout.
+- async-late-for-the-end: three groups with --outer-async, one started only as the others end:
+  they serve it their final model, it takes it at its join; all three end on it.
 """
 from __future__ import annotations
 
@@ -166,6 +168,36 @@ def async_straggler(base, tmp: Path, iters: int = 300, slow: float = 5.0, extra:
     return ""
 
 
+def async_late_for_the_end(base, tmp: Path, iters: int = 120, serve_s: float = 30) -> str:
+    """Three groups with --outer-async; group 2 starts only once group 0 is near the run's end, so
+    it cannot be in the final round. Groups 0 and 1 (after waiting their --outer-timeout `serve_s`
+    for it at the start) end, then serve the final model for up to `serve_s`: group 2 takes it at
+    its join, its iteration is the run's last, and all three end on one model."""
+    lh, url = start_lighthouse(tmp / "lighthouse.log")
+    argv = [*RUN, "--train-iters", str(iters), "--global-batch-size", "12", "--outer-async"]
+    logs = [tmp / f"group{g}.log" for g in range(3)]
+    procs = []
+    try:
+        procs = [launch(g, 3, url, [*base(tmp / f"g{g}"), *argv], logs[g], timeout=serve_s) for g in (0, 1)]
+        if not wait_for(logs[0], rf"iteration +{iters - 20}/", 300 + serve_s, procs[0]):
+            return problem(logs[0], f"group 0 never reached iteration {iters - 20}")
+        procs.append(launch(2, 3, url, [*base(tmp / "g2"), *argv], logs[2]))
+        rcs = [p.wait(timeout=600) for p in procs]
+    finally:
+        stop(*procs, lh)
+    if any(rcs):
+        return problem(logs[next(g for g, rc in enumerate(rcs) if rc)], f"exit statuses {rcs}")
+    text = logs[2].read_text(errors="replace")
+    if f"this group takes it at iteration {iters}" not in text or [it for _, it in iterations(logs[2])]:
+        return problem(logs[2], "group 2 did not take the final model at its join (or trained after it)")
+    if not any("the final model served to group(s) [2]" in log.read_text(errors="replace") for log in logs[:2]):
+        return problem(logs[0], "neither group 0 nor group 1 says it served the final model to group 2")
+    ends = finals(*logs)
+    if not all(ends) or any(f != ends[0] for f in ends):
+        return problem(logs[2], f"the groups end on different global models: {ends}")
+    return ""
+
+
 LOSS = re.compile(r" iteration +(\d+)/ *\d+ \|.*\| lm loss: ([0-9.E+-]+) \|")
 
 
@@ -208,5 +240,6 @@ def quantized(cell, quantization: str):
 
 CELLS = {"refused-model": refused_model, "refused-outer-flags": refused_outer_flags,
          "refused-duplicate": refused_duplicate, "unreachable-lighthouse": unreachable_lighthouse,
-         "clean-start": clean_start, "async-straggler": async_straggler, "async-resume": async_resume}
+         "clean-start": clean_start, "async-straggler": async_straggler, "async-late-for-the-end": async_late_for_the_end,
+         "async-resume": async_resume}
 COMPRESSED = ("kill-one-group", "link-outage")   # scenarios/groups_job.py adds them with int4 and topk2 outer gradients

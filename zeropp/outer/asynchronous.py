@@ -32,6 +32,8 @@ from zeropp.outer.offers import Board, Offer
 from zeropp.outer.rounds import Rounds
 from zeropp.outer.settings import KEY, OuterSettings
 
+SERVE_PAUSE_S = 0.5   # between the rounds that serve the final model: the holders do not spin
+
 
 class AsyncOuterSync(OuterSync):
     """OuterSync whose exchanges run beside the inner steps and are never waited for."""
@@ -135,6 +137,7 @@ class AsyncOuterSync(OuterSync):
         self.base_round.copy_(self.board.glob_round)
         self.board.dirty.clear()
         self.board.offer = None
+        self.board.reset_masters = False
         if self.board.finished and self.end_iteration is not None:
             self.steps = max(self.steps, self.end_iteration)
 
@@ -146,13 +149,21 @@ class AsyncOuterSync(OuterSync):
     def join(self) -> str:
         """Before the first inner step (no thread yet): one round with whoever is there, waiting for
         the groups that start with this one (bounded), a heal if this group is behind; then the
-        thread starts."""
+        thread starts. A group that comes after the run's end, while the others serve the final
+        model, takes it and the run's last iteration."""
         opened, o = self.rounds.meet(at_start=True)
         self.rounds.exchange(opened, o)
         self.joined = True
         with self.board.lock:
-            self._merge(self.board.mergeable(self.steps))
+            ended = self.board.finished   # the others had ended and served their final model: mine now
+            if ended:
+                self._take_final()
+            else:
+                self._merge(self.board.mergeable(self.steps))
         self.engine.masters_changed()   # (every rank of my group: the round was agreed in it)
+        if ended:
+            return (f"the run had ended (the groups there served their final model): this group takes it at "
+                    f"iteration {self.steps}")
         self.rounds.start()
         if not opened.quorum:
             return "no quorum at the start: this group trains alone until one forms"
@@ -161,16 +172,17 @@ class AsyncOuterSync(OuterSync):
 
     def final(self) -> str | None:
         """The end of training: my masters offered to the final round, its exact mean taken (a group
-        that took the final round already ends with it)."""
+        that took the final round already ends with it); then the final model served to the groups
+        that were not in that round."""
         board = self.board
         with board.lock:   # (checked under the lock: a round in flight may be the others' final one)
-            theirs = board.finished
-            if not theirs:
+            if not board.finished:
                 board.offer = Offer(self.s.fragments, self.layout.local_all(), 1, board.rounds, self.steps)
                 board.lock.notify_all()
                 end = time.monotonic() + 2 * self.cross.timeout_s
                 while not board.finished and board.failure is None and time.monotonic() < end:
                     board.lock.wait(timeout=0.5)
+            theirs = board.finished and not board.final_mine
         # every rank of my group on one path: a final round may end on one rank's thread before another's
         flags = torch.tensor([float(board.finished), float(board.failure is None), float(theirs)])
         self.comm.all_reduce(flags, op=dist.ReduceOp.MIN, phase="outer_membership")   # every shard's final round
@@ -182,7 +194,31 @@ class AsyncOuterSync(OuterSync):
         with board.lock:
             self._take_final()
         self.engine.masters_changed()
-        return "the final round of the groups that reached the end first" if flags[2] else None
+        notes = ["the final round of the groups that reached the end first" if flags[2] else None, self._serve_final()]
+        return "; ".join(n for n in notes if n) or None
+
+    def _serve_final(self) -> str | None:
+        """A group between its rounds when the final one formed (a straggler) is still training:
+        while a group of the run is not known to hold the final model, and for at most
+        --outer-timeout, the holders meet in rounds that hand it over exactly (one holder's masters,
+        zeropp/outer/rounds.py `claim`); a group that takes it ends there. Said in the returned note."""
+        board, cross, F = self.board, self.cross, self.s.fragments
+        end, before = time.monotonic() + cross.timeout_s, set(board.holders)
+        while True:
+            thread = self.rounds.thread is not None and self.rounds.thread.is_alive()   # (never two rounds at once)
+            if any(cross.any_in_group(board.holders >= set(range(cross.num_groups)), thread, time.monotonic() >= end)):
+                break
+            with board.lock:
+                board.offer = Offer(F, self.layout.local_all(), 1, board.rounds, self.steps)
+            self.rounds.exchange(*self.rounds.meet())
+            time.sleep(SERVE_PAUSE_S)
+        with board.lock:
+            board.offer = None
+            served, missing = board.holders - before, set(range(cross.num_groups)) - board.holders
+        return "; ".join(
+            ([f"the final model served to group(s) {sorted(served)}"] if served else [])
+            + ([f"group(s) {sorted(missing)} did not come for the final model within --outer-timeout "
+                f"{cross.timeout_s:g} s: they end on their own"] if missing else [])) or None
 
     # -- evaluation, checkpoints, logs --------------------------------------------------------------
     def global_values(self) -> torch.Tensor:

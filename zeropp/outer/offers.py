@@ -45,6 +45,8 @@ class Board:
         self.rounds = 0                      # rounds committed (torchft's step), as published
         self.glob_round = torch.zeros(fragments, dtype=torch.int64)   # the round each fragment's values come from
         self.finished = False                # the final round was taken: the run has ended
+        self.final_mine = False              # ...and my masters were in it (else the others' final model)
+        self.holders: set[int] = set()       # the groups known to hold the final model
         self.reset_masters = False           # healed before this group exchanged: its masters take the global values
         self.behind = False                  # slower than the others: in every round
         self.stopping, self.failure = False, None
@@ -63,11 +65,12 @@ class Board:
 
     def wants_round(self, exchanged: bool, seen: Offer | None) -> bool:
         """Whether the thread asks for a round: with an offer (a new one after a round with nothing
-        exchanged), or at once after each round while behind."""
+        exchanged; my final one until a final round is taken), or at once after each round while
+        behind."""
         if self.finished:   # the final round is taken: no round after it (an offer left waiting is moot)
             return False
         o = self.offer
-        if o is not None and o.state == "waiting" and (exchanged or o is not seen):
+        if o is not None and o.state == "waiting" and (exchanged or o is not seen or o.fragment == self.fragments):
             return True
         return self.behind and exchanged
 

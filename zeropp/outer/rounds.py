@@ -26,6 +26,8 @@ from zeropp.outer.offers import BEHIND
 from zeropp.outer.settings import PHASE
 from zeropp.outer.wire import decode_weighted, encode_outer, outer_wire_nbytes
 
+RETRY_S = 0.5   # after a round with nothing exchanged, before the thread asks again for the same offer
+
 
 def round_step(glob: torch.Tensor, mom: torch.Tensor | None, delta: torch.Tensor, s) -> torch.Tensor:
     """A fragment's new global values from the offers' weighted sum `delta` = sum_i w_i D_i: the
@@ -64,6 +66,9 @@ class Rounds:
                     if board.stopping:
                         return
                 exchanged = self.round()
+                if not exchanged:   # (a final offer asks again: not faster than this, a new offer wakes it)
+                    with board.lock:
+                        board.lock.wait(timeout=RETRY_S)
         except BaseException as e:   # noqa: BLE001 (raised in the inner steps' thread at its next step)
             with board.lock:
                 board.failure = e
@@ -79,16 +84,19 @@ class Rounds:
         cross, board, F, taken = self.cross, self.board, self.s.fragments, []
 
         def claim(opened, header):
-            rounds, final = cross.rounds(), header.extra[1] > 0
+            rounds, final, holder = cross.rounds(), header.extra[1] > 0, int(header.extra[2]) - 1
             opened.fragment = F if final else rounds % F
+            if holder >= 0 and holder != cross.group_id:   # one holder's final model is the round's, exactly
+                return 0.0, False
             with board.lock:
                 o = board.take(opened.fragment, rounds, self.s.max_staleness, cross.events)
             taken.extend([o] if o is not None else [])
             return (float(o.tokens), True) if o is not None else (0.0, False)
 
-        with board.lock:
+        with board.lock:   # (rate, final, the holder of the final model serving it + 1, the holders known)
             final = board.offer is not None and board.offer.fragment == F
-            extra = (self.sync.rate, float(final))
+            extra = (self.sync.rate, float(final), float(cross.group_id + 1 if board.finished else 0),
+                     *(float(g in board.holders) for g in range(cross.num_groups)))
         steps = self.sync.steps
 
         def once():
@@ -141,7 +149,10 @@ class Rounds:
             if final:
                 if finite:
                     flat.copy_(delta)
+                if not board.finished:
+                    board.final_mine = o is not None
                 board.finished = True
+                board.holders |= set(opened.groups) | {g for g, x in enumerate(opened.extra[3:]) if x > 0}
             else:
                 if finite:
                     sync.glob[f].copy_(round_step(sync.glob[f], None if sync.mom is None else sync.mom[f], delta, s))
@@ -179,6 +190,8 @@ class Rounds:
         if state.get("fingerprint") != self.cross.fingerprint:   # the quorum's header refuses it
             return
         with board.lock:
+            if board.finished:   # it holds the final model and serves it: nothing a peer has replaces it
+                return
             for k in ("global", "momentum"):
                 if k in sync.flat:
                     sync.flat[k].copy_(state[k])

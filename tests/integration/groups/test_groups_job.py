@@ -5,7 +5,7 @@ import importlib.util
 
 import pytest
 
-from scenarios.groups_edges import (async_resume, async_straggler, clean_start, refused_duplicate, refused_model,
+from scenarios.groups_edges import (async_late_for_the_end, async_resume, async_straggler, clean_start, refused_duplicate, refused_model,
                                 refused_outer_flags, unreachable_lighthouse)
 from scenarios.groups_job import kill_one_group, late_start_and_clean_stop, lighthouse_restart, same_as_one_job
 from scenarios.groups_sites import NO_SITES, can_make_sites, heal_interrupted
@@ -126,6 +126,13 @@ def test_groups_that_never_wait_for_a_straggler(corpus, tmp_path):  # noqa: F811
     """--outer-async, one group's inner steps 5 times as long: the others never stand still, the
     straggler's outer gradients reach the global values with their weights, one final model."""
     assert async_straggler(base(corpus), tmp_path) == ""
+
+
+@pytest.mark.slow
+def test_a_group_that_missed_the_final_round_is_served_the_final_model(corpus, tmp_path):  # noqa: F811
+    """--outer-async, a group not in the final round (here: started as the others end): it used to
+    train on alone to the end and end on its own model; the groups that ended serve it theirs."""
+    assert async_late_for_the_end(base(corpus), tmp_path) == ""
 
 
 LH = ("--zero-stage", "3", "--outer-sync-interval", "4", "--lighthouse", "http://127.0.0.1:1")

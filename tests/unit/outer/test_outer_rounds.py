@@ -8,19 +8,22 @@
 - INT4 and topk2 rows decode to the sum of each row's values times its weight;
 - an offer older than the staleness bound is dropped and said; one for another fragment waits;
 - the exchange schedule's and the memory bound's closed forms equal their loops, and take no time
-  at H = 1e9 (they looped over range(H))."""
+  at H = 1e9 (they looped over range(H));
+- no round after the final one; a final offer asks again after a round with no quorum; a final
+  round a holder of the final model serves is that holder's model exactly."""
 import random
 import time
 
 import pytest
 import torch
 
+from parallel.membership import Opened
 from zeropp.kernels import sparse
 from zeropp.kernels.format import Quantized
 from zeropp.kernels.quant import dequantize
 from zeropp.outer.diloco import nesterov
 from zeropp.outer.offers import Board, Offer, versions
-from zeropp.outer.rounds import round_step
+from zeropp.outer.rounds import Rounds, round_step
 from zeropp.outer.settings import OuterSettings
 from zeropp.outer.wire import decode_weighted, encode_outer, in_flight_bound, outer_wire_nbytes
 
@@ -155,3 +158,60 @@ def test_no_round_after_the_final_one():
     board.finished = True
     board.behind = True
     assert not board.wants_round(True, None) and not board.wants_round(False, None)
+
+
+def test_a_final_offer_asks_again_after_a_round_with_no_quorum():
+    """A group that reached the end when its last quorum had failed (cut off, asking again after
+    the timeout) left its final offer waiting and never asked again: it ended alone on its own
+    masters while the others served the final model. An ordinary offer waits for the next one."""
+    board = Board(2)
+    board.offer = Offer(0, torch.zeros(3), 1, 0, 10)
+    assert not board.wants_round(False, board.offer)
+    board.offer = Offer(2, torch.zeros(3), 1, 0, 10)
+    assert board.wants_round(False, board.offer)
+
+
+class Met:
+    """What torchft_groups.TorchftGroups.meet hands `claim`: the members' extra fields' maximum."""
+
+    def __init__(self, extra):
+        self.extra = extra
+
+
+class Cross:
+    """A membership whose quorum's header is given: meet calls claim with it."""
+
+    def __init__(self, group_id, header_extra, num_groups=3):
+        self.group_id, self.num_groups, self.header_extra, self.events = group_id, num_groups, header_extra, []
+        self.sent = None
+
+    def rounds(self):
+        return 7
+
+    def meet(self, steps, key, claim, extra):
+        self.sent = list(extra)
+        opened = Opened(steps, 0, 2, 0, None, quorum=True)
+        opened.counted = claim(opened, Met(self.header_extra))[1]
+        return opened
+
+
+class Sync:
+    def __init__(self, cross, board):
+        self.cross, self.board, self.s = cross, board, OuterSettings(4, fragments=2)
+        self.rate, self.steps = 1.0, 100
+
+
+@pytest.mark.parametrize("me, holder, counts", [(2, 0, False), (0, 0, True), (1, 0, False), (2, -1, True)])
+def test_a_final_round_with_a_holder_is_one_holders_model_exactly(me, holder, counts):
+    """A final round a holder of the final model serves: only that holder's masters count (weight
+    1: the model, bit for bit, not a mean of copies that rounds); a group at its own end takes it
+    instead of its own; with no holder there, the masters offered are averaged as before."""
+    board = Board(2)
+    board.offer = Offer(2, torch.ones(3), 1, 0, 100)
+    board.finished = me == holder
+    board.holders = {0, 1} if board.finished else set()
+    cross = Cross(me, [1.0, 1.0, float(holder + 1), 1.0, 1.0, 0.0])
+    opened, mine = Rounds(Sync(cross, board)).meet()
+    assert opened.fragment == 2 and (mine is not None) == counts and opened.counted == counts
+    assert cross.sent[2] == (me + 1 if me == holder else 0) and cross.sent[3:] == [float(g in board.holders)
+                                                                                   for g in range(3)]
