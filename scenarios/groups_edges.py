@@ -188,7 +188,7 @@ def async_late_for_the_end(base, tmp: Path, iters: int = 120, serve_s: float = 3
     if any(rcs):
         return problem(logs[next(g for g, rc in enumerate(rcs) if rc)], f"exit statuses {rcs}")
     text = logs[2].read_text(errors="replace")
-    if f"this group takes it at iteration {iters}" not in text or [it for _, it in iterations(logs[2])]:
+    if f"this group takes the final model the others served, at iteration {iters}" not in text or [it for _, it in iterations(logs[2])]:
         return problem(logs[2], "group 2 did not take the final model at its join (or trained after it)")
     if not any("the final model served to group(s) [2]" in log.read_text(errors="replace") for log in logs[:2]):
         return problem(logs[0], "neither group 0 nor group 1 says it served the final model to group 2")

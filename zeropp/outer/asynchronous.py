@@ -32,8 +32,6 @@ from zeropp.outer.offers import Board, Offer
 from zeropp.outer.rounds import Rounds
 from zeropp.outer.settings import KEY, OuterSettings
 
-SERVE_PAUSE_S = 0.5   # between the rounds that serve the final model: the holders do not spin
-
 
 class AsyncOuterSync(OuterSync):
     """OuterSync whose exchanges run beside the inner steps and are never waited for."""
@@ -48,6 +46,7 @@ class AsyncOuterSync(OuterSync):
         self.rate, self._last = 0.0, None    # inner steps per second (a moving average; the thread reads it)
         self.owed = False                    # an exchange step passed while my last offer was in a round
         self.end_iteration = None            # --train-iters: where a group taken to the end stops
+        self._saved = None                   # checkpoint_state()'s scalars, for scalar_state()
         cross.deferred = True   # the thread's bytes are counted here (settle_bytes)
 
     # -- after every inner step ---------------------------------------------------------------
@@ -123,10 +122,8 @@ class AsyncOuterSync(OuterSync):
 
     def _wait_final(self):
         """Every rank of my group takes the same final round: wait for mine (bounded; under the lock)."""
-        board, end = self.board, time.monotonic() + self.cross.timeout_s
-        while not board.finished and board.failure is None and time.monotonic() < end:
-            board.lock.wait(timeout=0.5)
-        if not board.finished:
+        board = self.board
+        if not board.wait_finished(self.cross.timeout_s):
             board.failure = board.failure or RuntimeError("the final round reached only part of this group")
             self._raise()
 
@@ -156,14 +153,10 @@ class AsyncOuterSync(OuterSync):
         self.joined = True
         with self.board.lock:
             ended = self.board.finished   # the others had ended and served their final model: mine now
-            if ended:
-                self._take_final()
-            else:
-                self._merge(self.board.mergeable(self.steps))
+            self._take_final() if ended else self._merge(self.board.mergeable(self.steps))
         self.engine.masters_changed()   # (every rank of my group: the round was agreed in it)
         if ended:
-            return (f"the run had ended (the groups there served their final model): this group takes it at "
-                    f"iteration {self.steps}")
+            return f"the run had ended: this group takes the final model the others served, at iteration {self.steps}"
         self.rounds.start()
         if not opened.quorum:
             return "no quorum at the start: this group trains alone until one forms"
@@ -172,16 +165,13 @@ class AsyncOuterSync(OuterSync):
 
     def final(self) -> str | None:
         """The end of training: my masters offered to the final round, its exact mean taken (a group
-        that took the final round already ends with it); then the final model served to the groups
-        that were not in that round."""
+        that took it already ends with it); then the final model served to the groups not in it."""
         board = self.board
         with board.lock:   # (checked under the lock: a round in flight may be the others' final one)
             if not board.finished:
                 board.offer = Offer(self.s.fragments, self.layout.local_all(), 1, board.rounds, self.steps)
                 board.lock.notify_all()
-                end = time.monotonic() + 2 * self.cross.timeout_s
-                while not board.finished and board.failure is None and time.monotonic() < end:
-                    board.lock.wait(timeout=0.5)
+                board.wait_finished(2 * self.cross.timeout_s)
             theirs = board.finished and not board.final_mine
         # every rank of my group on one path: a final round may end on one rank's thread before another's
         flags = torch.tensor([float(board.finished), float(board.failure is None), float(theirs)])
@@ -194,31 +184,8 @@ class AsyncOuterSync(OuterSync):
         with board.lock:
             self._take_final()
         self.engine.masters_changed()
-        notes = ["the final round of the groups that reached the end first" if flags[2] else None, self._serve_final()]
-        return "; ".join(n for n in notes if n) or None
-
-    def _serve_final(self) -> str | None:
-        """A group between its rounds when the final one formed (a straggler) is still training:
-        while a group of the run is not known to hold the final model, and for at most
-        --outer-timeout, the holders meet in rounds that hand it over exactly (one holder's masters,
-        zeropp/outer/rounds.py `claim`); a group that takes it ends there. Said in the returned note."""
-        board, cross, F = self.board, self.cross, self.s.fragments
-        end, before = time.monotonic() + cross.timeout_s, set(board.holders)
-        while True:
-            thread = self.rounds.thread is not None and self.rounds.thread.is_alive()   # (never two rounds at once)
-            if any(cross.any_in_group(board.holders >= set(range(cross.num_groups)), thread, time.monotonic() >= end)):
-                break
-            with board.lock:
-                board.offer = Offer(F, self.layout.local_all(), 1, board.rounds, self.steps)
-            self.rounds.exchange(*self.rounds.meet())
-            time.sleep(SERVE_PAUSE_S)
-        with board.lock:
-            board.offer = None
-            served, missing = board.holders - before, set(range(cross.num_groups)) - board.holders
-        return "; ".join(
-            ([f"the final model served to group(s) {sorted(served)}"] if served else [])
-            + ([f"group(s) {sorted(missing)} did not come for the final model within --outer-timeout "
-                f"{cross.timeout_s:g} s: they end on their own"] if missing else [])) or None
+        theirs = "the final round of the groups that reached the end first" if flags[2] else None
+        return "; ".join(n for n in (theirs, self.rounds.serve_final()) if n) or None
 
     # -- evaluation, checkpoints, logs --------------------------------------------------------------
     def global_values(self) -> torch.Tensor:
@@ -235,8 +202,6 @@ class AsyncOuterSync(OuterSync):
         return {f"{KEY}.{name}.{s.name}": FlatState(part, s.numel, sharded=True, per_group=name in ("error", "base"))
                 for name, flat in flats.items() for s, part in self.layout.per_parameter(flat)}
 
-    _saved = None
-
     def scalar_state(self) -> dict:
         """Of the same moment as checkpoint_state()'s copy (else of now)."""
         saved, self._saved = self._saved, None
@@ -246,9 +211,8 @@ class AsyncOuterSync(OuterSync):
         return saved
 
     def _scalars(self) -> dict:
-        rounds = self.board.rounds
         return {**super().scalar_state(), **self.board.scalars(), "base_round": self.base_round.tolist(),
-                "membership": {**self.cross.state_dict(), "step": rounds}}
+                "membership": {**self.cross.state_dict(), "step": self.board.rounds}}
 
     def load_scalar_state(self, saved: dict | None) -> str | None:
         note = super().load_scalar_state(saved)

@@ -5,6 +5,7 @@ global values its masters have not merged yet, whether the run ended, and the th
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +53,13 @@ class Board:
         self.stopping, self.failure = False, None
         self.log = fresh_log()               # since the last log line
         self.counted_through = 0             # the last inner step whose work is in a committed round
+
+    def wait_finished(self, seconds: float) -> bool:
+        """Wait (holding `lock`) for the final round, a failure or `seconds`: whether the round came."""
+        end = time.monotonic() + seconds
+        while not self.finished and self.failure is None and time.monotonic() < end:
+            self.lock.wait(timeout=0.5)
+        return self.finished
 
     def busy(self) -> bool:
         """My offer is in a round or waits for its merge: no new one."""

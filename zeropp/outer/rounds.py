@@ -18,15 +18,16 @@ nor its own base once it has exchanged."""
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
 from zeropp.outer.diloco import group_check, nesterov
-from zeropp.outer.offers import BEHIND
+from zeropp.outer.offers import BEHIND, Offer
 from zeropp.outer.settings import PHASE
 from zeropp.outer.wire import decode_weighted, encode_outer, outer_wire_nbytes
 
-RETRY_S = 0.5   # after a round with nothing exchanged, before the thread asks again for the same offer
+PAUSE_S = 0.5   # between rounds that repeat (a final offer asking again, the holders serving): no spinning
 
 
 def round_step(glob: torch.Tensor, mom: torch.Tensor | None, delta: torch.Tensor, s) -> torch.Tensor:
@@ -68,7 +69,7 @@ class Rounds:
                 exchanged = self.round()
                 if not exchanged:   # (a final offer asks again: not faster than this, a new offer wakes it)
                     with board.lock:
-                        board.lock.wait(timeout=RETRY_S)
+                        board.lock.wait(timeout=PAUSE_S)
         except BaseException as e:   # noqa: BLE001 (raised in the inner steps' thread at its next step)
             with board.lock:
                 board.failure = e
@@ -172,6 +173,29 @@ class Rounds:
             board.log["rounds"] += 1
             board.lock.notify_all()
         return True
+
+    def serve_final(self) -> str | None:
+        """A group between its rounds when the final one formed (a straggler) is still training:
+        while a group of the run is not known to hold the final model, and for at most
+        --outer-timeout, the holders meet in rounds that hand it over exactly (one holder's masters:
+        `claim` in `meet`); a group that takes it ends there. After `stop` (never two rounds at once)."""
+        board, cross, sync, F = self.board, self.cross, self.sync, self.s.fragments
+        end, before = time.monotonic() + cross.timeout_s, set(board.holders)
+        while True:
+            running = self.thread is not None and self.thread.is_alive()
+            if any(cross.any_in_group(board.holders >= set(range(cross.num_groups)), running, time.monotonic() >= end)):
+                break
+            with board.lock:
+                board.offer = Offer(F, sync.layout.local_all(), 1, board.rounds, sync.steps)
+            self.exchange(*self.meet())
+            time.sleep(PAUSE_S)
+        with board.lock:
+            board.offer = None
+            served, missing = board.holders - before, set(range(cross.num_groups)) - board.holders
+        return "; ".join(
+            ([f"the final model served to group(s) {sorted(served)}"] if served else [])
+            + ([f"group(s) {sorted(missing)} did not come for the final model within --outer-timeout "
+                f"{cross.timeout_s:g} s: they end on their own"] if missing else [])) or None
 
     # -- torchft's callbacks: what a peer that is behind takes, and a heal -------------------------
     def outer_state(self) -> dict:
