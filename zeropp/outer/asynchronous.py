@@ -14,7 +14,9 @@ meet in zeropp/outer/offers.py's Board.
   own steps). What a group's ranks do at a step (merge, end, fail) is agreed in one small
   all-reduce inside the group, since a merge is collective.
 - The end: the first group at --train-iters offers its masters to the final round (the exact
-  mean of the masters offered); a group still training takes it and ends there too.
+  mean of the masters offered); a group still training takes it and ends there too. One not in
+  that round (between its rounds, cut off, started late) is served the final model by the groups
+  that hold it, for up to --outer-timeout (zeropp/outer/rounds.py `serve_final`).
 
 With every group present, equal tokens and rounds that complete within the merge delay, this is
 the synchronous outer step up to fp32 rounding (sum_i w_i (g - l_i) instead of g - sum_i w_i l_i;

@@ -8,7 +8,8 @@ of it; the outer gradient is the offers' token-weighted sum, sum_i w_i D_i (exac
 topk2 rows decoded with their weights), then the Nesterov step of zeropp/outer/diloco.py on the
 global values, which the thread publishes (zeropp/outer/offers.py Board). A round nobody offered
 to is not committed. The final round (any member offers its masters) sets the global values to
-the exact mean of the masters offered.
+the exact mean of the masters offered; once a member holds the final model (it serves it to the
+groups that were not in that round), one holder's masters alone, bit for bit.
 
 The thread asks for a round when its group has an offer, or, while the group is behind (slower
 than 0.8 of the fastest member), at once after each round: then it is in every round, no round
